@@ -1,0 +1,1 @@
+"""The `warninglight` command line: a thin shell over the tracer and forensics libraries."""

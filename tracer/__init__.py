@@ -1,0 +1,1 @@
+"""The recorder: per-component health traces written to Parquet while a model trains."""

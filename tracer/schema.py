@@ -1,0 +1,162 @@
+"""The trace format: every file, table, column, type and unit. Writer and reader both ask here.
+
+A trace is a directory::
+
+    TRACE/
+      manifest/rank=0.json                                    one per rank, rewritten atomically
+      components/rank=0/incarnation=1/part-000000.parquet     one row per component
+      health/rank=0/incarnation=1/part-000000.parquet         one row per (step, component)
+      steps/rank=0/incarnation=1/part-000000.parquet          one row per optimizer step
+      scalars/rank=0/incarnation=1/part-000000.parquet        one row per (step, logged name)
+      events/rank=0/incarnation=1/part-000000.parquet         start, stop, checkpoint, ...
+
+`rank` and `incarnation` are hive partitions: they live in the path, not in the files, and
+DuckDB (`hive_partitioning=true`) and Polars (`hive_partitioning=True`) turn them into columns.
+Segments are written complete under a temporary name and then renamed, so a reader never sees a
+half-written Parquet file and a killed process loses at most the segment it had not closed.
+
+Steps count optimizer steps from 1: the row of step s describes the s-th optimizer step (its
+forward/backward passes, its gradients, its update). A checkpoint recorded at step s holds the
+weights after s steps, so it is free of a fault whose onset is at step s + 1 or later.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import pyarrow as pa
+
+FORMAT_VERSION = 1
+SUPPORTED_FORMAT_VERSIONS = frozenset({1})
+
+MANIFEST_DIR = "manifest"
+TABLES = ("components", "health", "steps", "scalars", "events")
+SEGMENT_SUFFIX = ".parquet"
+TMP_SUFFIX = ".tmp"
+_SEGMENT_NAME = re.compile(r"^part-(\d{6})\.parquet$")
+
+
+@dataclass(frozen=True)
+class Column:
+    """One column of a trace table: its name, Arrow type, unit and meaning."""
+
+    name: str
+    type: pa.DataType
+    unit: str
+    doc: str
+
+
+def _schema(columns: tuple[Column, ...]) -> pa.Schema:
+    return pa.schema([pa.field(c.name, c.type, nullable=True) for c in columns])
+
+
+F32, F64, I64, STR, BOOL = pa.float32(), pa.float64(), pa.int64(), pa.string(), pa.bool_()
+
+COMPONENT_COLUMNS: tuple[Column, ...] = (
+    Column("component", STR, "", "module path from `named_modules()`, e.g. `h.2.attn.c_attn`; `` is the root"),
+    Column("kind", STR, "", "module class name, e.g. `Linear`, `ReLU`"),
+    Column("forward_index", I64, "", "order of first call in the first recorded forward pass (0 = first); null if never called"),
+    Column("param_count", I64, "parameters", "parameters owned directly by this module (not its children)"),
+    Column("role", STR, "", "`param` (owns parameters), `activation` (parameter-free nonlinearity) or `head` (output head)"),
+    Column("bound", STR, "", "range of a bounded activation: `tanh` (-1,1), `sigmoid` (0,1), `relu` [0,inf), or null"),
+    Column("parent_param", STR, "", "for an activation: the parameter-owning component called just before it (the layer it reads from)"),
+)
+
+HEALTH_COLUMNS: tuple[Column, ...] = (
+    Column("step", I64, "optimizer steps", "optimizer step, counted from 1"),
+    Column("component", STR, "", "module path, a key of `components`"),
+    Column("out_mean", F32, "activation units", "mean of the forward output (finite values of the subsample)"),
+    Column("out_rms", F32, "activation units", "root mean square of the forward output"),
+    Column("out_absmax", F32, "activation units", "largest |value| of the forward output"),
+    Column("out_zero_frac", F32, "fraction", "share of output values exactly 0"),
+    Column("out_sat_frac", F32, "fraction", "share of outputs within 1% of a bounded activation's bounds; null if unbounded"),
+    Column("out_dead_frac", F32, "fraction", "share of output units (last dim; channels for conv) whose |output| <= 1e-6 for every sampled row"),
+    Column("out_nonfinite_count", I64, "values", "NaN/Inf values in the whole forward output (all micro-batches)"),
+    Column("grad_norm_l2", F32, "gradient units", "L2 norm of this module's own parameter gradients at optimizer.step (unscaled)"),
+    Column("grad_nonfinite_count", I64, "values", "NaN/Inf values in this module's parameter gradients"),
+    Column("weight_norm_l2", F32, "weight units", "L2 norm of this module's parameters after the step"),
+    Column("update_norm_l2", F32, "weight units", "L2 norm of this step's parameter change, estimated from a fixed coordinate sketch (exact for small tensors)"),
+    Column("update_ratio", F32, "ratio", "update_norm_l2 / weight_norm_l2"),
+    Column("update_cos", F32, "cosine", "cosine between this step's and the previous step's update on the sketch, in [-1, 1]"),
+    Column("weight_drift_l2", F32, "weight units", "change of the weights between the end of the previous optimizer step and this step's first forward: non-zero means something other than the optimizer wrote them"),
+    Column("pred_entropy_nats", F32, "nats", "mean entropy of the softmax over the head's last dim (heads only)"),
+    Column("pred_maxprob", F32, "probability", "mean largest softmax probability (heads only)"),
+)
+
+STEP_COLUMNS: tuple[Column, ...] = (
+    Column("step", I64, "optimizer steps", "optimizer step, counted from 1"),
+    Column("wall_time_s", F64, "seconds since the Unix epoch", "when the optimizer step finished"),
+    Column("step_time_s", F64, "seconds", "wall time since the previous step finished"),
+    Column("loss", F64, "loss units", "`rec.log(loss=...)`; mean if logged several times in a step"),
+    Column("lr", F64, "learning rate", "learning rate of the optimizer's first param group"),
+    Column("grad_norm_total_l2", F64, "gradient units", "L2 norm of all parameter gradients together (what clipping sees)"),
+    Column("micro_batches", I64, "forward passes", "training forward passes of the root module in this step"),
+    Column("batch_ids", pa.list_(I64), "sample ids", "`rec.batch(ids)`: the samples (or batch indices) this step consumed"),
+)
+
+SCALAR_COLUMNS: tuple[Column, ...] = (
+    Column("step", I64, "optimizer steps", "optimizer step, counted from 1"),
+    Column("name", STR, "", "name given to `rec.log(name=value)` (other than `loss`)"),
+    Column("value", F64, "as logged", "mean of the values logged under that name in that step"),
+)
+
+EVENT_KINDS = ("start", "stop", "checkpoint", "restart", "warning", "dropped")
+EVENT_COLUMNS: tuple[Column, ...] = (
+    Column("step", I64, "optimizer steps", "steps completed when the event happened"),
+    Column("wall_time_s", F64, "seconds since the Unix epoch", "when it happened"),
+    Column("kind", STR, "", "one of: " + ", ".join(EVENT_KINDS)),
+    Column("path", STR, "", "checkpoint file, for `checkpoint` events"),
+    Column("detail", STR, "", "free text or JSON: warnings, reason for stop, counts of dropped steps"),
+)
+
+COLUMNS: dict[str, tuple[Column, ...]] = {
+    "components": COMPONENT_COLUMNS,
+    "health": HEALTH_COLUMNS,
+    "steps": STEP_COLUMNS,
+    "scalars": SCALAR_COLUMNS,
+    "events": EVENT_COLUMNS,
+}
+SCHEMAS: dict[str, pa.Schema] = {table: _schema(cols) for table, cols in COLUMNS.items()}
+
+# Metric columns of `health`: everything but the keys.
+HEALTH_METRICS: tuple[str, ...] = tuple(c.name for c in HEALTH_COLUMNS if c.name not in ("step", "component"))
+
+# Keys of the manifest JSON (one file per rank). Documented in docs/trace-format.md.
+MANIFEST_KEYS = (
+    "format_version", "run_id", "rank", "world_size", "started_at", "model_class",
+    "versions", "config", "incarnations",
+)
+# Keys of each entry of manifest["incarnations"].
+INCARNATION_KEYS = (
+    "incarnation", "started_at", "ended_at", "status", "first_step", "last_step",
+    "steps_recorded", "dropped_steps", "segments", "warnings",
+)
+
+
+def manifest_path(root: Path, rank: int) -> Path:
+    """Where rank `rank` keeps its manifest."""
+    return Path(root) / MANIFEST_DIR / f"rank={rank}.json"
+
+
+def segment_dir(root: Path, table: str, rank: int, incarnation: int) -> Path:
+    """The folder holding one table's segments for one rank and incarnation."""
+    if table not in SCHEMAS:
+        raise ValueError(f"unknown trace table {table!r}; expected one of {', '.join(TABLES)}")
+    return Path(root) / table / f"rank={rank}" / f"incarnation={incarnation}"
+
+
+def segment_path(root: Path, table: str, rank: int, incarnation: int, seq: int) -> Path:
+    """The path of segment number `seq` (0, 1, ...) of one table."""
+    return segment_dir(root, table, rank, incarnation) / f"part-{seq:06d}{SEGMENT_SUFFIX}"
+
+
+def segment_glob(root: Path, table: str) -> str:
+    """A glob over every closed segment of a table, for DuckDB `read_parquet` or Polars."""
+    return str(Path(root) / table / "rank=*" / "incarnation=*" / f"part-*{SEGMENT_SUFFIX}")
+
+
+def is_segment_name(name: str) -> bool:
+    """True for a closed segment's file name (temporary files are not segments)."""
+    return _SEGMENT_NAME.match(name) is not None

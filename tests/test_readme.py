@@ -1,0 +1,27 @@
+"""The README's set-up commands are the ones CI runs, verbatim."""
+
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _setup_commands() -> list[str]:
+    readme = (ROOT / "README.md").read_text()
+    section = readme.split("## Set up", 1)[1]
+    block = re.search(r"```bash\n(.*?)```", section, re.S)
+    assert block, "README's Set up section has no ```bash block"
+    return [line for line in block.group(1).splitlines() if line.strip()]
+
+
+def test_readme_has_two_setup_commands() -> None:
+    commands = _setup_commands()
+    assert len(commands) == 2
+    assert "demo" in commands[0]
+    assert "pytest" in commands[1]
+
+
+def test_ci_runs_the_readme_commands_verbatim() -> None:
+    ci_lines = (ROOT / ".ci" / "run").read_text().splitlines()
+    for command in _setup_commands():
+        assert command in ci_lines, f"{command!r} is in the README but not in .ci/run"

@@ -1,0 +1,365 @@
+"""Fault drills: injectors that harm one part of a model at a known step, so forensics can be rehearsed.
+
+A drill acts from outside the recorder (the recorder stays read-only). The training loop calls,
+for every step `s` (1-based, the optimizer step about to run)::
+
+    drill.before_step(s, model, optimizer)      # before the forward of step s
+    x, y = drill.corrupt_batch(s, x, y)         # the batch step s will consume
+
+Call `attach(model, optimizer)` once before `watch(...)`: some drills move a module's parameters
+into their own optimizer param group so that its learning rate can be changed alone.
+`truth()` says what forensics should find: the fault, the component, the first step it acts, the
+kind (abrupt | gradual) and the condition it should produce.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+ABRUPT, GRADUAL = "abrupt", "gradual"
+
+
+class DrillError(ValueError):
+    """A drill was configured with a value it cannot use."""
+
+
+@dataclass
+class Drill:
+    """Base drill: does nothing; subclasses override the hooks they need."""
+
+    component: str
+    step: int
+    kind: str = ABRUPT
+    fault: str = "none"
+    condition: str = "unclassified"
+    _model: nn.Module | None = field(default=None, init=False, repr=False)
+    _hooks: list[Any] = field(default_factory=list, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.step < 1:
+            raise DrillError(f"drill step must be >= 1 (steps count from 1), got {self.step}")
+        if self.kind not in (ABRUPT, GRADUAL):
+            raise DrillError(f"drill kind must be 'abrupt' or 'gradual', got {self.kind!r}")
+
+    def attach(self, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
+        """Remember the model; check the component exists."""
+        self._model = model
+        self.module(model)
+
+    def module(self, model: nn.Module) -> nn.Module:
+        """The harmed module, looked up by its `named_modules()` path."""
+        modules = dict(model.named_modules())
+        if self.component not in modules:
+            some = ", ".join(repr(n) for n in list(modules)[1:8])
+            raise DrillError(f"no module named {self.component!r} in the model; try one of {some}")
+        return modules[self.component]
+
+    def before_step(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
+        """Act before the forward pass of `step`."""
+
+    def corrupt_batch(self, step: int, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The batch step `step` consumes; identity unless the drill corrupts data."""
+        return x, y
+
+    def detach(self) -> None:
+        """Remove any hooks this drill installed."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
+
+    def truth(self) -> dict[str, Any]:
+        """What forensics should find."""
+        return {"fault": self.fault, "component": self.component, "step": self.step,
+                "kind": self.kind, "condition": self.condition}
+
+
+def _isolate(optimizer: torch.optim.Optimizer, module: nn.Module) -> dict[str, Any]:
+    """Move `module`'s parameters into their own param group (same hyperparameters); return it."""
+    own = {id(p) for p in module.parameters()}
+    if not own:
+        raise DrillError(f"module {type(module).__name__} owns no parameters to isolate")
+    template = {k: v for k, v in optimizer.param_groups[0].items() if k != "params"}
+    for group in optimizer.param_groups:
+        group["params"] = [p for p in group["params"] if id(p) not in own]
+    optimizer.add_param_group({**template, "params": list(module.parameters())})
+    return optimizer.param_groups[-1]
+
+
+@dataclass
+class WeightCorruption(Drill):
+    """Memory corruption: overwrite a module's weights once, outside the optimizer.
+
+    mode `scale` multiplies them by `factor`; `bitflip` flips exponent bit 30 of a `fraction` of
+    float32 weights (a value near 1 becomes ~1e38); `noise` adds Gaussian noise of `factor` times
+    the weights' own standard deviation.
+    """
+
+    mode: str = "scale"
+    factor: float = 10.0
+    fraction: float = 0.01
+    seed: int = 0
+    fault: str = "weight_corruption"
+    condition: str = "exploding"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.mode not in ("scale", "bitflip", "noise"):
+            raise DrillError(f"WeightCorruption mode must be scale, bitflip or noise, got {self.mode!r}")
+
+    def before_step(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
+        if step != self.step:
+            return
+        g = torch.Generator().manual_seed(self.seed)
+        with torch.no_grad():
+            for p in self.module(model).parameters(recurse=False):
+                self._corrupt(p, g)
+
+    def _corrupt(self, p: torch.Tensor, g: torch.Generator) -> None:
+        if self.mode == "scale":
+            p.mul_(self.factor)
+        elif self.mode == "noise":
+            p.add_(torch.randn(p.shape, generator=g).to(p) * self.factor * p.std())
+        else:
+            flat = p.detach().view(-1)
+            k = max(1, int(self.fraction * flat.numel()))
+            idx = torch.randperm(flat.numel(), generator=g)[:k].to(p.device)
+            bits = flat[idx].float().view(torch.int32) ^ (1 << 30)  # exponent MSB
+            flat[idx] = bits.view(torch.float32).to(p.dtype)
+
+
+@dataclass
+class BiasDrift(Drill):
+    """A layer dies gradually: its bias is pushed down by `rate` per step for `duration` steps.
+
+    On a Linear/Conv feeding a ReLU the pre-activations sink below zero unit by unit until the
+    ReLU outputs nothing; the optimizer cannot pull a dead unit back (its gradient is zero).
+    """
+
+    rate: float = 0.05
+    duration: int = 100
+    kind: str = GRADUAL
+    fault: str = "bias_drift"
+    condition: str = "dead"
+
+    def before_step(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
+        if not self.step <= step < self.step + self.duration:
+            return
+        bias = getattr(self.module(model), "bias", None)
+        if bias is None:
+            raise DrillError(f"module {self.component!r} has no bias to drift")
+        with torch.no_grad():
+            bias.sub_(self.rate)
+
+
+@dataclass
+class WeightShrink(Drill):
+    """A head loses confidence: its weights shrink by `rate` (fraction) per step, outside the optimizer."""
+
+    rate: float = 0.03
+    duration: int = 60
+    kind: str = GRADUAL
+    fault: str = "weight_shrink"
+    condition: str = "losing_confidence"
+
+    def before_step(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
+        if not self.step <= step < self.step + self.duration:
+            return
+        with torch.no_grad():
+            for p in self.module(model).parameters(recurse=False):
+                p.mul_(1.0 - self.rate)
+
+
+@dataclass
+class BiasShift(Drill):
+    """Shift a module's output by a constant: it departs its baseline in no named way."""
+
+    offset: float = 1.0
+    fault: str = "bias_shift"
+    condition: str = "unclassified"
+
+    def before_step(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
+        if step != self.step:
+            return
+        bias = getattr(self.module(model), "bias", None)
+        if bias is None:
+            raise DrillError(f"module {self.component!r} has no bias to shift")
+        with torch.no_grad():
+            bias.add_(self.offset)
+
+
+@dataclass
+class LRSpike(Drill):
+    """The optimizer's learning rate is multiplied by `factor` for `duration` steps.
+
+    With `component` set, only that module's parameters get the spike (they are moved into their
+    own param group at attach); with `component=""` every group does. With momentum SGD a spike
+    past the stability limit makes updates flip direction each step (oscillating).
+    """
+
+    factor: float = 20.0
+    duration: int = 1_000_000
+    fault: str = "lr_spike"
+    condition: str = "oscillating"
+    _groups: list[dict[str, Any]] = field(default_factory=list, init=False, repr=False)
+    _base_lr: list[float] = field(default_factory=list, init=False, repr=False)
+
+    def attach(self, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
+        if optimizer is None:
+            raise DrillError("LRSpike needs the optimizer; pass it to attach(model, optimizer)")
+        self._model = model
+        if self.component:
+            self._groups = [_isolate(optimizer, self.module(model))]
+        else:
+            self._groups = list(optimizer.param_groups)
+        self._base_lr = [g["lr"] for g in self._groups]
+
+    def before_step(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
+        spiking = self.step <= step < self.step + self.duration
+        for group, lr in zip(self._groups, self._base_lr, strict=True):
+            group["lr"] = lr * self.factor if spiking else lr
+
+
+@dataclass
+class FreezeModule(Drill):
+    """One module stops being updated (its learning rate drops to 0) while the rest learn: stagnant."""
+
+    fault: str = "frozen_module"
+    condition: str = "stagnant"
+    _group: dict[str, Any] | None = field(default=None, init=False, repr=False)
+    _lr: float = field(default=0.0, init=False, repr=False)
+
+    def attach(self, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
+        if optimizer is None:
+            raise DrillError("FreezeModule needs the optimizer; pass it to attach(model, optimizer)")
+        self._model = model
+        self._group = _isolate(optimizer, self.module(model))
+        self._lr = self._group["lr"]
+
+    def before_step(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
+        if self._group is not None:
+            self._group["lr"] = 0.0 if step >= self.step else self._lr
+
+
+@dataclass
+class _OutputHookDrill(Drill):
+    """A drill that rewrites a module's forward output from `step` on, for `duration` steps."""
+
+    duration: int = 1
+    _current: int = field(default=0, init=False, repr=False)
+
+    def attach(self, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
+        super().attach(model, optimizer)
+        self._hooks.append(self.module(model).register_forward_hook(self._hook))
+
+    def before_step(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
+        self._current = step
+
+    def active(self) -> bool:
+        """True while the drill acts on the step being run."""
+        return self.step <= self._current < self.step + self.duration
+
+    def _hook(self, module: nn.Module, args: Any, out: torch.Tensor) -> torch.Tensor | None:
+        return self.rewrite(out) if self.active() and module.training else None
+
+    def rewrite(self, out: torch.Tensor) -> torch.Tensor:
+        return out
+
+
+@dataclass
+class NaNInjection(_OutputHookDrill):
+    """A fraction of one module's output becomes NaN at `step` (a bad kernel, an overflow)."""
+
+    fraction: float = 0.01
+    fault: str = "nan_injection"
+    condition: str = "exploding"
+
+    def rewrite(self, out: torch.Tensor) -> torch.Tensor:
+        mask = torch.rand(out.shape, generator=torch.Generator().manual_seed(self._current)) < self.fraction
+        return out.masked_fill(mask.to(out.device), float("nan"))
+
+
+@dataclass
+class GradientAttenuation(_OutputHookDrill):
+    """The gradient flowing into a module's output is multiplied by `factor` (values unchanged).
+
+    Models a broken loss scale or a stray `detach`-like bug: the module and everything upstream
+    stop receiving gradient (losing gradient) while the forward pass is untouched.
+    """
+
+    factor: float = 1e-4
+    duration: int = 1_000_000
+    fault: str = "gradient_attenuation"
+    condition: str = "losing_gradient"
+
+    def rewrite(self, out: torch.Tensor) -> torch.Tensor:
+        return out * self.factor + (out * (1.0 - self.factor)).detach()
+
+
+@dataclass
+class PreActivationScale(Drill):
+    """The input of a bounded activation (tanh, sigmoid) is multiplied by `factor`: it saturates.
+
+    `ramp` > 0 grows the factor linearly from 1 over that many steps (a gradual fault).
+    """
+
+    factor: float = 30.0
+    ramp: int = 0
+    duration: int = 1_000_000
+    fault: str = "preactivation_scale"
+    condition: str = "saturated"
+    _current: int = field(default=0, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.ramp > 0:
+            self.kind = GRADUAL
+
+    def attach(self, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
+        super().attach(model, optimizer)
+        self._hooks.append(self.module(model).register_forward_pre_hook(self._pre))
+
+    def before_step(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
+        self._current = step
+
+    def scale(self) -> float:
+        """The factor applied on the step being run (1 outside the drill)."""
+        k = self._current - self.step
+        if k < 0 or k >= self.duration:
+            return 1.0
+        if self.ramp > 0 and k < self.ramp:
+            return 1.0 + (self.factor - 1.0) * (k + 1) / self.ramp
+        return self.factor
+
+    def _pre(self, module: nn.Module, args: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...] | None:
+        s = self.scale()
+        return None if s == 1.0 or not module.training else (args[0] * s, *args[1:])
+
+
+@dataclass
+class CorruptBatches(Drill):
+    """A window of `duration` corrupted batches: inputs scaled by `factor` plus noise (bad shard).
+
+    `component` names the first module that reads the batch (where forensics should see it).
+    """
+
+    duration: int = 20
+    factor: float = 25.0
+    seed: int = 0
+    fault: str = "corrupt_batches"
+    condition: str = "exploding"
+
+    def corrupt_batch(self, step: int, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.step <= step < self.step + self.duration:
+            return x, y
+        if not x.is_floating_point():  # token ids: replace with random tokens, shuffle targets
+            g = torch.Generator().manual_seed(self.seed + step)
+            return torch.randint(0, int(x.max()) + 1, x.shape, generator=g), y.roll(1, 0)
+        g = torch.Generator().manual_seed(self.seed + step)
+        return x * self.factor + torch.randn(x.shape, generator=g) * self.factor, y
+
+    def truth(self) -> dict[str, Any]:
+        return {**super().truth(), "last_step": self.step + self.duration - 1}

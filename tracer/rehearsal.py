@@ -1,0 +1,211 @@
+"""Rehearsals: small training runs on the zoo models, recorded with `watch`, with fault drills.
+
+`rehearse("mlp_weight_corruption", "runs/r1")` trains, records the trace, and returns (and
+writes as `truth.json` beside the trace) what the drills did, so forensics can be checked
+against the truth. `SCENARIOS` names the runs the tests, the benchmark and the demo use; each
+runs in a few seconds on a CPU.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from . import zoo
+from .drills import (
+    BiasDrift,
+    BiasShift,
+    CorruptBatches,
+    Drill,
+    FreezeModule,
+    GradientAttenuation,
+    LRSpike,
+    NaNInjection,
+    PreActivationScale,
+    WeightCorruption,
+    WeightShrink,
+)
+
+TRUTH_FILE = "truth.json"
+
+
+class ScenarioError(KeyError):
+    """An unknown scenario name."""
+
+    def __str__(self) -> str:
+        return str(self.args[0])
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """A rehearsal: which model, how long, which optimizer, which drills."""
+
+    name: str
+    model: str  # "mlp" | "cnn" | "gpt"
+    steps: int = 300
+    optimizer: str = "adam"  # "adam" | "sgd"
+    lr: float = 1e-3
+    momentum: float = 0.0
+    activation: str = "relu"  # mlp hidden activation
+    drills: Callable[[], list[Drill]] = field(default=list)  # a factory: fresh drills per run
+    batch_size: int = 32
+
+
+def build_model(scenario: Scenario, seed: int) -> tuple[nn.Module, str]:
+    """The scenario's model (seeded) and the name of its output head."""
+    torch.manual_seed(seed)
+    if scenario.model == "mlp":
+        return zoo.mlp(activation=scenario.activation), "6"
+    if scenario.model == "cnn":
+        return zoo.cnn(), "6"
+    if scenario.model == "gpt":
+        return zoo.TinyGPT(_GPT), "lm_head"
+    raise ScenarioError(f"unknown model {scenario.model!r}; expected mlp, cnn or gpt")
+
+
+_GPT = zoo.GPTConfig(vocab_size=96, block_size=32, n_layer=2, n_head=2, n_embd=32)
+
+
+def _data(scenario: Scenario, seed: int) -> Iterator[zoo.Batch]:
+    if scenario.model == "mlp":
+        x, y = zoo.teacher_classification(seed=seed)
+        return zoo.batches(x, y, scenario.batch_size, seed=seed)
+    if scenario.model == "cnn":
+        x, y = zoo.blob_images(seed=seed)
+        return zoo.batches(x, y, scenario.batch_size, seed=seed)
+    tokens = zoo.char_corpus(max_bytes=100_000)
+    return zoo.text_batches(tokens, scenario.batch_size // 2, _GPT.block_size, seed=seed)
+
+
+def _optimizer(scenario: Scenario, model: nn.Module) -> torch.optim.Optimizer:
+    if scenario.optimizer == "sgd":
+        return torch.optim.SGD(model.parameters(), lr=scenario.lr, momentum=scenario.momentum)
+    return torch.optim.Adam(model.parameters(), lr=scenario.lr)
+
+
+def _checkpoint(rec: Any, model: nn.Module, step: int, checkpoint_dir: Path | None,
+                trace_dir: Path) -> None:
+    """Save (or only announce) a checkpoint holding the weights after `step` steps."""
+    if checkpoint_dir is not None:
+        path = checkpoint_dir / f"step-{step:06d}.pt"
+        torch.save(model.state_dict(), path)
+        rec.checkpoint(str(path))
+        return
+    path = trace_dir / "checkpoints" / f"step-{step:06d}.pt"
+    if "detail" in inspect.signature(rec.checkpoint).parameters:
+        rec.checkpoint(str(path), detail="rehearsal: no file was written")
+    else:
+        rec.checkpoint(str(path))
+
+
+def rehearse(scenario: str | Scenario, trace_dir: str | Path, *, seed: int = 0,
+             steps: int | None = None, checkpoint_every: int = 100,
+             checkpoint_dir: str | Path | None = None,
+             drills: Sequence[Drill] | None = None) -> dict[str, Any]:
+    """Train the scenario's model with its drills under `watch`; return (and save) the truth."""
+    from . import watch  # imported here: drills and scenarios are usable without the recorder
+
+    sc = SCENARIOS[scenario] if isinstance(scenario, str) else scenario
+    n_steps = steps if steps is not None else sc.steps
+    trace_dir = Path(trace_dir)
+    ckpt_dir = Path(checkpoint_dir) if checkpoint_dir is not None else None
+    if ckpt_dir is not None:
+        ckpt_dir.mkdir(parents=True, exist_ok=True)
+    model, head = build_model(sc, seed)
+    optimizer = _optimizer(sc, model)
+    active = list(drills) if drills is not None else sc.drills()
+    for d in active:
+        d.attach(model, optimizer)
+    data = _data(sc, seed)
+    losses: list[float] = []
+    try:
+        with watch(model, optimizer, str(trace_dir), heads=[head]) as rec:
+            for step in range(1, n_steps + 1):
+                ids, x, y = next(data)
+                for d in active:
+                    d.before_step(step, model, optimizer)
+                    x, y = d.corrupt_batch(step, x, y)
+                logits = model(x)  # (B, C) or (B, T, vocab)
+                loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+                optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+                optimizer.step()
+                rec.log(loss=loss.detach())
+                rec.batch(ids)
+                losses.append(loss.item())
+                if checkpoint_every and step % checkpoint_every == 0:
+                    _checkpoint(rec, model, step, ckpt_dir, trace_dir)
+    finally:
+        for d in active:
+            d.detach()
+    return _write_truth(trace_dir, sc, seed, n_steps, active, losses)
+
+
+def _write_truth(trace_dir: Path, sc: Scenario, seed: int, n_steps: int,
+                 active: Sequence[Drill], losses: list[float]) -> dict[str, Any]:
+    faults = [d.truth() for d in active if d.step <= n_steps]
+    first = min(faults, key=lambda f: f["step"]) if faults else None
+    truth = {
+        "scenario": sc.name, "model": sc.model, "seed": seed, "steps": n_steps,
+        "healthy": first is None, "faults": faults,
+        **({k: first[k] for k in ("fault", "component", "step", "kind", "condition")} if first else {}),
+        "final_loss": losses[-1] if losses else None,
+    }
+    (trace_dir / TRUTH_FILE).write_text(json.dumps(truth, indent=2))
+    return truth
+
+
+def _scenarios() -> dict[str, Scenario]:
+    s: list[Scenario] = []
+    for model, mid, first, head in (("mlp", "2", "0", "6"), ("cnn", "2", "0", "6"),
+                                    ("gpt", "h.0.mlp.c_fc", "wte", "lm_head")):
+        s += [
+            Scenario(f"{model}_clean", model),
+            Scenario(f"{model}_weight_corruption", model,
+                     drills=lambda mid=mid: [WeightCorruption(mid, 150, mode="scale", factor=10.0)]),
+            Scenario(f"{model}_bitflip", model,
+                     drills=lambda mid=mid: [WeightCorruption(mid, 150, mode="bitflip", fraction=0.002)]),
+            Scenario(f"{model}_lr_spike", model, optimizer="sgd", lr=0.05, momentum=0.9,
+                     drills=lambda: [LRSpike("", 150, factor=20.0)]),
+            Scenario(f"{model}_nan", model,
+                     drills=lambda mid=mid: [NaNInjection(mid, 150)]),
+            Scenario(f"{model}_corrupt_batches", model,
+                     drills=lambda first=first: [CorruptBatches(first, 150, duration=20)]),
+            Scenario(f"{model}_frozen", model,
+                     drills=lambda mid=mid: [FreezeModule(mid, 150)]),
+            Scenario(f"{model}_head_shrink", model,
+                     drills=lambda head=head: [WeightShrink(head, 150, rate=0.03, duration=60)]),
+            Scenario(f"{model}_vanishing_gradient", model,
+                     drills=lambda mid=mid: [GradientAttenuation(mid, 150)]),
+            Scenario(f"{model}_bias_shift", model,
+                     drills=lambda mid=mid: [BiasShift(mid, 150, offset=1.0)]),
+        ]
+        if model != "gpt":
+            s.append(Scenario(f"{model}_dying_layer", model,
+                              drills=lambda mid=mid: [BiasDrift(mid, 150, rate=0.05, duration=100)]))
+    s += [
+        Scenario("mlp_saturation", "mlp", activation="tanh",
+                 drills=lambda: [PreActivationScale("3", 150, factor=30.0)]),
+        Scenario("mlp_saturation_gradual", "mlp", activation="tanh",
+                 drills=lambda: [PreActivationScale("3", 150, factor=30.0, ramp=30)]),
+        Scenario("mlp_oscillating", "mlp", optimizer="sgd", lr=0.05, momentum=0.9,
+                 drills=lambda: [LRSpike("2", 150, factor=40.0)]),
+        Scenario("mlp_clean_tanh", "mlp", activation="tanh"),
+    ]
+    return {sc.name: sc for sc in s}
+
+
+class _Registry(dict[str, Scenario]):
+    def __missing__(self, key: str) -> Scenario:
+        raise ScenarioError(f"unknown scenario {key!r}; expected one of: {', '.join(sorted(self))}")
+
+
+SCENARIOS: dict[str, Scenario] = _Registry(_scenarios())

@@ -1,0 +1,96 @@
+"""`warninglight report`, `demo` and `eval`: thin shells over forensics.report, .demo and .evaluation."""
+
+from __future__ import annotations
+
+import json
+from enum import StrEnum
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from warninglight.cli.main import app
+
+
+class Format(StrEnum):
+    html = "html"
+    png = "png"
+
+
+def _fail(message: str) -> typer.Exit:
+    typer.echo(f"error: {message}", err=True)
+    return typer.Exit(1)
+
+
+@app.command("report")
+def report_cmd(
+    trace: Annotated[Path, typer.Argument(exists=True, file_okay=False, help="The trace directory to report on.")],
+    out: Annotated[Path, typer.Option("-o", "--out", help="Where to write: an .html file, or a folder for --format png.")] = Path("report.html"),
+    fmt: Annotated[Format, typer.Option("--format", help="html: one self-contained file; png: the figures alone, into a folder.")] = Format.html,
+) -> None:
+    """Write a report of a trace: health heatmap, root metric, loss with every detector, rollback, alarms."""
+    from warninglight.forensics import report
+
+    try:
+        if fmt is Format.png:
+            for path in report.write_pngs(trace, out):
+                typer.echo(str(path))
+        else:
+            typer.echo(str(report.write_html(trace, out)))
+    except (report.ReportError, FileNotFoundError) as e:
+        raise _fail(str(e)) from None
+
+
+@app.command("demo")
+def demo_cmd(
+    out: Annotated[Path, typer.Option("--out", help="Folder for the trace, checkpoints and report.html.")] = Path("runs/demo"),
+    scenario: Annotated[str, typer.Option(help="Rehearsal scenario to run (see `warninglight eval --list`).")] = "gpt_weight_corruption",
+    seed: Annotated[int, typer.Option(help="Seed of the model, data and drill.")] = 0,
+) -> None:
+    """Train a small GPT on CPU with an injected fault, record it, find it, and write the report."""
+    from warninglight.forensics import demo
+    from warninglight.tracer.rehearsal import ScenarioError
+
+    try:
+        result = demo.run_demo(out, scenario, seed)
+    except (demo.DemoError, ScenarioError) as e:
+        raise _fail(str(e)) from None
+    s = result.seconds
+    typer.echo(demo.describe_truth(result.truth))
+    typer.echo(result.line)
+    typer.echo(f"report: {result.report}  (train {s['train']:.1f} s, analyse {s['analyze']:.1f} s, "
+               f"report {s['report']:.1f} s)")
+
+
+@app.command("eval")
+def eval_cmd(
+    scenarios: Annotated[list[str] | None, typer.Argument(help="Scenarios to run; all registered ones if none.")] = None,
+    seeds: Annotated[int, typer.Option(min=1, help="Seeds per scenario (0..N-1).")] = 3,
+    steps: Annotated[int | None, typer.Option(min=1, help="Override each scenario's step count.")] = None,
+    json_out: Annotated[Path | None, typer.Option("--json", help="Also write every run's scores to this JSON file.")] = None,
+    workdir: Annotated[Path | None, typer.Option(help="Keep the traces here (default: a temporary folder).")] = None,
+    list_: Annotated[bool, typer.Option("--list", help="List the scenarios and exit.")] = False,
+) -> None:
+    """Run scenarios over seeds and print detection accuracy, onset error, lead over other detectors, rollback."""
+    from warninglight.forensics import evaluation
+    from warninglight.tracer.rehearsal import SCENARIOS
+
+    if list_:
+        for name, sc in SCENARIOS.items():
+            typer.echo(f"{name}\t{sc.model}\t{sc.steps} steps")
+        return
+    names = scenarios or list(SCENARIOS)
+    unknown = [n for n in names if n not in SCENARIOS]
+    if unknown:
+        raise _fail(f"unknown scenario {unknown[0]!r}; run `warninglight eval --list` for the names")
+
+    def progress(r: evaluation.RunScore) -> None:
+        verdict = f"root {r.root_component} ({r.root_condition})" if r.fault_verdict else "no fault verdict"
+        typer.echo(f"  {r.scenario} seed {r.seed}: {verdict}, truth {r.truth_component or r.fault}, {r.seconds:.1f} s", err=True)
+
+    try:
+        runs = evaluation.run_benchmark(names, seeds, workdir, steps, progress)
+    except evaluation.EvaluationError as e:
+        raise _fail(str(e)) from None
+    typer.echo(evaluation.format_tables(runs))
+    if json_out is not None:
+        json_out.write_text(json.dumps([r.to_dict() for r in runs], indent=1))

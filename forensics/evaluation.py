@@ -1,0 +1,272 @@
+"""The detection benchmark: rehearse scenarios over seeds, score the engine against the answer key.
+
+One run = one rehearsal (`tracer.rehearsal.rehearse`: a real small training run with a fault drill
+and its truth.json), then `analyze` and the static rules on the trace it left. `score` turns the
+three into a `RunScore` (pure arithmetic, tested on its own); `summarise` aggregates per scenario
+and overall; `format_tables` prints what docs/results.md shows. Nothing here knows any scenario by
+name: every scenario is scored by the same rules.
+"""
+
+from __future__ import annotations
+
+import statistics
+import tempfile
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from warninglight.forensics.static_rules import StaticAlarm
+
+ONSET_TOLERANCE = {"abrupt": 2, "gradual": 10}  # steps; the issue's targets
+GRADUAL_LEAD_TARGET = 100  # steps the alarm must precede the loss-spike rule on gradual faults
+ROOT_ACCURACY_TARGET = 0.95
+CLEAN = "clean"
+
+
+class EvaluationError(ValueError):
+    """The benchmark was asked for something it cannot run."""
+
+
+@dataclass(frozen=True)
+class RunScore:
+    """One rehearsal scored against its answer key. Steps are optimizer steps; None = not applicable."""
+
+    scenario: str
+    seed: int
+    fault: str  # "clean" for a run without a drill
+    kind: str  # abrupt | gradual | clean
+    truth_component: str | None
+    injected: int | None  # first step the fault acted
+    fault_verdict: bool  # the engine named a root component
+    root_component: str | None
+    root_condition: str | None
+    root_correct: bool | None  # None on clean runs
+    onset_error: int | None  # |onset - injected|
+    onset_ok: bool | None  # within ONSET_TOLERANCE[kind]
+    latency: int | None  # alarm - injected
+    loss_rule_step: int | None
+    grad_rule_step: int | None
+    lead_loss: int | None  # loss rule step - our alarm step; None if either never fired
+    lead_grad: int | None
+    alarms: int
+    component_steps: int
+    discarded_ours: int | None
+    discarded_naive: int | None
+    naive_contaminated: bool | None
+    static_step: int | None  # first static-rule firing at or after the injection (any step if clean)
+    static_rule: str | None
+    static_correct: bool | None  # it named the truth component
+    seconds: float = 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON-ready dict."""
+        return asdict(self)
+
+
+def _diff(a: int | None, b: int | None) -> int | None:
+    return None if a is None or b is None else int(a) - int(b)
+
+
+def score(scenario: str, seed: int, truth: Mapping[str, Any], result: Mapping[str, Any],
+          static: Sequence[StaticAlarm], component_steps: int, seconds: float = 0.0) -> RunScore:
+    """Score one run: the truth.json dict, the `analyze --json` dict and the static-rule firings."""
+    fault = str(truth.get("fault") or CLEAN)
+    clean = fault in (CLEAN, "none")
+    kind = CLEAN if clean else str(truth.get("kind", "abrupt"))
+    injected = None if clean else int(truth["step"])
+    root = result.get("root") or {}
+    named = root.get("component") is not None
+    det, rb = result.get("detectors") or {}, result.get("rollback") or {}
+    naive = rb.get("naive") or {}
+    alarm = root.get("alarm_step") if named else None
+    onset_error = abs(_diff(root.get("onset_step"), injected)) if named and not clean and root.get("onset_step") is not None else None
+    after = injected or 0
+    firing = next((a for a in static if a.step >= after), None)
+    return RunScore(
+        scenario=scenario, seed=seed, fault=CLEAN if clean else fault, kind=kind,
+        truth_component=None if clean else truth.get("component"), injected=injected,
+        fault_verdict=named, root_component=root.get("component"), root_condition=root.get("condition"),
+        # a drill on "" (e.g. every param group's learning rate) has no single root to name
+        root_correct=None if clean or not truth.get("component") else (named and root.get("component") == truth.get("component")),
+        onset_error=onset_error,
+        onset_ok=None if clean else (onset_error is not None and onset_error <= ONSET_TOLERANCE.get(kind, 2)),
+        latency=None if clean else _diff(alarm, injected),
+        loss_rule_step=det.get("loss_spike_step"), grad_rule_step=det.get("grad_norm_spike_step"),
+        lead_loss=_diff(det.get("loss_spike_step"), alarm), lead_grad=_diff(det.get("grad_norm_spike_step"), alarm),
+        alarms=len(result.get("alarms") or []), component_steps=component_steps,
+        discarded_ours=rb.get("steps_discarded") if named else None,
+        discarded_naive=naive.get("steps_discarded") if named else None,
+        naive_contaminated=naive.get("contaminated") if named else None,
+        static_step=firing.step if firing else None, static_rule=firing.rule if firing else None,
+        static_correct=None if clean or firing is None or not truth.get("component") else firing.component == truth.get("component"),
+        seconds=seconds,
+    )
+
+
+def run_one(scenario: str, seed: int, workdir: Path, steps: int | None = None) -> RunScore:
+    """Rehearse one scenario with one seed into `workdir`, analyse it, and score it."""
+    from warninglight.forensics import analyze
+    from warninglight.forensics.static_rules import static_alarms
+    from warninglight.tracer.rehearsal import rehearse
+
+    trace = workdir / f"{scenario}-seed{seed}"
+    t0 = time.perf_counter()
+    kwargs: dict[str, Any] = {"seed": seed, "checkpoint_dir": workdir / f"{scenario}-seed{seed}-ckpt"}
+    if steps is not None:
+        kwargs["steps"] = steps
+    truth = rehearse(scenario, trace, **kwargs)
+    result = analyze(trace).to_dict()
+    return score(scenario, seed, truth, result, static_alarms(trace), count_component_steps(trace),
+                 time.perf_counter() - t0)
+
+
+def count_component_steps(trace: Path) -> int:
+    """Rows of the health table: the denominator of the false-alarm rate."""
+    import duckdb
+    from warninglight.tracer import schema
+
+    glob = schema.segment_glob(trace, "health")
+    return int(duckdb.sql(f"select count(*) from read_parquet('{glob}', hive_partitioning=true)").fetchone()[0])
+
+
+def run_benchmark(scenarios: Iterable[str], seeds: int, workdir: Path | None = None,
+                  steps: int | None = None,
+                  progress: Callable[[RunScore], None] | None = None) -> list[RunScore]:
+    """Every scenario × seeds 0..seeds-1, in order; traces go to `workdir` (a temporary one if None)."""
+    if seeds < 1:
+        raise EvaluationError(f"--seeds must be at least 1, got {seeds}")
+    with tempfile.TemporaryDirectory(prefix="wl-eval-") as tmp:
+        root = Path(workdir) if workdir is not None else Path(tmp)
+        root.mkdir(parents=True, exist_ok=True)
+        out = []
+        for scenario in scenarios:
+            for seed in range(seeds):
+                run = run_one(scenario, seed, root, steps)
+                out.append(run)
+                if progress:
+                    progress(run)
+        return out
+
+
+def _median(values: Iterable[int | None]) -> float | None:
+    v = [x for x in values if x is not None]
+    return statistics.median(v) if v else None
+
+
+def _count(values: Iterable[bool | None]) -> tuple[int, int]:
+    v = [x for x in values if x is not None]
+    return sum(v), len(v)
+
+
+def _lead(runs: Sequence[RunScore], rule_step: str, lead: str) -> str:
+    """Median lead over a rule where both fired, and how often the rule never fired."""
+    fired = [getattr(r, lead) for r in runs if getattr(r, lead) is not None]
+    never = sum(1 for r in runs if getattr(r, rule_step) is None)
+    if not fired:
+        return "never fired" if never == len(runs) else "—"
+    text = f"{_num(statistics.median(fired))}"
+    return text + (f" (never fired {never}/{len(runs)})" if never else "")
+
+
+def _num(x: float | None) -> str:
+    if x is None:
+        return "—"
+    return f"{x:+.0f}"
+
+
+def _ratio(pair: tuple[int, int]) -> str:
+    k, n = pair
+    return f"{k}/{n}" if n else "—"
+
+
+def summarise_faults(runs: Sequence[RunScore]) -> dict[str, Any]:
+    """One row of the fault table for a group of fault runs (one scenario, or all)."""
+    rb_ours, rb_naive = _median(r.discarded_ours for r in runs), _median(r.discarded_naive for r in runs)
+    onset = [r.onset_error for r in runs if r.onset_error is not None]
+    static_hits = [r for r in runs if r.static_step is not None]
+    return {
+        "runs": len(runs),
+        "root right": _ratio(_count(r.root_correct for r in runs)),
+        "onset err med/max": f"{_plain(_median(onset))}/{max(onset)}" if onset else "—",
+        "onset in tol": _ratio(_count(r.onset_ok for r in runs)),
+        "latency med": _plain(_median(r.latency for r in runs)),
+        "lead vs loss rule": _lead(runs, "loss_rule_step", "lead_loss"),
+        "lead vs grad rule": _lead(runs, "grad_rule_step", "lead_grad"),
+        "discarded ours/loss-only": f"{_plain(rb_ours)}/{_plain(rb_naive)}",
+        "loss-only ckpt damaged": _ratio(_count(r.naive_contaminated for r in runs)),
+        "static rules": (f"{len(static_hits)}/{len(runs)} ({', '.join(sorted({r.static_rule for r in static_hits}))})"
+                         if static_hits else f"0/{len(runs)}"),
+    }
+
+
+def _plain(x: float | None) -> str:
+    return "—" if x is None else (str(int(x)) if float(x).is_integer() else f"{x:.1f}")
+
+
+def summarise_clean(runs: Sequence[RunScore]) -> dict[str, Any]:
+    """One row of the clean-run table: fault verdicts, alarm rate, static firings."""
+    steps = sum(r.component_steps for r in runs)
+    alarms = sum(r.alarms for r in runs)
+    return {
+        "runs": len(runs),
+        "fault verdicts": f"{sum(r.fault_verdict for r in runs)}/{len(runs)}",
+        "alarms": alarms,
+        "component-steps": steps,
+        "alarms per 10k comp-steps": f"{1e4 * alarms / steps:.2f}" if steps else "—",
+        "static firings": f"{sum(r.static_step is not None for r in runs)}/{len(runs)}",
+    }
+
+
+def _markdown(rows: Sequence[Mapping[str, Any]], first: str) -> str:
+    cols = [first] + [c for c in rows[0] if c != first]
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    lines += ["| " + " | ".join(str(r[c]) for c in cols) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def format_tables(runs: Sequence[RunScore]) -> str:
+    """The benchmark's tables (markdown) and the targets, as printed by `warninglight eval`."""
+    faults = [r for r in runs if r.kind != CLEAN]
+    cleans = [r for r in runs if r.kind == CLEAN]
+    out = []
+    if faults:
+        rows = [{"scenario": s, **summarise_faults([r for r in faults if r.scenario == s])}
+                for s in dict.fromkeys(r.scenario for r in faults)]
+        rows.append({"scenario": "**all faults**", **summarise_faults(faults)})
+        out += ["Fault runs (steps are optimizer steps; lead = rule's step − our alarm step, + means earlier):", "",
+                _markdown(rows, "scenario"), ""]
+    if cleans:
+        rows = [{"scenario": s, **summarise_clean([r for r in cleans if r.scenario == s])}
+                for s in dict.fromkeys(r.scenario for r in cleans)]
+        rows.append({"scenario": "**all clean**", **summarise_clean(cleans)})
+        out += ["Clean runs:", "", _markdown(rows, "scenario"), ""]
+    out += ["Targets:"] + [f"- {line}" for line in targets(runs)]
+    return "\n".join(out)
+
+
+def targets(runs: Sequence[RunScore]) -> list[str]:
+    """Each target of the issue, with the measured value and MET / MISSED."""
+    faults = [r for r in runs if r.kind != CLEAN]
+    cleans = [r for r in runs if r.kind == CLEAN]
+    lines = []
+    if faults:
+        k, n = _count(r.root_correct for r in faults)
+        lines.append(f"root component right in ≥ {ROOT_ACCURACY_TARGET:.0%} of fault runs: {k}/{n} = {k / n:.0%} "
+                     + ("MET" if k / n >= ROOT_ACCURACY_TARGET else "MISSED"))
+        for kind, tol in ONSET_TOLERANCE.items():
+            group = [r for r in faults if r.kind == kind]
+            if group:
+                k, n = _count(r.onset_ok for r in group)
+                lines.append(f"onset within {tol} steps ({kind}): {k}/{n} " + ("MET" if k == n else "MISSED"))
+        gradual = [r for r in faults if r.kind == "gradual"]
+        if gradual:
+            ok = sum(1 for r in gradual if r.fault_verdict
+                     and (r.loss_rule_step is None or (r.lead_loss or 0) >= GRADUAL_LEAD_TARGET))
+            lines.append(f"gradual faults alarm ≥ {GRADUAL_LEAD_TARGET} steps before the loss-spike rule "
+                         f"(or it never fires): {ok}/{len(gradual)} " + ("MET" if ok == len(gradual) else "MISSED"))
+    if cleans:
+        bad = sum(r.fault_verdict for r in cleans)
+        lines.append(f"zero fault verdicts on clean runs: {bad}/{len(cleans)} " + ("MET" if bad == 0 else "MISSED"))
+    return lines

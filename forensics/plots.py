@@ -1,0 +1,191 @@
+"""The report's figures: matplotlib on the Agg backend, one function per figure, data in, Figure out.
+
+Nothing here reads a trace or decides anything; `report` gathers the frames and the marks.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import matplotlib
+
+matplotlib.use("Agg")  # files only, never a window; must precede pyplot
+
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+import polars as pl  # noqa: E402
+from matplotlib.colors import ListedColormap  # noqa: E402
+from matplotlib.figure import Figure  # noqa: E402
+
+MAX_LABEL = 26  # characters of a component name on an axis before it is shortened
+Z_CAP = 12.0  # |z| colour scale saturates here; beyond it every cell looks equally alarming
+
+# One colour per mark kind, used on every figure so the legend reads the same everywhere.
+MARK_STYLE: dict[str, tuple[str, str]] = {
+    "injected": ("#7f7f7f", ":"),
+    "onset": ("#ff7f0e", "--"),
+    "alarm": ("#d62728", "-"),
+    "loss-spike rule": ("#9467bd", "-."),
+    "grad-norm rule": ("#8c564b", "-."),
+    "static rules": ("#e377c2", "-."),
+    "rollback (ours)": ("#2ca02c", "-"),
+    "rollback (loss-only)": ("#bcbd22", "-"),
+}
+
+
+@dataclass(frozen=True)
+class Mark:
+    """A vertical line at a step, drawn on the step-axis figures."""
+
+    label: str  # a key of MARK_STYLE
+    step: int
+
+
+def short_name(name: str, width: int = MAX_LABEL) -> str:
+    """A component name that fits an axis: keep the tail, which is the most specific part."""
+    if name == "":
+        return "(root)"
+    return name if len(name) <= width else "…" + name[-(width - 1):]
+
+
+def row_labels(order: Sequence[str], kinds: dict[str, str] | None = None) -> list[str]:
+    """Axis labels for components: the shortened name and, if known, the module class."""
+    kinds = kinds or {}
+    return [f"{short_name(c)}  {kinds[c]}" if kinds.get(c) else short_name(c) for c in order]
+
+
+def _draw_marks(ax: plt.Axes, marks: Sequence[Mark]) -> None:
+    for m in marks:
+        colour, style = MARK_STYLE.get(m.label, ("black", "-"))
+        ax.axvline(m.step, color=colour, linestyle=style, linewidth=1.4, label=f"{m.label} @ {m.step}")
+
+
+def heatmap(scores: pl.DataFrame, order: Sequence[str], marks: Sequence[Mark] = (),
+            kinds: dict[str, str] | None = None,
+            title: str = "Component health: |z| against each component's own baseline",
+            colour_label: str = "|robust z| (capped)") -> Figure:
+    """Component × step image of `scores` (columns component, step, score), rows in `order`."""
+    steps = np.arange(int(scores["step"].min()), int(scores["step"].max()) + 1)
+    index = {c: i for i, c in enumerate(order)}
+    grid = np.full((len(order), len(steps)), np.nan)
+    rows = scores.filter(pl.col("component").is_in(list(order)))
+    r = np.array([index[c] for c in rows["component"]], dtype=int)
+    s = rows["step"].to_numpy() - steps[0]
+    grid[r, s] = np.clip(np.abs(rows["score"].fill_null(np.nan).to_numpy()), 0, Z_CAP)
+    height = min(14.0, 1.6 + 0.28 * len(order))
+    fig, ax = plt.subplots(figsize=(11, height), layout="constrained")
+    cmap = plt.get_cmap("magma_r").copy()
+    cmap.set_bad("#eeeeee")  # no data (e.g. activations have no gradient)
+    im = ax.imshow(grid, aspect="auto", interpolation="nearest", cmap=cmap, vmin=0, vmax=Z_CAP,
+                   extent=(steps[0] - 0.5, steps[-1] + 0.5, len(order) - 0.5, -0.5))
+    ax.set_yticks(range(len(order)), row_labels(order, kinds), fontsize=8)
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("component (forward order)")
+    ax.set_title(title)
+    _draw_marks(ax, marks)
+    if marks:
+        ax.legend(loc="upper left", fontsize=8, framealpha=0.9)
+    fig.colorbar(im, ax=ax, shrink=0.9).set_label(colour_label, fontsize=9)
+    return fig
+
+
+def baseline_band(frame: pl.DataFrame, component: str, metric: str,
+                  marks: Sequence[Mark] = ()) -> Figure:
+    """One component's metric over steps with its trailing baseline (median, lower..upper band)."""
+    fig, ax = plt.subplots(figsize=(11, 3.8), layout="constrained")
+    step = frame["step"].to_numpy()
+    ax.fill_between(step, frame["lower"].to_numpy(), frame["upper"].to_numpy(),
+                    color="#1f77b4", alpha=0.18, step="mid", label="baseline band")
+    ax.plot(step, frame["median"].to_numpy(), color="#1f77b4", linewidth=1, label="baseline median")
+    ax.plot(step, frame["value"].to_numpy(), color="black", linewidth=0.9, label=metric)
+    _draw_marks(ax, marks)
+    _maybe_log(ax, frame["value"])
+    _fit_to_values(ax, frame["value"])
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel(metric)
+    ax.set_title(f"Root component {short_name(component, 60)}: {metric} against its own baseline")
+    ax.legend(loc="best", fontsize=8, framealpha=0.9)
+    return fig
+
+
+def _maybe_log(ax: plt.Axes, values: pl.Series) -> None:
+    """Log scale when the values are positive and span more than two decades."""
+    v = values.drop_nulls().drop_nans().to_numpy()
+    v = v[np.isfinite(v)]
+    if len(v) and v.min() > 0 and v.max() / v.min() > 100:
+        ax.set_yscale("log")
+
+
+def _fit_to_values(ax: plt.Axes, values: pl.Series) -> None:
+    """Keep the y range on the metric itself: a band that balloons after a fault must not flatten it."""
+    v = values.cast(pl.Float64).drop_nulls().drop_nans().to_numpy()
+    v = v[np.isfinite(v)]
+    if not len(v) or v.min() == v.max():
+        return
+    lo, hi = v.min(), v.max()
+    if ax.get_yscale() == "log":
+        ax.set_ylim(lo / 1.5, hi * 1.5)
+    else:
+        pad = 0.08 * (hi - lo)
+        ax.set_ylim(lo - pad, hi + pad)
+
+
+def loss_and_grad(steps: pl.DataFrame, marks: Sequence[Mark] = ()) -> Figure:
+    """Loss and total gradient norm over steps, with the light's and the comparators' marks."""
+    fig, (ax_loss, ax_grad) = plt.subplots(2, 1, figsize=(11, 6), sharex=True, layout="constrained")
+    step = steps["step"].to_numpy()
+    for ax, col, label in ((ax_loss, "loss", "loss"), (ax_grad, "grad_norm_total_l2", "total grad norm (L2)")):
+        if col in steps.columns and steps[col].null_count() < len(steps):
+            ax.plot(step, steps[col].cast(pl.Float64).to_numpy(), color="black", linewidth=0.8)
+            _maybe_log(ax, steps[col].cast(pl.Float64))
+        else:
+            ax.text(0.5, 0.5, f"no {col} recorded", transform=ax.transAxes, ha="center")
+        ax.set_ylabel(label)
+        _draw_marks(ax, marks)
+    ax_loss.set_title("What a loss/grad-norm dashboard shows, and when each detector fired")
+    ax_grad.set_xlabel("optimizer step")
+    if marks:
+        ax_loss.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8)
+    return fig
+
+
+def condition_map(alarms: pl.DataFrame, order: Sequence[str], last_step: int,
+                  marks: Sequence[Mark] = (), kinds: dict[str, str] | None = None) -> Figure:
+    """Component × step map coloured by the alarmed condition, from onset to the run's end."""
+    conditions = sorted(set(alarms["condition"].to_list())) if len(alarms) else []
+    index = {c: i for i, c in enumerate(order)}
+    grid = np.full((len(order), last_step), np.nan)
+    for row in alarms.iter_rows(named=True):
+        if row["component"] in index and row["onset_step"] is not None:
+            grid[index[row["component"]], int(row["onset_step"]) - 1:] = conditions.index(row["condition"])
+    height = min(14.0, 1.6 + 0.28 * len(order))
+    fig, ax = plt.subplots(figsize=(11, height), layout="constrained")
+    palette = ListedColormap(plt.get_cmap("tab10").colors[: max(1, len(conditions))])
+    palette.set_bad("#f4f4f4")
+    ax.imshow(grid, aspect="auto", interpolation="nearest", cmap=palette, vmin=-0.5,
+              vmax=max(1, len(conditions)) - 0.5, extent=(0.5, last_step + 0.5, len(order) - 0.5, -0.5))
+    ax.set_yticks(range(len(order)), row_labels(order, kinds), fontsize=8)
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("component (forward order)")
+    ax.set_title("Alarmed components by condition (from onset on)")
+    handles = [plt.Rectangle((0, 0), 1, 1, color=palette(i)) for i in range(len(conditions))]
+    _draw_marks(ax, marks)
+    lines, labels = ax.get_legend_handles_labels()
+    ax.legend(handles + lines, conditions + labels, loc="upper left", fontsize=8, framealpha=0.9)
+    return fig
+
+
+def png_bytes(fig: Figure, dpi: int = 110) -> bytes:
+    """The figure as PNG bytes; closes it (pyplot keeps every open figure alive otherwise)."""
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=dpi)
+    plt.close(fig)
+    return buf.getvalue()
+
+
+def data_uri(png: bytes) -> str:
+    """A PNG as an `<img src=...>` value, so the HTML carries its images inside it."""
+    return "data:image/png;base64," + base64.b64encode(png).decode("ascii")

@@ -1,0 +1,285 @@
+"""The forensic report: one self-contained HTML file (figures embedded as PNG), or the PNGs alone.
+
+Reads the trace's tables, asks the engine (`forensics.analyze`) for the verdict and the static
+rules for what fixed thresholds saw, and lays both out for a person: heatmap, root metric against
+its baseline, loss and gradient norm with every detector's mark, the rollback, the alarm table.
+"""
+
+from __future__ import annotations
+
+import html
+import json
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import polars as pl
+from matplotlib.figure import Figure
+from warninglight.forensics import plots
+from warninglight.forensics.static_rules import StaticAlarm, TraceReadError, static_alarms
+from warninglight.tracer import schema
+
+# Metrics whose departure the heatmap shows, per component; the cell is the worst of them.
+HEAT_METRICS = ("grad_norm_l2", "update_ratio", "weight_drift_l2", "out_rms", "out_dead_frac", "out_sat_frac")
+
+
+class ReportError(ValueError):
+    """The report cannot be made from what was given."""
+
+
+@dataclass
+class ReportData:
+    """Everything the report shows, gathered once."""
+
+    trace: Path
+    result: dict[str, Any]  # Analysis.to_dict(): the `analyze --json` object
+    steps: pl.DataFrame
+    order: list[str]  # components in forward order
+    kinds: dict[str, str]  # component -> module class, for axis labels
+    scores: pl.DataFrame  # component, step, score (|departure| in threshold units)
+    root_band: pl.DataFrame | None
+    static: list[StaticAlarm]
+    truth: dict[str, Any] | None = None
+    notes: list[str] = field(default_factory=list)
+
+
+def read_table(trace: Path, table: str) -> pl.DataFrame:
+    """One trace table as a Polars frame (all ranks and incarnations)."""
+    try:
+        return pl.read_parquet(schema.segment_glob(trace, table), hive_partitioning=True)
+    except (FileNotFoundError, pl.exceptions.ComputeError) as e:
+        raise ReportError(
+            f"no {table} segments under {trace} — is this a trace directory? "
+            f"expected files like {table}/rank=0/incarnation=1/part-000000.parquet"
+        ) from e
+
+
+def component_order(components: pl.DataFrame) -> list[str]:
+    """Components sorted by forward order (never-called ones last, by name); the root left out."""
+    c = components.unique("component", keep="first").filter(pl.col("component") != "")
+    c = c.sort([pl.col("forward_index").is_null(), "forward_index", "component"])
+    return c["component"].to_list()
+
+
+def departure(frame: pl.DataFrame) -> pl.Series:
+    """How far each value sits outside its baseline, in band half-widths (1 = at the band edge).
+
+    Inside the band the result is below 1; a zero-width band (a metric that is exactly constant,
+    e.g. weight drift of 0) makes any change infinite, which the heatmap caps.
+    """
+    above = (pl.col("value") - pl.col("median")) / (pl.col("upper") - pl.col("median"))
+    below = (pl.col("median") - pl.col("value")) / (pl.col("median") - pl.col("lower"))
+    expr = pl.when(pl.col("value") >= pl.col("median")).then(above).otherwise(below)
+    expr = pl.when(pl.col("value") == pl.col("median")).then(0.0).otherwise(expr)
+    return frame.select(expr.fill_nan(None).alias("score"))["score"]
+
+
+def heat_scores(analysis: Any, order: list[str], health: pl.DataFrame) -> pl.DataFrame:
+    """Worst departure over HEAT_METRICS per (component, step), from the engine's baselines."""
+    parts = []
+    present = [m for m in HEAT_METRICS if m in health.columns]
+    for comp in order:
+        rows = health.filter(pl.col("component") == comp)
+        for metric in present:
+            if rows[metric].null_count() == len(rows):
+                continue
+            band = analysis.baseline_frame(comp, metric)
+            if band is None or len(band) == 0:
+                continue
+            parts.append(pl.DataFrame({"component": comp, "step": band["step"], "score": departure(band)}))
+    if not parts:
+        return pl.DataFrame(schema={"component": pl.String, "step": pl.Int64, "score": pl.Float64})
+    return (pl.concat(parts).with_columns(pl.col("score").abs())
+            .group_by("component", "step").agg(pl.col("score").max()))
+
+
+def read_truth(trace: Path) -> dict[str, Any] | None:
+    """The answer key a rehearsal left in the trace (truth.json), or None for a real run."""
+    path = trace / "truth.json"
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def gather(trace: Path | str, analysis: Any = None) -> ReportData:
+    """Read the trace and run (or take) the analysis; everything the report needs."""
+    trace = Path(trace)
+    if analysis is None:
+        # the engine is imported late: it is the heavy part, and plots alone do not need it
+        from warninglight.forensics import analyze
+
+        analysis = analyze(trace)
+    result = analysis.to_dict()
+    health = read_table(trace, "health")
+    components = read_table(trace, "components")
+    order = component_order(components)
+    kinds = dict(zip(components["component"], components["kind"], strict=True))
+    root = result.get("root") or {}
+    band = None
+    if root.get("component") is not None and root.get("metric"):
+        band = analysis.baseline_frame(root["component"], root["metric"])
+    try:
+        static = static_alarms(trace)
+    except TraceReadError:
+        static = []
+    return ReportData(trace, result, read_table(trace, "steps").sort("step"), order, kinds,
+                      heat_scores(analysis, order, health), band, static, read_truth(trace))
+
+
+def marks(data: ReportData) -> list[plots.Mark]:
+    """Every dated event the step-axis figures draw: onset, alarm, detectors, rollbacks, truth."""
+    r = data.result
+    root, det, rb = r.get("root") or {}, r.get("detectors") or {}, r.get("rollback") or {}
+    naive = rb.get("naive") or {}
+    first_static = data.static[0].step if data.static else None
+    candidates = [
+        ("injected", (data.truth or {}).get("step")),
+        ("onset", root.get("onset_step")),
+        ("alarm", root.get("alarm_step")),
+        ("loss-spike rule", det.get("loss_spike_step")),
+        ("grad-norm rule", det.get("grad_norm_spike_step")),
+        ("static rules", first_static),
+        ("rollback (ours)", rb.get("checkpoint_step")),
+        ("rollback (loss-only)", naive.get("checkpoint_step")),
+    ]
+    return [plots.Mark(label, int(step)) for label, step in candidates if step is not None]
+
+
+def figures(data: ReportData) -> dict[str, Figure]:
+    """The report's figures by file stem, in the order the report shows them."""
+    m = marks(data)
+    figs: dict[str, Figure] = {}
+    if len(data.scores):
+        figs["heatmap"] = plots.heatmap(data.scores, data.order, [x for x in m if x.label in ("onset", "alarm")],
+                                        title="Component health: distance outside each component's own baseline",
+                                        colour_label="worst departure from baseline\n(band half-widths; 1 = band edge)",
+                                        kinds=data.kinds)
+    root = data.result.get("root") or {}
+    if data.root_band is not None and len(data.root_band):
+        figs["root_metric"] = plots.baseline_band(data.root_band, root["component"], root["metric"],
+                                                  [x for x in m if x.label in ("injected", "onset", "alarm")])
+    figs["loss"] = plots.loss_and_grad(data.steps, m)
+    alarms = pl.DataFrame(data.result.get("alarms") or [], infer_schema_length=None)
+    if len(alarms) and {"component", "condition", "onset_step"} <= set(alarms.columns):
+        figs["conditions"] = plots.condition_map(alarms, data.order, int(data.steps["step"].max()), m[:3],
+                                             kinds=data.kinds)
+    return figs
+
+
+def _fmt(v: Any) -> str:
+    if v is None:
+        return "—"
+    if isinstance(v, float):
+        return "—" if math.isnan(v) else f"{v:.3g}"
+    if isinstance(v, list | tuple):
+        return "–".join(_fmt(x) for x in v) if len(v) <= 2 else f"{len(v)} items"
+    return str(v)
+
+
+def summary_line(result: Mapping[str, Any]) -> str:
+    """The verdict as one line an operator can act on: what, where, since when, and where to go back to."""
+    root = result.get("root") or {}
+    if not root.get("component") and root.get("component") != "":
+        return f"{str(result.get('verdict', 'clean')).upper()}: no component left its baseline; no rollback needed."
+    rb = result.get("rollback") or {}
+    naive = rb.get("naive") or {}
+    line = (f"ALARM {root['component'] or '(root)'}: {root.get('condition')} "
+            f"(|z| {_fmt(root.get('magnitude'))} on {root.get('metric')}), "
+            f"onset step {root.get('onset_step')}, alarm step {root.get('alarm_step')}")
+    if rb.get("checkpoint_step") is None:
+        return line + " — no checkpoint before the onset: restart from scratch."
+    line += (f" — roll back to step {rb['checkpoint_step']} ({rb.get('checkpoint_path') or 'checkpoint'}), "
+             f"discard {rb.get('steps_discarded')} steps")
+    if rb.get("skip_steps"):
+        line += f", skip the batches of steps {_fmt(rb['skip_steps'])}"
+    if naive.get("steps_discarded") is not None and rb.get("steps_discarded") is not None:
+        saved = naive["steps_discarded"] - rb["steps_discarded"]
+        held = "already held the damage" if naive.get("contaminated") else "was clean"
+        line += (f"; the loss-only choice (step {naive.get('checkpoint_step')}, {held}) "
+                 f"would discard {naive['steps_discarded']}: {saved} steps saved")
+    return line + "."
+
+
+_CSS = """body{font-family:system-ui,sans-serif;max-width:1150px;margin:2em auto;color:#222}
+h1{font-size:1.5em}h2{font-size:1.15em;margin-top:1.6em;border-bottom:1px solid #ddd}
+.verdict{font-size:1.05em;padding:.7em 1em;border-left:6px solid #d62728;background:#fbeaea}
+.verdict.clean{border-color:#2ca02c;background:#eaf6ea}
+table{border-collapse:collapse;font-size:.9em}td,th{border:1px solid #ccc;padding:.25em .6em;text-align:left}
+th{background:#f3f3f3}img{max-width:100%;border:1px solid #eee}code{background:#f5f5f5}"""
+
+
+def _table(rows: list[Mapping[str, Any]], columns: list[str]) -> str:
+    if not rows:
+        return "<p>none</p>"
+    head = "".join(f"<th>{html.escape(c)}</th>" for c in columns)
+    body = "".join("<tr>" + "".join(f"<td>{html.escape(_fmt(r.get(c)))}</td>" for c in columns) + "</tr>"
+                   for r in rows)
+    return f"<table><tr>{head}</tr>{body}</table>"
+
+
+def _comparators(data: ReportData) -> list[dict[str, Any]]:
+    det, root = data.result.get("detectors") or {}, data.result.get("root") or {}
+    ours = root.get("alarm_step")
+    rows = [{"detector": "Warning Light", "first alarm step": ours, "names a component": root.get("component")}]
+    for name, key in (("loss spike (mean + 6σ, 128 steps)", "loss_spike_step"),
+                      ("gradient-norm spike", "grad_norm_spike_step")):
+        rows.append({"detector": name, "first alarm step": det.get(key) or "never fired", "names a component": "no"})
+    first = data.static[0] if data.static else None
+    rows.append({"detector": "static rules (SageMaker-style)",
+                 "first alarm step": first.step if first else "never fired",
+                 "names a component": f"{first.component} ({first.rule})" if first else "—"})
+    return rows
+
+
+def render_html(data: ReportData, images: Mapping[str, bytes]) -> str:
+    """The report as one HTML string with the PNGs inlined."""
+    r = data.result
+    line = summary_line(r)
+    css_class = "verdict clean" if line.startswith(("CLEAN", "OK")) or not (r.get("root") or {}) else "verdict"
+    rb = dict(r.get("rollback") or {})
+    naive = rb.pop("naive", None) or {}
+    parts = [f"<!doctype html><html><head><meta charset='utf-8'><title>Warning Light — {html.escape(data.trace.name)}</title>",
+             f"<style>{_CSS}</style></head><body>",
+             f"<h1>Warning Light report: <code>{html.escape(str(data.trace))}</code></h1>",
+             f"<p class='{css_class}'>{html.escape(line)}</p>"]
+    if data.truth:
+        parts.append(f"<p><b>Answer key</b> (truth.json of this rehearsal): <code>{html.escape(json.dumps(data.truth))}</code></p>")
+    captions = {"heatmap": "Where: every component at every step", "root_metric": "The root component against its baseline",
+                "loss": "When: the light against the loss and gradient-norm rules", "conditions": "What: conditions by component"}
+    for name, png in images.items():
+        parts.append(f"<h2>{captions.get(name, name)}</h2><img alt='{name}' src='{plots.data_uri(png)}'>")
+    parts.append("<h2>Rollback</h2>")
+    parts.append(_table([{"choice": "Warning Light", **rb}, {"choice": "loss-only operator", **naive}],
+                        ["choice", "checkpoint_step", "checkpoint_path", "steps_discarded", "skip_steps", "contaminated"]))
+    parts.append("<h2>Detectors</h2>" + _table(_comparators(data), ["detector", "first alarm step", "names a component"]))
+    alarms = r.get("alarms") or []
+    cols = ["component", "condition", "metric", "onset_step", "alarm_step", "magnitude"]
+    parts.append(f"<h2>Alarms ({len(alarms)})</h2>" + _table(alarms, cols))
+    parts.append(f"<h2>Static-rule firings ({len(data.static)})</h2>"
+                 + _table([a.to_dict() for a in data.static], ["rule", "component", "step", "value", "steps_fired"]))
+    parts.extend(f"<p><i>{html.escape(n)}</i></p>" for n in data.notes)
+    parts.append("</body></html>")
+    return "\n".join(parts)
+
+
+def write_html(trace: Path | str, out: Path | str, analysis: Any = None) -> Path:
+    """Write the self-contained HTML report of `trace` to `out`; returns the path."""
+    data = gather(trace, analysis)
+    images = {name: plots.png_bytes(fig) for name, fig in figures(data).items()}
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(render_html(data, images), encoding="utf-8")
+    return out
+
+
+def write_pngs(trace: Path | str, out_dir: Path | str, analysis: Any = None) -> list[Path]:
+    """Write the report's figures alone, one PNG each, into `out_dir`; returns their paths."""
+    data = gather(trace, analysis)
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for name, fig in figures(data).items():
+        path = out_dir / f"{name}.png"
+        path.write_bytes(plots.png_bytes(fig))
+        paths.append(path)
+    return paths

@@ -1,0 +1,94 @@
+"""The benchmark's arithmetic: scoring one run against its answer key, and the tables' aggregates."""
+
+from __future__ import annotations
+
+import pytest
+from warninglight.forensics import evaluation
+from warninglight.forensics.static_rules import StaticAlarm
+
+TRUTH_ABRUPT = {"fault": "weight_corruption", "component": "2", "step": 150, "kind": "abrupt", "healthy": False}
+TRUTH_GRADUAL = {"fault": "bias_drift", "component": "2", "step": 150, "kind": "gradual", "healthy": False}
+TRUTH_CLEAN = {"scenario": "mlp_clean", "healthy": True, "faults": []}
+
+
+def result(component: str | None = "2", onset: int = 151, alarm: int = 153, loss: int | None = 200,
+           grad: int | None = None, alarms: int = 2) -> dict:
+    """An `analyze --json`-shaped dict."""
+    root = None if component is None else {"component": component, "condition": "exploding",
+                                            "onset_step": onset, "alarm_step": alarm, "magnitude": 30.0,
+                                            "metric": "weight_drift_l2"}
+    return {
+        "verdict": "clean" if root is None else "fault", "root": root,
+        "alarms": [{"component": "x"}] * alarms,
+        "rollback": None if root is None else {
+            "checkpoint_step": 100, "steps_discarded": 53,
+            "naive": {"alarm_step": loss, "checkpoint_step": 200, "contaminated": True, "steps_discarded": 0}},
+        "detectors": {"loss_spike_step": loss, "grad_norm_spike_step": grad},
+    }
+
+
+def test_score_abrupt_fault_run() -> None:
+    static = [StaticAlarm("dead_relu", "3", 90, 0.6, 3), StaticAlarm("exploding_tensor", "2", 160, 4.0, 1)]
+    r = evaluation.score("mlp_x", 0, TRUTH_ABRUPT, result(), static, component_steps=2100)
+    assert (r.root_correct, r.onset_error, r.onset_ok, r.latency) == (True, 1, True, 3)
+    assert (r.lead_loss, r.lead_grad, r.grad_rule_step) == (47, None, None)
+    assert (r.discarded_ours, r.discarded_naive, r.naive_contaminated) == (53, 0, True)
+    # the static firing at step 90 predates the fault; the first at or after 150 counts
+    assert (r.static_step, r.static_rule, r.static_correct) == (160, "exploding_tensor", True)
+
+
+@pytest.mark.parametrize("kind_truth, onset, ok", [
+    (TRUTH_ABRUPT, 153, False),   # 3 steps off: outside the abrupt tolerance of 2
+    (TRUTH_ABRUPT, 148, True),    # 2 steps early
+    (TRUTH_GRADUAL, 160, True),   # 10 steps: inside the gradual tolerance
+    (TRUTH_GRADUAL, 161, False),
+])
+def test_onset_tolerance_depends_on_kind(kind_truth: dict, onset: int, ok: bool) -> None:
+    r = evaluation.score("s", 0, kind_truth, result(onset=onset, alarm=onset + 5), [], 100)
+    assert r.onset_ok is ok
+    assert r.onset_error == abs(onset - 150)
+
+
+def test_wrong_root_and_missed_fault() -> None:
+    wrong = evaluation.score("s", 0, TRUTH_ABRUPT, result(component="4"), [], 100)
+    missed = evaluation.score("s", 1, TRUTH_ABRUPT, result(component=None), [], 100)
+    assert wrong.root_correct is False and wrong.fault_verdict is True
+    assert missed.root_correct is False and missed.fault_verdict is False
+    assert (missed.latency, missed.onset_ok, missed.discarded_ours) == (None, False, None)
+
+
+def test_clean_run_counts_alarms_not_accuracy() -> None:
+    r = evaluation.score("mlp_clean", 0, TRUTH_CLEAN, result(component=None, alarms=3), [], 3000)
+    assert (r.kind, r.fault_verdict, r.root_correct, r.alarms) == ("clean", False, None, 3)
+
+
+def test_global_fault_has_no_root_to_grade() -> None:
+    truth = {**TRUTH_ABRUPT, "fault": "lr_spike", "component": ""}
+    assert evaluation.score("s", 0, truth, result(), [], 100).root_correct is None
+
+
+def test_tables_aggregate_and_state_targets() -> None:
+    runs = [
+        evaluation.score("a", 0, TRUTH_ABRUPT, result(onset=150, alarm=151, loss=None), [], 1000),
+        evaluation.score("a", 1, TRUTH_ABRUPT, result(component="9", onset=155, alarm=156, loss=171), [], 1000),
+        evaluation.score("g", 0, TRUTH_GRADUAL, result(onset=152, alarm=170, loss=300), [], 1000),
+        evaluation.score("c", 0, TRUTH_CLEAN, result(component=None, alarms=1), [], 4000),
+        evaluation.score("c", 1, TRUTH_CLEAN, result(component="1", alarms=1), [], 6000),
+    ]
+    rows = evaluation.summarise_faults([r for r in runs if r.scenario == "a"])
+    assert rows["root right"] == "1/2"
+    assert rows["onset err med/max"] == "2.5/5"
+    assert rows["lead vs loss rule"] == "+15 (never fired 1/2)"
+    clean = evaluation.summarise_clean([r for r in runs if r.scenario == "c"])
+    assert clean["fault verdicts"] == "1/2"
+    assert clean["alarms per 10k comp-steps"] == "2.00"  # 2 alarms over 10,000 component-steps
+    text = evaluation.format_tables(runs)
+    assert "root component right in ≥ 95% of fault runs: 2/3 = 67% MISSED" in text
+    assert "onset within 2 steps (abrupt): 1/2 MISSED" in text
+    assert "gradual faults alarm ≥ 100 steps before the loss-spike rule (or it never fires): 1/1 MET" in text
+    assert "zero fault verdicts on clean runs: 1/2 MISSED" in text
+
+
+def test_benchmark_rejects_zero_seeds() -> None:
+    with pytest.raises(evaluation.EvaluationError, match="--seeds must be at least 1, got 0"):
+        evaluation.run_benchmark(["mlp_clean"], 0)

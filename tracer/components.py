@@ -1,0 +1,107 @@
+"""Which modules of a model are components, what kind they are, and the `components` table rows."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from torch import nn
+
+# Parameter-free nonlinearities we record, and the range each one is bounded to (None: unbounded).
+ACTIVATION_BOUNDS: dict[type[nn.Module], str | None] = {
+    nn.ReLU: "relu", nn.ReLU6: "relu", nn.Tanh: "tanh", nn.Hardtanh: "tanh",
+    nn.Sigmoid: "sigmoid", nn.Hardsigmoid: "sigmoid", nn.Softmax: "sigmoid",
+    nn.GELU: None, nn.SiLU: None, nn.LeakyReLU: None, nn.ELU: None, nn.SELU: None,
+    nn.CELU: None, nn.Mish: None, nn.Softplus: None, nn.Hardswish: None, nn.LogSoftmax: None,
+}
+
+# Modules whose output carries units along dim 1 (channels), not along the last dim.
+_CHANNEL_FIRST = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d,
+                  nn.ConvTranspose3d, nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
+
+# (center, half width) of each bounded range: an output is saturated when it lies within 1% of the
+# range's width of a bound, i.e. |x - center| >= 0.98 * half width.
+SAT_RANGES: dict[str, tuple[float, float]] = {"tanh": (0.0, 1.0), "sigmoid": (0.5, 0.5)}
+
+
+@dataclass
+class Component:
+    """One recorded module: its path, kind, parameters and what was learnt in the first forward."""
+
+    index: int
+    name: str
+    module: nn.Module
+    params: list[nn.Parameter]
+    role: str                          # "param", "activation" or "head"
+    bound: str | None = None
+    channel_first: bool = False
+    forward_index: int | None = None   # first-call order in the first recorded forward
+    parent_param: str | None = None
+    head: bool = False
+    extra: dict[str, object] = field(default_factory=dict)
+
+    @property
+    def param_count(self) -> int:
+        """Parameters owned directly by this module."""
+        return sum(p.numel() for p in self.params)
+
+
+def discover(model: nn.Module) -> list[Component]:
+    """Every module owning parameters directly, plus known activation modules, in module order."""
+    seen: set[int] = set()
+    found: list[Component] = []
+    for name, module in model.named_modules():
+        own = [p for p in module.parameters(recurse=False) if id(p) not in seen]
+        seen.update(id(p) for p in own)  # a tied parameter belongs to its first owner
+        if own:
+            role, bound = "param", None
+        elif type(module) in ACTIVATION_BOUNDS:
+            role, bound = "activation", ACTIVATION_BOUNDS[type(module)]
+        else:
+            continue
+        found.append(Component(len(found), name, module, own, role, bound,
+                               channel_first=isinstance(module, _CHANNEL_FIRST)))
+    return found
+
+
+def resolve_heads(components: list[Component], heads: list[str] | None) -> None:
+    """Mark output heads: the names given, else the last parameter-owning component called."""
+    by_name = {c.name: c for c in components}
+    if heads:
+        unknown = [h for h in heads if h not in by_name]
+        if unknown:
+            raise ValueError(f"heads={unknown!r} are not components of the model; "
+                             f"expected module paths such as {list(by_name)[-3:]!r}")
+        for h in heads:
+            by_name[h].head = True
+    else:
+        called = [c for c in components if c.role == "param" and c.forward_index is not None]
+        if called:
+            max(called, key=lambda c: c.forward_index or 0).head = True
+    for c in components:
+        if c.head:
+            c.role = "head"
+
+
+def assign_parents(components: list[Component]) -> None:
+    """For each activation, the parameter-owning component called just before it."""
+    order = sorted((c for c in components if c.forward_index is not None),
+                   key=lambda c: c.forward_index or 0)
+    last_param: str | None = None
+    for c in order:
+        if c.role == "activation":
+            c.parent_param = last_param
+        else:
+            last_param = c.name
+
+
+def component_rows(components: list[Component]) -> dict[str, list[object]]:
+    """The `components` table, column by column."""
+    return {
+        "component": [c.name for c in components],
+        "kind": [type(c.module).__name__ for c in components],
+        "forward_index": [c.forward_index for c in components],
+        "param_count": [c.param_count for c in components],
+        "role": [c.role for c in components],
+        "bound": [c.bound for c in components],
+        "parent_param": [c.parent_param for c in components],
+    }

@@ -1,0 +1,439 @@
+"""`watch(model, optimizer, path)`: record every component's health at every optimizer step.
+
+Which step a call belongs to: a step ends at `optimizer.step()` (or `rec.step()` without an
+optimizer). `rec.log` and `rec.batch` attach to the step in progress if a training forward has run
+since the last step ended, else to the step just completed — so logging either before or after
+`optimizer.step()` in the usual loop lands on the right step. `rec.checkpoint(path)` always
+records the steps completed so far (the checkpoint holds the weights after that many steps).
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import signal
+import threading
+import time
+import uuid
+import warnings
+from dataclasses import dataclass
+from types import FrameType, TracebackType
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from . import schema
+from .components import assign_parents, component_rows, discover, resolve_heads
+from .probes import ForwardProbe, ParamProbe
+from .writer import Segment, TraceWriter
+
+_PARAM_METRICS = ("grad_norm_l2", "grad_nonfinite_count", "weight_norm_l2", "update_norm_l2",
+                  "update_ratio", "update_cos", "weight_drift_l2")
+_METRIC_POS = {m: i for i, m in enumerate(schema.HEALTH_METRICS)}
+
+
+@dataclass
+class _StepRecord:
+    step: int
+    stats: torch.Tensor                 # (C, M) float64 on the model's device
+    valid: np.ndarray                   # (C, M) bool
+    grad_total: torch.Tensor | None
+    wall_time_s: float
+    step_time_s: float
+    micro_batches: int
+    lr: float | torch.Tensor | None
+
+
+class Recorder:
+    """Hooks on a model (and its optimizer) that write a health trace; see `watch`."""
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None,
+                 path: str | os.PathLike[str], *, rank: int | None = None,
+                 world_size: int | None = None, heads: list[str] | None = None,
+                 sample_size: int = 64, sketch_size: int = 256, flush_every_steps: int = 100,
+                 flush_every_s: float = 30.0, start_step: int = 0, run_id: str | None = None,
+                 config: dict[str, Any] | None = None) -> None:
+        if sample_size < 1 or sketch_size < 1 or flush_every_steps < 1 or flush_every_s <= 0:
+            raise ValueError("sample_size, sketch_size and flush_every_steps must be >= 1 and "
+                             f"flush_every_s > 0; got {sample_size}, {sketch_size}, "
+                             f"{flush_every_steps}, {flush_every_s}")
+        self.model, self.optimizer = model, optimizer
+        self.rank, self.world_size = _rank_and_world(rank, world_size)
+        self.components = discover(model)
+        if heads:
+            resolve_heads(self.components, heads)
+        self._heads_given = bool(heads)
+        params = [p for c in self.components for p in c.params]
+        self.device = params[0].device if params else torch.device("cpu")
+        self.fwd = ForwardProbe(self.components, sample_size)
+        self.params = ParamProbe(self.components, sketch_size)
+        self.flush_every_steps, self.flush_every_s = flush_every_steps, flush_every_s
+        self.step_count = start_step
+        self._first_step = start_step + 1
+        self._static_valid = self._structural_validity()
+        self._records: list[_StepRecord] = []
+        self._logs: dict[int, dict[str, list[Any]]] = {}
+        self._batches: dict[int, list[Any]] = {}
+        self._events: list[dict[str, Any]] = []
+        self._in_step = False
+        self._micro_batches = 0
+        self._order = 0
+        self._components_written = False
+        self._probe_dropped = 0
+        self._warned = False
+        self._errors_seen = 0
+        self._closed = False
+        self._last_step_time = self._last_flush = time.time()
+        cfg = {"sample_size": sample_size, "sketch_size": sketch_size,
+               "flush_every_steps": flush_every_steps, "flush_every_s": flush_every_s,
+               "heads": heads, "start_step": start_step, **(config or {})}
+        self.writer = TraceWriter(path, self.rank, self.world_size, run_id or uuid.uuid4().hex[:12],
+                                  type(model).__name__, cfg)
+        self.incarnation = self.writer.incarnation
+        self._event("start", detail=json.dumps(cfg, default=str))
+        if self.incarnation > 1:
+            self._event("restart", detail=f"incarnation {self.incarnation}")
+        self._handles = self._install_hooks()
+        self._prev_sigterm = self._install_sigterm()
+        atexit.register(self._at_exit)
+        self._check_writer()
+
+    # --- public API -------------------------------------------------------------------------
+
+    @property
+    def dropped_steps(self) -> int:
+        """Steps whose rows were lost (writer failures, a full queue, probe errors)."""
+        return self.writer.dropped_steps
+
+    @property
+    def path(self) -> str:
+        """The trace directory."""
+        return str(self.writer.root)
+
+    def log(self, **values: float | torch.Tensor) -> None:
+        """Step-level scalars (`loss=...`, anything else goes to `scalars`); tensors are not synced."""
+        if self._closed:
+            return
+        slot = self._logs.setdefault(self._target_step(), {})
+        for name, value in values.items():
+            v = value.detach() if isinstance(value, torch.Tensor) else value
+            slot.setdefault(name, []).append(v)
+
+    def batch(self, ids: Any) -> None:
+        """The sample ids (or batch indices) this step consumed: a list or tensor of ints."""
+        if self._closed:
+            return
+        ids = ids.detach() if isinstance(ids, torch.Tensor) else ids
+        self._batches.setdefault(self._target_step(), []).append(ids)
+
+    def checkpoint(self, path: str | os.PathLike[str]) -> None:
+        """Record that a checkpoint holding the weights after `step_count` steps was saved."""
+        if not self._closed:
+            self._event("checkpoint", path=os.fspath(path))
+
+    def step(self) -> None:
+        """End a step by hand, when no optimizer was given to `watch`."""
+        if self.optimizer is not None:
+            self._warn_once("rec.step() ignored: steps advance on optimizer.step() when an "
+                            "optimizer is given to watch()")
+            return
+        self._pre_step()
+        self._post_step()
+
+    def close(self, reason: str = "normal") -> None:
+        """Stop recording and write everything still buffered. Safe to call twice."""
+        if self._closed:
+            return
+        self._closed = True
+        for h in self._handles:
+            h.remove()
+        self._restore_sigterm()
+        atexit.unregister(self._at_exit)
+        self._event("stop", detail=reason)
+        self._flush(final=True)
+        self.writer.close(reason)
+        self._check_writer()
+
+    def __enter__(self) -> Recorder:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.close("exception" if exc_type is not None else "normal")
+
+    # --- hooks ------------------------------------------------------------------------------
+
+    def _install_hooks(self) -> list[Any]:
+        handles = [self.model.register_forward_pre_hook(self._root_pre_hook)]
+        for comp in self.components:
+            handles.append(comp.module.register_forward_hook(self._make_hook(comp)))
+        if self.optimizer is not None:
+            handles.append(self.optimizer.register_step_pre_hook(lambda *_: self._pre_step()))
+            handles.append(self.optimizer.register_step_post_hook(lambda *_: self._post_step()))
+        return handles
+
+    def _recording(self, module: nn.Module) -> bool:
+        return not self._closed and module.training and torch.is_grad_enabled()
+
+    def _root_pre_hook(self, module: nn.Module, args: Any) -> None:
+        if self._recording(module):
+            self._begin_step()
+            self._micro_batches += 1
+
+    def _make_hook(self, comp: Any) -> Any:
+        def hook(module: nn.Module, args: Any, out: Any) -> None:
+            if not self._recording(module):
+                return
+            try:
+                self._begin_step()
+                if comp.forward_index is None and self.step_count < self._first_step:
+                    comp.forward_index, self._order = self._order, self._order + 1
+                self.fwd.observe(comp, out)
+            except Exception as exc:  # a probe must never break the forward pass
+                self._probe_failed(exc)
+        return hook
+
+    def _begin_step(self) -> None:
+        if not self._in_step:
+            self._in_step = True
+            self.params.begin()
+
+    def _pre_step(self) -> None:
+        if self._closed:
+            return
+        try:
+            self.params.grads()
+        except Exception as exc:
+            self._probe_failed(exc)
+
+    def _post_step(self) -> None:
+        if self._closed:
+            return
+        self.step_count += 1
+        now = time.time()
+        try:
+            if self.step_count == self._first_step:
+                self._settle_components()
+            self._records.append(self._step_record(now))
+        except Exception as exc:
+            self._probe_failed(exc)
+            self.writer.record_failure(f"step {self.step_count} not recorded", 1)
+        finally:
+            self.fwd.reset()
+            self._in_step, self._micro_batches, self._last_step_time = False, 0, now
+        self._check_writer()
+        if len(self._records) > self.flush_every_steps or (
+                len(self._records) > 1 and now - self._last_flush >= self.flush_every_s):
+            self._flush(final=False)
+
+    def _step_record(self, now: float) -> _StepRecord:
+        grad_total = self.params.total_grad_norm
+        pcols, pvalid = self.params.end()
+        cols = {**self.fwd.compute(self.device), **pcols}
+        stats = torch.stack([cols[m].double() for m in schema.HEALTH_METRICS], 1)
+        valid = self._static_valid.copy()
+        fired = self.fwd.sampled
+        for m in ("out_mean", "out_rms", "out_absmax", "out_zero_frac", "out_sat_frac",
+                  "out_dead_frac", "out_nonfinite_count", "pred_entropy_nats", "pred_maxprob"):
+            valid[:, _METRIC_POS[m]] &= fired
+        for j, m in enumerate(_PARAM_METRICS):
+            valid[:, _METRIC_POS[m]] = pvalid[:, j]
+        lr = self.optimizer.param_groups[0].get("lr") if self.optimizer else None
+        return _StepRecord(self.step_count, stats, valid, grad_total, now,
+                           now - self._last_step_time, self._micro_batches,
+                           lr.detach().clone() if isinstance(lr, torch.Tensor) else lr)
+
+    def _structural_validity(self) -> np.ndarray:
+        valid = np.ones((len(self.components), len(schema.HEALTH_METRICS)), dtype=bool)
+        for c in self.components:
+            valid[c.index, _METRIC_POS["out_sat_frac"]] = c.bound in ("tanh", "sigmoid")
+            for m in ("pred_entropy_nats", "pred_maxprob"):
+                valid[c.index, _METRIC_POS[m]] = c.head
+        return valid
+
+    def _settle_components(self) -> None:
+        """After the first step: heads, parents, and a warning for components never seen."""
+        if not self._heads_given:
+            resolve_heads(self.components, None)
+        assign_parents(self.components)
+        self._static_valid = self._structural_validity()
+        unseen = [c.name for c in self.components if c.forward_index is None]
+        if unseen:
+            msg = (f"forward hooks never fired in the first step for {len(unseen)} of "
+                   f"{len(self.components)} components (unused modules, or hidden by "
+                   f"torch.compile): {', '.join(unseen[:20])}")
+            self._event("warning", detail=msg)
+            if len(unseen) * 2 > len(self.components):
+                self._warn_once(msg)
+
+    # --- step attribution, events, failures --------------------------------------------------
+
+    def _target_step(self) -> int:
+        return self.step_count + 1 if self._in_step or self.step_count < self._first_step \
+            else self.step_count
+
+    def _event(self, kind: str, path: str | None = None, detail: str | None = None) -> None:
+        self._events.append({"step": self.step_count, "wall_time_s": time.time(), "kind": kind,
+                             "path": path, "detail": detail})
+
+    def _warn_once(self, message: str) -> None:
+        self._event("warning", detail=message)
+        if not self._warned:
+            self._warned = True
+            warnings.warn(f"warninglight: {message}", RuntimeWarning, stacklevel=3)
+
+    def _probe_failed(self, exc: Exception) -> None:
+        self._warn_once(f"probe failed, training continues unrecorded for affected steps: "
+                        f"{type(exc).__name__}: {exc}")
+
+    def _check_writer(self) -> None:
+        errors = self.writer.errors
+        if len(errors) > self._errors_seen:
+            self._errors_seen = len(errors)
+            self._event("dropped", detail=f"{self.writer.dropped_steps} steps dropped; last error: "
+                                          f"{errors[-1]}")
+            self._warn_once(f"trace writing failed under {self.path!r} ({errors[-1]}); "
+                            f"training continues, {self.writer.dropped_steps} steps dropped so far")
+
+    # --- flushing ---------------------------------------------------------------------------
+
+    def _flush(self, final: bool) -> None:
+        """Hand the finished steps (all of them when `final`) to the writer as one segment."""
+        try:
+            recs = self._records if final else self._records[:-1]
+            self._records = [] if final else self._records[-1:]
+            self._last_flush = time.time()
+            self.writer.submit(self._segment(recs))
+        except Exception as exc:
+            self._probe_failed(exc)
+
+    def _segment(self, recs: list[_StepRecord]) -> Segment:
+        steps = [r.step for r in recs]
+        n_c, n_m = len(self.components), len(schema.HEALTH_METRICS)
+        if recs:
+            stats = torch.stack([r.stats for r in recs]).cpu().numpy()  # the only sync: every K steps
+            valid = np.stack([r.valid for r in recs])
+        else:
+            stats, valid = np.zeros((0, n_c, n_m)), np.zeros((0, n_c, n_m), dtype=bool)
+        tables = {"steps": self._step_rows(recs), "scalars": self._scalar_rows(steps),
+                  "events": _columns(self._events, schema.EVENT_COLUMNS)}
+        self._events = []
+        if not self._components_written:
+            tables["components"] = component_rows(self.components)
+            self._components_written = True
+        return Segment(np.asarray(steps, dtype=np.int64), [c.name for c in self.components],
+                       stats, valid, tables)
+
+    def _step_rows(self, recs: list[_StepRecord]) -> dict[str, list[Any]]:
+        loss = [_mean(self._logs.get(r.step, {}).get("loss")) for r in recs]
+        totals = _floats([r.grad_total for r in recs])
+        return {"step": [r.step for r in recs], "wall_time_s": [r.wall_time_s for r in recs],
+                "step_time_s": [r.step_time_s for r in recs], "loss": loss,
+                "lr": _floats([r.lr for r in recs]), "grad_norm_total_l2": totals,
+                "micro_batches": [r.micro_batches for r in recs],
+                "batch_ids": [_ids(self._batches.pop(r.step, None)) for r in recs]}
+
+    def _scalar_rows(self, steps: list[int]) -> dict[str, list[Any]]:
+        rows: dict[str, list[Any]] = {"step": [], "name": [], "value": []}
+        for s in steps:
+            for name, values in self._logs.pop(s, {}).items():
+                if name != "loss":
+                    rows["step"].append(s)
+                    rows["name"].append(name)
+                    rows["value"].append(_mean(values))
+        return rows
+
+    # --- process life -----------------------------------------------------------------------
+
+    def _install_sigterm(self) -> Any:
+        if threading.current_thread() is not threading.main_thread():
+            return None
+        try:
+            return signal.signal(signal.SIGTERM, self._on_sigterm)
+        except (ValueError, OSError):
+            return None
+
+    def _restore_sigterm(self) -> None:
+        if self._prev_sigterm is None or threading.current_thread() is not threading.main_thread():
+            return
+        if signal.getsignal(signal.SIGTERM) == self._on_sigterm:
+            signal.signal(signal.SIGTERM, self._prev_sigterm)
+
+    def _on_sigterm(self, signum: int, frame: FrameType | None) -> None:
+        prev = self._prev_sigterm
+        self.close("sigterm")
+        if callable(prev):
+            prev(signum, frame)
+        elif prev != signal.SIG_IGN:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    def _at_exit(self) -> None:
+        self.close("normal")
+
+
+def _rank_and_world(rank: int | None, world_size: int | None) -> tuple[int, int]:
+    dist = torch.distributed
+    initialised = dist.is_available() and dist.is_initialized()
+    if rank is None:
+        rank = dist.get_rank() if initialised else 0
+    if world_size is None:
+        world_size = dist.get_world_size() if initialised else 1
+    return rank, world_size
+
+
+def _floats(values: list[Any]) -> list[float | None]:
+    """Python floats from a mix of numbers, tensors and None, with one device copy for tensors."""
+    tensors = [(i, v) for i, v in enumerate(values) if isinstance(v, torch.Tensor)]
+    out: list[float | None] = [None if v is None or isinstance(v, torch.Tensor) else float(v)
+                               for v in values]
+    if tensors:
+        host = torch.stack([v.float().mean().cpu() for _, v in tensors]).tolist()
+        for (i, _), x in zip(tensors, host, strict=True):
+            out[i] = x
+    return out
+
+
+def _mean(values: list[Any] | None) -> float | None:
+    if not values:
+        return None
+    xs = [x for x in _floats(values) if x is not None]
+    return sum(xs) / len(xs) if xs else None
+
+
+def _ids(chunks: list[Any] | None) -> list[int] | None:
+    if not chunks:
+        return None
+    out: list[int] = []
+    for c in chunks:
+        out += c.reshape(-1).tolist() if isinstance(c, torch.Tensor) else [int(i) for i in c]
+    return out
+
+
+def _columns(rows: list[dict[str, Any]], columns: tuple[schema.Column, ...]) -> dict[str, list[Any]]:
+    return {c.name: [r.get(c.name) for r in rows] for c in columns}
+
+
+def watch(model: nn.Module, optimizer: torch.optim.Optimizer | str | os.PathLike[str] | None = None,
+          path: str | os.PathLike[str] | None = None, **options: Any) -> Recorder:
+    """Start recording `model` (stepping on `optimizer`) into the trace directory `path`.
+
+    Keyword options: rank, world_size, heads, sample_size (rows subsampled per output),
+    sketch_size (coordinates per parameter), flush_every_steps, flush_every_s, start_step (steps
+    already done when resuming), run_id; anything else is stored in the manifest's config.
+    """
+    if isinstance(optimizer, (str, os.PathLike)):  # watch(model, "runs/x") without an optimizer
+        optimizer, path = None, optimizer
+    if path is None:
+        raise ValueError("watch() needs a trace directory, e.g. watch(model, optimizer, 'runs/exp1')")
+    known = {"rank", "world_size", "heads", "sample_size", "sketch_size", "flush_every_steps",
+             "flush_every_s", "start_step", "run_id"}
+    kwargs = {k: v for k, v in options.items() if k in known}
+    config = {k: v for k, v in options.items() if k not in known}
+    return Recorder(model, optimizer, path, config=config, **kwargs)
+
+
+__all__ = ["Recorder", "watch"]

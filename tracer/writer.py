@@ -1,0 +1,190 @@
+"""Background writer: turns step records into complete Parquet segments and keeps the manifest.
+
+Training never waits on the disk: segments go through a bounded queue to one daemon thread. A
+segment is written as `*.tmp` and renamed, one file per table, so readers only ever see closed
+files. Any failure (unwritable directory, full disk) drops that segment's steps, counts them, and
+keeps going; the recorder turns the first failure into a warning on the training thread.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import queue
+import re
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from . import schema
+
+_INCARNATION_DIR = re.compile(r"^incarnation=(\d+)$")
+
+
+@dataclass
+class Segment:
+    """The rows of one segment: every table's columns for a run of consecutive steps."""
+
+    steps: np.ndarray                                   # (S,) int64 step numbers
+    components: list[str]
+    stats: np.ndarray                                   # (S, C, M) float64, M = HEALTH_METRICS
+    valid: np.ndarray                                   # (S, C, M) bool; False = null
+    tables: dict[str, dict[str, list[object]]] = field(default_factory=dict)
+
+
+def health_table(seg: Segment) -> pa.Table:
+    """The `health` rows of a segment: one per (step, component), metrics null where not valid."""
+    n_steps, n_comp, _ = seg.stats.shape
+    cols: dict[str, pa.Array] = {
+        "step": pa.array(np.repeat(seg.steps, n_comp), pa.int64()),
+        "component": pa.array(seg.components * n_steps, pa.string()),
+    }
+    for m, name in enumerate(schema.HEALTH_METRICS):
+        typ = schema.SCHEMAS["health"].field(name).type
+        values = seg.stats[:, :, m].reshape(-1)
+        mask = ~seg.valid[:, :, m].reshape(-1)
+        if pa.types.is_integer(typ):
+            values = np.nan_to_num(values, nan=0.0, posinf=0.0, neginf=0.0).astype(np.int64)
+        cols[name] = pa.array(values.astype(typ.to_pandas_dtype()), typ, mask=mask)
+    return pa.Table.from_pydict(cols, schema=schema.SCHEMAS["health"])
+
+
+def next_incarnation(root: Path, rank: int) -> int:
+    """1 for a fresh directory, else one more than any incarnation this rank has left behind."""
+    seen = [0]
+    try:
+        manifest = json.loads(schema.manifest_path(root, rank).read_text())
+        seen += [int(i["incarnation"]) for i in manifest.get("incarnations", [])]
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    for table in schema.TABLES:
+        rank_dir = Path(root) / table / f"rank={rank}"
+        if rank_dir.is_dir():
+            seen += [int(m.group(1)) for d in rank_dir.iterdir()
+                     if (m := _INCARNATION_DIR.match(d.name))]
+    return max(seen) + 1
+
+
+def _versions() -> dict[str, str]:
+    import torch
+
+    try:
+        from importlib.metadata import version
+        own = version("warninglight")
+    except Exception:  # not installed as a distribution (e.g. a source checkout)
+        own = "unknown"
+    return {"python": platform.python_version(), "torch": torch.__version__, "warninglight": own}
+
+
+def _atomic_write(path: Path, data: bytes) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + schema.TMP_SUFFIX)
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+
+
+class TraceWriter:
+    """Owns one rank's part of a trace directory: its segments and its manifest."""
+
+    def __init__(self, root: str | os.PathLike[str], rank: int, world_size: int, run_id: str,
+                 model_class: str, config: dict[str, object], queue_size: int = 8) -> None:
+        self.root = Path(root)
+        self.rank = rank
+        self.incarnation = next_incarnation(self.root, rank)
+        self.dropped_steps = 0
+        self.errors: list[str] = []
+        self._seq = 0
+        self._queue: queue.Queue[Segment | None] = queue.Queue(maxsize=queue_size)
+        self._lock = threading.Lock()
+        self.manifest = self._load_manifest(run_id, world_size, model_class, config)
+        self._entry: dict[str, object] = {
+            "incarnation": self.incarnation, "started_at": time.time(), "ended_at": None,
+            "status": "running", "first_step": None, "last_step": None, "steps_recorded": 0,
+            "dropped_steps": 0, "segments": 0, "warnings": [],
+        }
+        self.manifest["incarnations"].append(self._entry)
+        self._guard(self._write_manifest, 0)
+        self._thread = threading.Thread(target=self._run, name="warninglight-writer", daemon=True)
+        self._thread.start()
+
+    def _load_manifest(self, run_id: str, world_size: int, model_class: str,
+                       config: dict[str, object]) -> dict[str, object]:
+        try:
+            old = json.loads(schema.manifest_path(self.root, self.rank).read_text())
+            incarnations = list(old.get("incarnations", []))
+            run_id, started = old.get("run_id", run_id), old.get("started_at", time.time())
+        except (OSError, ValueError):
+            incarnations, started = [], time.time()
+        return {"format_version": schema.FORMAT_VERSION, "run_id": run_id, "rank": self.rank,
+                "world_size": world_size, "started_at": started, "model_class": model_class,
+                "versions": _versions(), "config": config, "incarnations": incarnations}
+
+    def submit(self, seg: Segment) -> bool:
+        """Queue a segment for writing; False (and its steps counted as dropped) if the queue is full."""
+        try:
+            self._queue.put_nowait(seg)
+            return True
+        except queue.Full:
+            self.record_failure(f"writer queue full: dropped steps {seg.steps[0]}..{seg.steps[-1]}", len(seg.steps))
+            return False
+
+    def close(self, status: str, timeout_s: float = 60.0) -> None:
+        """Write everything queued, then the final manifest; waits at most `timeout_s`."""
+        if self._thread.is_alive():
+            self._queue.put(None)
+            self._thread.join(timeout_s)
+        self._entry["status"] = status
+        self._entry["ended_at"] = time.time()
+        self._guard(self._write_manifest, 0)
+
+    def _run(self) -> None:
+        while (seg := self._queue.get()) is not None:
+            self._guard(self._write_segment, len(seg.steps), seg)
+
+    def _guard(self, fn, n_steps: int, *args: object) -> None:  # type: ignore[no-untyped-def]
+        try:
+            fn(*args)
+        except Exception as exc:  # never raise into training: count and report instead
+            self.record_failure(f"{type(exc).__name__}: {exc}", n_steps)
+
+    def record_failure(self, message: str, n_steps: int) -> None:
+        """Count `n_steps` as dropped and keep the message for the manifest."""
+        with self._lock:
+            self.dropped_steps += n_steps
+            self._entry["dropped_steps"] = self.dropped_steps
+            self.errors.append(message)
+            if len(self._entry["warnings"]) < 20:  # type: ignore[arg-type]
+                self._entry["warnings"].append(message)  # type: ignore[attr-defined]
+
+    def _write_segment(self, seg: Segment) -> None:
+        seq = self._seq
+        self._seq += 1  # a failed segment's number is not reused: names stay unique
+        tables = dict(seg.tables)
+        for name, cols in tables.items():
+            self._write_table(name, pa.Table.from_pydict(cols, schema=schema.SCHEMAS[name]), seq)
+        self._write_table("health", health_table(seg), seq)
+        if len(seg.steps):
+            first = self._entry["first_step"]
+            self._entry["first_step"] = int(seg.steps[0]) if first is None else first
+            self._entry["last_step"] = int(seg.steps[-1])
+            self._entry["steps_recorded"] += len(seg.steps)  # type: ignore[operator]
+        self._entry["segments"] += 1  # type: ignore[operator]
+        self._write_manifest()
+
+    def _write_table(self, table: str, data: pa.Table, seq: int) -> None:
+        path = schema.segment_path(self.root, table, self.rank, self.incarnation, seq)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + schema.TMP_SUFFIX)
+        pq.write_table(data, tmp)
+        os.replace(tmp, path)
+
+    def _write_manifest(self) -> None:
+        with self._lock:
+            text = json.dumps(self.manifest, indent=1, default=str)
+        _atomic_write(schema.manifest_path(self.root, self.rank), text.encode())

@@ -192,10 +192,13 @@ def summary_line(result: Mapping[str, Any]) -> str:
              f"discard {rb.get('steps_discarded')} steps")
     if rb.get("skip_steps"):
         line += f", skip the batches of steps {_fmt(rb['skip_steps'])}"
-    if naive.get("steps_discarded") is not None and rb.get("steps_discarded") is not None:
+    if naive and naive.get("alarm_step") is None and naive.get("checkpoint_step") is None:
+        line += "; the loss-spike rule never fired"
+    elif naive.get("contaminated"):
+        line += f"; the loss-only choice (step {naive.get('checkpoint_step')}) already held the damage"
+    elif naive.get("steps_discarded") is not None and rb.get("steps_discarded") is not None:
         saved = naive["steps_discarded"] - rb["steps_discarded"]
-        held = "already held the damage" if naive.get("contaminated") else "was clean"
-        line += (f"; the loss-only choice (step {naive.get('checkpoint_step')}, {held}) "
+        line += (f"; the loss-only choice (step {naive.get('checkpoint_step')}, clean) "
                  f"would discard {naive['steps_discarded']}: {saved} steps saved")
     return line + "."
 

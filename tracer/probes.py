@@ -18,6 +18,8 @@ from .components import SAT_RANGES, Component
 
 DEAD_EPS = 1e-6      # |output| at or below this counts as "no response" for the dead fraction
 _MAX_IMAGES = 8      # channel-first outputs: images taken before striding over positions
+_MAX_VALUES = 16384  # sampled values per component and step: wide outputs get fewer rows ...
+_MIN_ROWS = 16       # ... but never fewer than this (a unit is "dead" only if all rows are ~0)
 
 
 def first_tensor(out: object) -> torch.Tensor | None:
@@ -36,45 +38,63 @@ def first_tensor(out: object) -> torch.Tensor | None:
     return None
 
 
-def subsample(t: torch.Tensor, rows: int, channel_first: bool) -> tuple[torch.Tensor, int]:
-    """A flat copy of at most `rows` strided rows of `t` viewed as (rows, units), and units."""
+def subsample(t: torch.Tensor, rows: int, channel_first: bool) -> torch.Tensor:
+    """A (units, r) copy of r <= `rows` evenly strided rows of `t` viewed as (rows, units)."""
     t = t.detach()
     if t.dim() < 2:
         t = t.reshape(1, -1)
     if t.dim() >= 4 or (channel_first and t.dim() == 3):
         b = t.shape[0]
         t = t[:: max(1, b // _MAX_IMAGES)][:_MAX_IMAGES].movedim(1, -1)  # (b', *spatial, C)
-    units = t.shape[-1]
-    flat = t.reshape(-1, units)
+    flat = t.reshape(-1, t.shape[-1])
+    rows = min(rows, max(_MIN_ROWS, _MAX_VALUES // flat.shape[1]))
     flat = flat[:: max(1, flat.shape[0] // rows)][:rows]
-    return flat.clone(memory_format=torch.contiguous_format).view(-1), units
+    # one copy, unit-major: each unit's sampled values are contiguous for the row reductions
+    return flat.t().clone(memory_format=torch.contiguous_format)
 
 
 class _Layout:
-    """Index tensors mapping concatenated subsample elements to units and components."""
+    """Where each sampled unit lives: samples grouped by row count, unit -> component maps."""
 
     def __init__(self, key: tuple[tuple[int, int, int], ...], components: list[Component],
                  device: torch.device) -> None:
-        comps = torch.tensor([k[0] for k in key], dtype=torch.long)
-        numels = torch.tensor([k[1] for k in key], dtype=torch.long)
-        units = torch.tensor([k[2] for k in key], dtype=torch.long)
-        unit_offset = torch.cumsum(units, 0) - units
-        per_elem_unit = [torch.arange(n) % u + o for n, u, o in
-                         zip(numels.tolist(), units.tolist(), unit_offset.tolist(), strict=True)]
-        centre = torch.zeros(len(components))
-        half = torch.full((len(components),), math.inf)
-        for c in components:
-            if c.bound in SAT_RANGES:
-                centre[c.index], half[c.index] = SAT_RANGES[c.bound]
-        n = len(components)
-        self.elem_comp = torch.repeat_interleave(comps, numels).to(device)
-        self.elem_unit = torch.cat(per_elem_unit).to(device)
+        by_rows: dict[int, list[int]] = {}
+        for pos, (_, _, r) in enumerate(key):
+            by_rows.setdefault(r, []).append(pos)
+        self.groups = list(by_rows.values())
+        order = [pos for g in self.groups for pos in g]
+        comps = torch.tensor([key[p][0] for p in order], dtype=torch.long)
+        units = torch.tensor([key[p][1] for p in order], dtype=torch.long)
         self.unit_comp = torch.repeat_interleave(comps, units).to(device)
-        self.elem_centre = centre[self.elem_comp.cpu()].to(device)
-        self.elem_sat_at = (0.98 * half)[self.elem_comp.cpu()].to(device)
-        self.n_elem = torch.zeros(n).index_add_(0, comps, numels.float()).clamp_min(1).to(device)
-        self.n_unit = torch.zeros(n).index_add_(0, comps, units.float()).clamp_min(1).to(device)
+        self.n_unit = torch.zeros(len(components)).index_add_(0, comps, units.float()
+                                                               ).clamp_min(1).to(device)
+        offsets = (torch.cumsum(units, 0) - units).tolist()
+        group_of = {pos: g for g, members in enumerate(self.groups) for pos in members}
+        group_start = {g: offsets[order.index(members[0])] for g, members in enumerate(self.groups)}
+        # bounded activations: (group, unit offset, units, centre, |x - centre| where it saturates)
+        self.sat_blocks = [
+            (group_of[p], off, off - group_start[group_of[p]], key[p][1],
+             *SAT_RANGES[components[key[p][0]].bound or ""])
+            for p, off in zip(order, offsets, strict=True)
+            if components[key[p][0]].bound in SAT_RANGES]
         self.total_units = int(units.sum())
+
+
+def _unit_stats(m: torch.Tensor) -> list[torch.Tensor]:
+    """Per unit (row of m): finite count, sum, sum of squares, zeros, absmax — 5-6 dense ops."""
+    r = m.shape[1]
+    usum = m.sum(1)
+    if m.device.type != "cpu" or not bool(torch.isfinite(usum).all()):
+        fin = torch.isfinite(m)  # on a device: always take this branch, a sync-free path
+        nfin = fin.sum(1).float()
+        m = torch.where(fin, m, 0.0)
+        usum = m.sum(1)
+    else:
+        nfin = torch.full_like(usum, r)
+    usq = torch.linalg.vector_norm(m, dim=1).square()
+    uabs = torch.linalg.vector_norm(m, ord=math.inf, dim=1)
+    zeros = nfin - torch.count_nonzero(m, dim=1)
+    return [nfin, usum, usq, zeros, uabs, m]
 
 
 class ForwardProbe:
@@ -83,8 +103,8 @@ class ForwardProbe:
     def __init__(self, components: list[Component], rows: int) -> None:
         self.components = components
         self.rows = rows
-        self.samples: list[tuple[int, torch.Tensor, int]] = []   # (component, flat sample, units)
-        self.finite: list[tuple[int, torch.Tensor, int]] = []    # (component, finite count, numel)
+        self.samples: list[tuple[int, torch.Tensor]] = []   # (component, (units, r) sample)
+        self.bad: list[tuple[int, torch.Tensor | int]] = []  # (component, non-finite count)
         self.sampled = np.zeros(len(components), dtype=bool)
         self._layouts: dict[tuple[tuple[int, int, int], ...], _Layout] = {}
 
@@ -93,16 +113,21 @@ class ForwardProbe:
         t = first_tensor(out)
         if t is None:
             return
-        self.finite.append((comp.index, torch.isfinite(t.detach()).sum(), t.numel()))
+        t = t.detach()
+        if t.device.type == "cpu":
+            # one pass; reading a CPU scalar is free, so the exact count runs only when needed
+            if not math.isfinite(float(t.sum())):
+                self.bad.append((comp.index, t.numel() - int(torch.isfinite(t).sum())))
+        else:
+            self.bad.append((comp.index, t.numel() - torch.isfinite(t).sum()))
         if not self.sampled[comp.index]:
             self.sampled[comp.index] = True
-            sample, units = subsample(t, self.rows, comp.channel_first)
-            self.samples.append((comp.index, sample, units))
+            self.samples.append((comp.index, subsample(t, self.rows, comp.channel_first)))
 
     def reset(self) -> None:
         """Forget this step's observations."""
         self.samples.clear()
-        self.finite.clear()
+        self.bad.clear()
         self.sampled[:] = False
 
     def compute(self, device: torch.device) -> dict[str, torch.Tensor]:
@@ -110,52 +135,56 @@ class ForwardProbe:
         n = len(self.components)
         cols = {name: torch.full((n,), math.nan, device=device) for name in (
             "out_mean", "out_rms", "out_absmax", "out_zero_frac", "out_sat_frac",
-            "out_dead_frac", "out_nonfinite_count", "pred_entropy_nats", "pred_maxprob")}
-        if self.finite:
-            idx = torch.tensor([f[0] for f in self.finite], device=device)
-            numel = torch.tensor([f[2] for f in self.finite], device=device)
-            bad = numel - torch.stack([f[1] for f in self.finite]).to(device)
-            cols["out_nonfinite_count"] = torch.zeros(n, dtype=torch.long, device=device
-                                                      ).index_add_(0, idx, bad).double()
+            "out_dead_frac", "pred_entropy_nats", "pred_maxprob")}
+        bad = torch.zeros(n, dtype=torch.float64, device=device)
+        if self.bad:
+            idx = torch.tensor([b[0] for b in self.bad], device=device)
+            counts = torch.stack([torch.as_tensor(b[1], device=device) for b in self.bad])
+            bad.index_add_(0, idx, counts.double())
+        cols["out_nonfinite_count"] = bad
         if self.samples:
             cols.update(self._sample_stats(device))
-            cols.update(self._head_stats(device))
+            cols.update(self._head_stats())
         return cols
 
     def _sample_stats(self, device: torch.device) -> dict[str, torch.Tensor]:
-        key = tuple((c, s.numel(), u) for c, s, u in self.samples)
+        key = tuple((c, s.shape[0], s.shape[1]) for c, s in self.samples)
         lay = self._layouts.get(key)
         if lay is None:
             if len(self._layouts) > 8:  # shapes keep changing: do not grow without bound
                 self._layouts.clear()
             lay = self._layouts[key] = _Layout(key, self.components, device)
+        sat = torch.zeros(lay.total_units, device=device)
+        per_unit = []
+        for g, group in enumerate(lay.groups):
+            blocks = [self.samples[p][1].to(device=device, dtype=torch.float32) for p in group]
+            *stats, m = _unit_stats(torch.cat(blocks) if len(blocks) > 1 else blocks[0])
+            per_unit.append(torch.stack(stats, 1))   # (units, 5)
+            for sg, off, local, units, centre, half in lay.sat_blocks:
+                if sg == g:
+                    block = m[local:local + units]
+                    sat[off:off + units] = ((block - centre).abs() >= 0.98 * half).sum(1).float()
+        unit = torch.cat(per_unit) if len(per_unit) > 1 else per_unit[0]
+        dead = (unit[:, 4] <= DEAD_EPS).float()
+        unit = torch.cat([unit, sat[:, None], dead[:, None]], 1)
         n = len(self.components)
-        v = torch.cat([s.to(device=device, dtype=torch.float32) for _, s, _ in self.samples])
-        fin = torch.isfinite(v)
-        v0 = torch.where(fin, v, 0.0)
-        a = v0.abs()
-        sat = (v0 - lay.elem_centre).abs() >= lay.elem_sat_at
-        per_elem = torch.stack([fin.float(), v0, v0 * v0, (v == 0).float(), sat.float()])
-        sums = torch.zeros(5, n, device=device).index_add_(1, lay.elem_comp, per_elem)
-        absmax = torch.zeros(n, device=device).scatter_reduce_(0, lay.elem_comp, a, "amax")
-        unit_max = torch.zeros(lay.total_units, device=device).scatter_reduce_(
-            0, lay.elem_unit, a, "amax")
-        dead = torch.zeros(n, device=device).index_add_(0, lay.unit_comp, (unit_max <= DEAD_EPS).float())
-        count = sums[0].clamp_min(1)
-        return {"out_mean": sums[1] / count, "out_rms": (sums[2] / count).sqrt(),
-                "out_absmax": absmax, "out_zero_frac": sums[3] / lay.n_elem,
-                "out_sat_frac": sums[4] / lay.n_elem, "out_dead_frac": dead / lay.n_unit}
+        sums = torch.zeros(n, 7, device=device).index_add_(0, lay.unit_comp, unit)
+        absmax = torch.zeros(n, device=device).scatter_reduce_(0, lay.unit_comp, unit[:, 4], "amax")
+        count = sums[:, 0].clamp_min(1)
+        return {"out_mean": sums[:, 1] / count, "out_rms": (sums[:, 2] / count).sqrt(),
+                "out_absmax": absmax, "out_zero_frac": sums[:, 3] / count,
+                "out_sat_frac": sums[:, 5] / count, "out_dead_frac": sums[:, 6] / lay.n_unit}
 
-    def _head_stats(self, device: torch.device) -> dict[str, torch.Tensor]:
+    def _head_stats(self) -> dict[str, torch.Tensor]:
         n = len(self.components)
+        device = self.samples[0][1].device
         entropy = torch.full((n,), math.nan, device=device)
         maxprob = torch.full((n,), math.nan, device=device)
-        for c, s, units in self.samples:
-            if not self.components[c].head:
-                continue
-            p = torch.softmax(s.view(-1, units).float(), dim=-1)
-            entropy[c] = torch.special.entr(p).sum(-1).mean()  # entr(0) = 0; NaN stays NaN
-            maxprob[c] = p.max(-1).values.mean()
+        for c, s in self.samples:
+            if self.components[c].head:
+                p = torch.softmax(s.float(), dim=0)  # s is (classes, rows)
+                entropy[c] = torch.special.entr(p).sum(0).mean()  # entr(0) = 0; NaN stays NaN
+                maxprob[c] = p.amax(0).mean()
         return {"pred_entropy_nats": entropy, "pred_maxprob": maxprob}
 
 

@@ -178,12 +178,16 @@ class Recorder:
     def _recording(self, module: nn.Module) -> bool:
         return not self._closed and module.training and torch.is_grad_enabled()
 
+    @torch.compiler.disable
     def _root_pre_hook(self, module: nn.Module, args: Any) -> None:
         if self._recording(module):
             self._begin_step()
             self._micro_batches += 1
 
     def _make_hook(self, comp: Any) -> Any:
+        # run eagerly under torch.compile: dynamo would otherwise trace into the hook and break
+        # the graph at its Python side effects anyway, with a warning per module
+        @torch.compiler.disable
         def hook(module: nn.Module, args: Any, out: Any) -> None:
             if not self._recording(module):
                 return

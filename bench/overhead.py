@@ -1,0 +1,99 @@
+"""Step-time ratio with/without the recorder (every step, every component), measured side by side.
+
+Blocks of steps with and without the recorder alternate in one process on the same model, so
+drift in machine load hits both; the figure is the median over block pairs of
+time(with) / time(without), with its spread. Run: `python bench/overhead.py [--steps N]`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from warninglight.tracer import watch, zoo
+
+
+def gpt_case(batch: int, n_layer: int, n_embd: int, block: int) -> tuple[torch.nn.Module, Callable[[], torch.Tensor]]:
+    """The small GPT of the issue and a closure computing one batch's loss."""
+    cfg = zoo.GPTConfig(n_layer=n_layer, n_embd=n_embd, n_head=4, block_size=block)
+    model = zoo.TinyGPT(cfg)
+    data = zoo.text_batches(zoo.char_corpus(200_000), batch, block)
+
+    def loss() -> torch.Tensor:
+        _, x, y = next(data)
+        return F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+    return model, loss
+
+
+def mlp_case(batch: int) -> tuple[torch.nn.Module, Callable[[], torch.Tensor]]:
+    """The worst case: a tiny MLP whose step is a few hundred microseconds."""
+    model = zoo.mlp()
+    data = zoo.batches(*zoo.teacher_classification(), batch)
+
+    def loss() -> torch.Tensor:
+        _, x, y = next(data)
+        return F.cross_entropy(model(x), y)
+    return model, loss
+
+
+def run_block(loss_fn: Callable[[], torch.Tensor], opt: torch.optim.Optimizer, steps: int,
+              rec: object | None) -> float:
+    """Seconds per step over `steps` training steps."""
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        loss = loss_fn()
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if rec is not None:
+            rec.log(loss=loss)  # type: ignore[attr-defined]
+    return (time.perf_counter() - t0) / steps
+
+
+def measure(name: str, model: torch.nn.Module, loss_fn: Callable[[], torch.Tensor],
+            pairs: int, steps: int) -> None:
+    """Alternate blocks without/with the recorder and print the median ratio and its spread."""
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    run_block(loss_fn, opt, 3, None)  # warm-up: allocator, thread pools
+    ratios, base = [], []
+    with tempfile.TemporaryDirectory() as tmp:
+        for i in range(pairs):
+            plain = run_block(loss_fn, opt, steps, None)
+            rec = watch(model, opt, f"{tmp}/run{i}", flush_every_steps=50)
+            run_block(loss_fn, opt, 1, rec)  # first step settles components (not timed)
+            recorded = run_block(loss_fn, opt, steps, rec)
+            rec.close()
+            ratios.append(recorded / plain)
+            base.append(plain)
+    q = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else [ratios[0]] * 3
+    print(f"{name}: step {statistics.median(base) * 1e3:.2f} ms without; ratio with/without "
+          f"median {statistics.median(ratios):.3f} (quartiles {q[0]:.3f}-{q[2]:.3f}, "
+          f"{len(ratios)} block pairs of {steps} steps)")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=10, help="steps per timed block")
+    ap.add_argument("--pairs", type=int, default=6, help="with/without block pairs")
+    ap.add_argument("--batch", type=int, default=8, help="GPT batch size")
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: leave as is)")
+    ap.add_argument("--skip-mlp", action="store_true", help="only the GPT figure")
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
+    model, loss_fn = gpt_case(args.batch, n_layer=4, n_embd=256, block=128)
+    measure("TinyGPT 4x256, seq 128", model, loss_fn, args.pairs, args.steps)
+    if not args.skip_mlp:
+        model, loss_fn = mlp_case(batch=64)
+        measure("MLP 32-64-64-64-10, batch 64", model, loss_fn, args.pairs, args.steps * 20)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,193 @@
+"""The recorder on real small training runs: read-only, NaN/Inf counted, real training loops."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import duckdb
+import pytest
+import torch
+import torch.nn.functional as F
+from warninglight.tracer import schema, watch, zoo
+
+Loss = Callable[[torch.nn.Module, tuple[torch.Tensor, ...]], torch.Tensor]
+
+
+@pytest.fixture(autouse=True)
+def _one_thread() -> Iterator[None]:
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def classify(model: torch.nn.Module, batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    return F.cross_entropy(model(batch[1]), batch[2])
+
+
+def next_token(model: torch.nn.Module, batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    return F.cross_entropy(model(batch[1]).flatten(0, 1), batch[2].flatten())
+
+
+CASES: dict[str, tuple[Callable[[], torch.nn.Module], Callable[[], Iterator[zoo.Batch]], Loss]] = {
+    "mlp": (zoo.mlp, lambda: zoo.batches(*zoo.teacher_classification(512), 32), classify),
+    "cnn": (zoo.cnn, lambda: zoo.batches(*zoo.blob_images(256), 16), classify),
+    "gpt": (lambda: zoo.TinyGPT(zoo.GPTConfig(block_size=32)),
+            lambda: zoo.text_batches(zoo.char_corpus(20_000), 4, 32), next_token),
+}
+
+
+def train(case: str, steps: int, trace: Path | None) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """Train one zoo model from a fixed seed; return its parameters and the global RNG state."""
+    make_model, make_data, loss_fn = CASES[case]
+    torch.manual_seed(0)
+    model = make_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    rec = watch(model, opt, trace, flush_every_steps=20) if trace else None
+    for _, batch in zip(range(steps), make_data(), strict=False):
+        loss = loss_fn(model, batch)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        if rec:
+            rec.log(loss=loss)
+            rec.batch(batch[0])
+    if rec:
+        rec.close()
+    return [p.detach().clone() for p in model.parameters()], torch.get_rng_state()
+
+
+def read(trace: Path, table: str, sql: str = "select * from t") -> list[tuple]:
+    """Rows of a plain-DuckDB query over one trace table, available in `sql` as `t`."""
+    glob = schema.segment_glob(trace, table)
+    t = f"read_parquet('{glob}', hive_partitioning=true)"
+    return duckdb.sql(sql.replace(" from t", f" from {t}")).fetchall()
+
+
+@pytest.mark.parametrize("case", ["mlp", "cnn", "gpt"])
+def test_training_is_bit_identical_with_and_without_the_recorder(case: str, tmp_path: Path) -> None:
+    plain, rng_plain = train(case, 50, None)
+    watched, rng_watched = train(case, 50, tmp_path / "t")
+    assert all(torch.equal(a, b) for a, b in zip(plain, watched, strict=True))
+    assert torch.equal(rng_plain, rng_watched)  # the recorder drew nothing from the global RNG
+    n_comp = read(tmp_path / "t", "components", "select count(*) from t")[0][0]
+    assert read(tmp_path / "t", "health", "select count(*), max(step) from t")[0] == (50 * n_comp, 50)
+
+
+def test_nan_and_inf_inside_the_model_are_counted_not_raised(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = zoo.mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    x, y = zoo.teacher_classification(64)
+    x[3, 0], x[5, 1] = float("nan"), float("inf")  # two bad inputs in one batch
+    with watch(model, opt, tmp_path) as rec:
+        for step in (1, 2):
+            xb = x if step == 2 else x.nan_to_num(0.0, 0.0, 0.0)
+            with torch.no_grad():  # not a training forward: not recorded
+                expected = int((~torch.isfinite(model[0](xb))).sum())
+            F.cross_entropy(model(xb), y).backward()
+            opt.step()
+            opt.zero_grad()
+            rec.log(loss=1.0)
+    rows = dict(((s, c), (o, g)) for s, c, o, g in read(
+        tmp_path, "health", "select step, component, out_nonfinite_count, grad_nonfinite_count from t"))
+    assert rows[(1, "0")] == (0, 0) and rows[(1, "6")] == (0, 0)
+    assert rows[(2, "0")][0] == expected == 2 * 64  # each bad input spoils a whole output row
+    assert rows[(2, "0")][1] > 0 and rows[(2, "6")][0] > 0  # NaN reached the gradients and the head
+    assert read(tmp_path, "steps", "select micro_batches from t") == [(1,), (1,)]
+
+
+def test_gradient_accumulation_and_eval_passes(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = zoo.mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    data = zoo.batches(*zoo.teacher_classification(512), 16)
+    with watch(model, opt, tmp_path) as rec:
+        for _ in range(4):
+            for _ in range(3):  # three micro-batches per optimizer step
+                ids, xb, yb = next(data)
+                (F.cross_entropy(model(xb), yb) / 3).backward()
+                rec.batch(ids)
+            opt.step()
+            opt.zero_grad()
+            model.eval()
+            with torch.no_grad():
+                model(xb)  # an evaluation pass: not part of any step
+            model.train()
+    steps = read(tmp_path, "steps", "select step, micro_batches, len(batch_ids) from t order by step")
+    assert steps == [(s, 3, 48) for s in range(1, 5)]
+
+
+def test_grad_scaler_norms_are_the_unscaled_ones(tmp_path: Path) -> None:
+    def run(scaler: torch.amp.GradScaler | None, path: Path) -> list[float]:
+        torch.manual_seed(0)
+        model = zoo.mlp()
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        with watch(model, opt, path):
+            for _, (_, xb, yb) in zip(range(3), zoo.batches(*zoo.teacher_classification(256), 32), strict=False):
+                loss = F.cross_entropy(model(xb), yb)
+                if scaler is None:
+                    loss.backward()
+                    opt.step()
+                else:
+                    scaler.scale(loss).backward()
+                    scaler.step(opt)
+                    scaler.update()
+                opt.zero_grad()
+        return [r[0] for r in read(path, "steps", "select grad_norm_total_l2 from t order by step")]
+
+    scaled = run(torch.amp.GradScaler("cpu", init_scale=2.0**12), tmp_path / "scaled")
+    plain = run(None, tmp_path / "plain")
+    assert scaled == pytest.approx(plain, rel=1e-6) and len(plain) == 3
+
+
+def test_hooks_keep_working_under_torch_compile(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = zoo.mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with watch(model, opt, tmp_path) as rec:
+        compiled = torch.compile(model, backend="eager")  # hooks registered before compiling
+        for _, (_, xb, yb) in zip(range(3), zoo.batches(*zoo.teacher_classification(256), 32), strict=False):
+            F.cross_entropy(compiled(xb), yb).backward()
+            opt.step()
+            opt.zero_grad()
+    assert rec.step_count == 3
+    seen = read(tmp_path, "health", "select count(*) filter (where out_rms is not null), count(*) from t")
+    assert seen == [(21, 21)]  # 7 components x 3 steps, every forward hook fired
+    assert not [e for e in read(tmp_path, "events", "select kind from t") if e[0] == "warning"]
+
+
+def test_unused_components_are_named_in_a_warning_event(tmp_path: Path) -> None:
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU())
+    model.add_module("spare", torch.nn.Linear(4, 4))  # owns parameters, never called
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with watch(model, opt, tmp_path):
+        model[1](model[0](torch.randn(8, 4))).sum().backward()
+        opt.step()
+    details = [d for k, d in read(tmp_path, "events", "select kind, detail from t") if k == "warning"]
+    assert len(details) == 1 and "spare" in details[0]
+    manifest = json.loads(schema.manifest_path(tmp_path, 0).read_text())
+    assert set(manifest) == set(schema.MANIFEST_KEYS)
+    assert set(manifest["incarnations"][0]) == set(schema.INCARNATION_KEYS)
+
+
+def test_log_and_batch_attach_to_the_step_whether_called_before_or_after_step(tmp_path: Path) -> None:
+    model = torch.nn.Linear(3, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with watch(model, opt, tmp_path) as rec:
+        for step in range(1, 4):
+            loss = model(torch.ones(2, 3)).sum()
+            loss.backward()
+            rec.log(before=step)        # forward done, step not yet: belongs to this step
+            opt.step()
+            rec.log(loss=float(step))   # after optimizer.step(): the step just completed
+            rec.batch([step, step])
+            if step == 2:
+                rec.checkpoint("ck2.pt")
+    assert read(tmp_path, "steps", "select step, loss, batch_ids from t order by step") == [
+        (1, 1.0, [1, 1]), (2, 2.0, [2, 2]), (3, 3.0, [3, 3])]
+    assert read(tmp_path, "scalars", "select step, value from t order by step") == [
+        (1, 1.0), (2, 2.0), (3, 3.0)]
+    assert read(tmp_path, "events", "select step, path from t where kind = 'checkpoint'") == [(2, "ck2.pt")]

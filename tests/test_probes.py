@@ -1,0 +1,122 @@
+"""The health metrics against direct computation on a real small training run."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import duckdb
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from warninglight.tracer import schema, watch, zoo
+
+
+def health(trace: Path, metric: str) -> dict[tuple[int, str], float | None]:
+    """{(step, component): value} of one health column, read back from the Parquet trace."""
+    glob = schema.segment_glob(trace, "health")
+    rows = duckdb.sql(f"select step, component, {metric} from read_parquet('{glob}')").fetchall()
+    return {(s, c): v for s, c, v in rows}
+
+
+def test_gradient_weight_and_update_metrics_match_direct_computation(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = zoo.mlp(hidden=12, depth=2)  # every tensor <= 256 values: the sketch is exact
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    expected: dict[str, list[float]] = {"grad": [], "weight": [], "ratio": [], "cos": []}
+    prev_update = None
+    layer = model[2]
+    with watch(model, opt, tmp_path):
+        for _, (_, x, y) in zip(range(4), zoo.batches(*zoo.teacher_classification(256), 32), strict=False):
+            F.cross_entropy(model(x), y).backward()
+            before = torch.cat([layer.weight.detach().flatten(), layer.bias.detach().flatten()])
+            grads = torch.cat([layer.weight.grad.flatten(), layer.bias.grad.flatten()])
+            opt.step()
+            opt.zero_grad()
+            after = torch.cat([layer.weight.detach().flatten(), layer.bias.detach().flatten()])
+            update = after - before
+            expected["grad"].append(float(torch.linalg.vector_norm(grads)))
+            expected["weight"].append(float(torch.linalg.vector_norm(after)))
+            expected["ratio"].append(float(update.norm() / after.norm()))
+            if prev_update is not None:
+                expected["cos"].append(float(F.cosine_similarity(update, prev_update, dim=0)))
+            prev_update = update
+    for key, metric in (("grad", "grad_norm_l2"), ("weight", "weight_norm_l2"), ("ratio", "update_ratio")):
+        got = health(tmp_path, metric)
+        assert [got[(s, "2")] for s in range(1, 5)] == pytest.approx(expected[key], rel=1e-5)
+    cos = health(tmp_path, "update_cos")
+    assert cos[(1, "2")] is None
+    assert [cos[(s, "2")] for s in range(2, 5)] == pytest.approx(expected["cos"], abs=1e-5)
+    assert health(tmp_path, "grad_norm_l2")[(1, "1")] is None  # a ReLU has no parameters
+
+
+def test_dead_and_saturated_fractions(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(),
+                          nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 3))
+    with torch.no_grad():
+        model[2].bias.fill_(-100.0)  # nothing gets through the second ReLU: all its units dead
+        model[4].bias.copy_(torch.tensor([0.0, 0.0] + [50.0, -50.0] * 7))  # tanh at ±1 but 2 units
+    opt = torch.optim.SGD(model.parameters(), lr=1e-6)
+    with watch(model, opt, tmp_path):
+        model(torch.randn(64, 8)).sum().backward()
+        opt.step()
+    dead, sat = health(tmp_path, "out_dead_frac"), health(tmp_path, "out_sat_frac")
+    assert dead[(1, "3")] == 1.0 and dead[(1, "1")] < 0.5
+    assert sat[(1, "5")] == pytest.approx(14 / 16) and sat[(1, "1")] is None  # a ReLU has no saturation bound
+    glob = schema.segment_glob(tmp_path, "components")
+    parents = dict(duckdb.sql(f"select component, parent_param from read_parquet('{glob}')").fetchall())
+    assert parents["3"] == "2" and parents["5"] == "4" and parents["0"] is None
+
+
+def test_weight_drift_is_nonzero_exactly_after_an_outside_write(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = zoo.mlp()  # hidden layers of 64x64 = 4096 weights: far more than the 256-sketch
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    data = zoo.batches(*zoo.teacher_classification(256), 32)
+    with watch(model, opt, tmp_path):
+        for step in range(1, 13):
+            _, x, y = next(data)
+            F.cross_entropy(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+            with torch.no_grad():  # between the end of a step and the next forward
+                if step == 4:
+                    model[2].weight.mul_(1.5)         # a whole layer rescaled
+                if step == 8:
+                    model[4].weight[7, 9] += 0.5      # one element, almost surely off-sketch
+    drift = health(tmp_path, "weight_drift_l2")
+    assert drift[(1, "2")] is None  # nothing to compare the first step with
+    touched = {(s, c) for (s, c), v in drift.items() if v}
+    assert touched == {(5, "2"), (9, "4")}
+    assert drift[(5, "2")] > 0.3 * float(model[2].weight.detach().norm()) / 1.5
+    assert drift[(9, "4")] > 0.001
+
+
+def test_head_prediction_entropy_and_confidence(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = zoo.mlp()
+    with torch.no_grad():
+        model[6].weight.zero_()
+        model[6].bias.zero_()  # uniform predictions over 10 classes
+    opt = torch.optim.SGD(model.parameters(), lr=1e-9)
+    with watch(model, opt, tmp_path):
+        model(torch.randn(32, 32)).sum().backward()
+        opt.step()
+    assert health(tmp_path, "pred_entropy_nats")[(1, "6")] == pytest.approx(torch.log(torch.tensor(10.0)).item())
+    assert health(tmp_path, "pred_maxprob")[(1, "6")] == pytest.approx(0.1)
+    assert health(tmp_path, "pred_maxprob")[(1, "4")] is None  # not a head
+
+
+def test_activation_statistics_match_the_output(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 5), nn.ReLU())
+    x = torch.randn(16, 6)  # 16 rows <= 64 sampled rows: every value is in the sample
+    with torch.no_grad():
+        out = model(x)
+    with watch(model, path=tmp_path) as rec:
+        model(x).sum().backward()
+        rec.step()
+    got = {m: health(tmp_path, m)[(1, "1")] for m in ("out_mean", "out_rms", "out_absmax", "out_zero_frac")}
+    assert got == pytest.approx({"out_mean": float(out.mean()), "out_rms": float(out.square().mean().sqrt()),
+                                 "out_absmax": float(out.abs().max()), "out_zero_frac": float((out == 0).float().mean())})

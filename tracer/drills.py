@@ -203,7 +203,7 @@ class LRSpike(Drill):
     factor: float = 20.0
     duration: int = 1_000_000
     fault: str = "lr_spike"
-    condition: str = "oscillating"
+    condition: str = "exploding"
     _groups: list[dict[str, Any]] = field(default_factory=list, init=False, repr=False)
     _base_lr: list[float] = field(default_factory=list, init=False, repr=False)
 
@@ -297,6 +297,24 @@ class GradientAttenuation(_OutputHookDrill):
 
     def rewrite(self, out: torch.Tensor) -> torch.Tensor:
         return out * self.factor + (out * (1.0 - self.factor)).detach()
+
+
+@dataclass
+class GradientSignFlip(_OutputHookDrill):
+    """The gradient into a module's output changes sign every other step (values unchanged).
+
+    Models a sign bug in a gradient path (a loss scale or accumulation that alternates): the
+    module's updates, and those upstream, flip back and forth (oscillating).
+    """
+
+    duration: int = 1_000_000
+    fault: str = "gradient_sign_flip"
+    condition: str = "oscillating"
+
+    def rewrite(self, out: torch.Tensor) -> torch.Tensor:
+        if (self._current - self.step) % 2 == 1:
+            return out
+        return (2.0 * out).detach() - out  # value: out; gradient: negated
 
 
 @dataclass

@@ -27,6 +27,7 @@ from .drills import (
     Drill,
     FreezeModule,
     GradientAttenuation,
+    GradientSignFlip,
     LRSpike,
     NaNInjection,
     PreActivationScale,
@@ -173,7 +174,7 @@ def _scenarios() -> dict[str, Scenario]:
                      drills=lambda mid=mid: [WeightCorruption(mid, 150, mode="scale", factor=10.0)]),
             Scenario(f"{model}_bitflip", model,
                      drills=lambda mid=mid: [WeightCorruption(mid, 150, mode="bitflip", fraction=0.002)]),
-            Scenario(f"{model}_lr_spike", model, optimizer="sgd", lr=0.05, momentum=0.9,
+            Scenario(f"{model}_lr_spike", model, optimizer="sgd", lr=0.02, momentum=0.9,
                      drills=lambda: [LRSpike("", 150, factor=20.0)]),
             Scenario(f"{model}_nan", model,
                      drills=lambda mid=mid: [NaNInjection(mid, 150)]),
@@ -182,11 +183,11 @@ def _scenarios() -> dict[str, Scenario]:
             Scenario(f"{model}_frozen", model,
                      drills=lambda mid=mid: [FreezeModule(mid, 150)]),
             Scenario(f"{model}_head_shrink", model,
-                     drills=lambda head=head: [WeightShrink(head, 150, rate=0.03, duration=60)]),
+                     drills=lambda head=head: [WeightShrink(head, 150, rate=0.08, duration=50)]),
             Scenario(f"{model}_vanishing_gradient", model,
                      drills=lambda mid=mid: [GradientAttenuation(mid, 150)]),
             Scenario(f"{model}_bias_shift", model,
-                     drills=lambda mid=mid: [BiasShift(mid, 150, offset=1.0)]),
+                     drills=lambda mid=mid, off=1.0 if model == "mlp" else 0.5: [BiasShift(mid, 150, offset=off)]),
         ]
         if model != "gpt":
             s.append(Scenario(f"{model}_dying_layer", model,
@@ -196,8 +197,9 @@ def _scenarios() -> dict[str, Scenario]:
                  drills=lambda: [PreActivationScale("3", 150, factor=30.0)]),
         Scenario("mlp_saturation_gradual", "mlp", activation="tanh",
                  drills=lambda: [PreActivationScale("3", 150, factor=30.0, ramp=30)]),
-        Scenario("mlp_oscillating", "mlp", optimizer="sgd", lr=0.05, momentum=0.9,
-                 drills=lambda: [LRSpike("2", 150, factor=40.0)]),
+        # Plain SGD on large batches: consecutive gradients agree, so flipped ones show at once.
+        Scenario("mlp_oscillating", "mlp", optimizer="sgd", lr=0.05, batch_size=512,
+                 drills=lambda: [GradientSignFlip("2", 150)]),
         Scenario("mlp_clean_tanh", "mlp", activation="tanh"),
     ]
     return {sc.name: sc for sc in s}

@@ -1,0 +1,136 @@
+"""`warninglight analyze`, `rollback`, `replay`, `conditions`: thin shells over forensics."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from warninglight.cli.common import ConfigOpt, SetOpt, TraceArg, bad_input, config_from, table
+from warninglight.cli.main import app
+from warninglight.forensics import Analysis, analyze, replay
+from warninglight.forensics.conditions import registry_rows
+
+FAULT = 1  # --exit-code: a fault was found
+
+CheckpointsOpt = Annotated[str | None, typer.Option(
+    "--checkpoints", help="A glob of checkpoint files (quote it); the step is the last number in each name.")]
+EveryOpt = Annotated[int | None, typer.Option(
+    "--checkpoint-every", min=1, help="Assume a checkpoint every N steps instead of the recorded ones.")]
+
+
+def _analysis(trace: Path, config: Path | None, overrides: list[str] | None,
+              checkpoints: str | None, every: int | None) -> Analysis:
+    cfg = config_from(config, overrides)
+    with bad_input():
+        return analyze(trace, config=cfg, checkpoints_glob=checkpoints, checkpoint_every=every)
+
+
+def _root_line(root: dict[str, Any]) -> str:
+    z = "" if root["magnitude"] is None else f", magnitude z={root['magnitude']:.1f}"
+    seen = "" if root["observed_on"] == root["component"] else f" (observed on {root['observed_on']})"
+    return (f"root: {root['component']}{seen} {root['condition']}: onset step {root['onset_step']}, "
+            f"alarm step {root['alarm_step']}{z} on {root['metric']}; {root['evidence']}")
+
+
+def rollback_text(d: dict[str, Any]) -> list[str]:
+    """The rollback section: our checkpoint, then the loss-only operator's."""
+    r, n = d["rollback"], d["rollback"]["naive"]
+    if r["checkpoint_step"] is None:
+        return ["rollback: none needed"]
+    where = f" ({r['checkpoint_path']})" if r["checkpoint_path"] else ""
+    batches = "" if r["skip_batches"] is None else f", {len(r['skip_batches'])} batch ids to skip"
+    lines = [f"rollback: checkpoint at step {r['checkpoint_step']}{where}, {r['steps_discarded']} steps "
+             f"discarded; skip steps {r['skip_steps'][0]}-{r['skip_steps'][1]}{batches}"]
+    if n["alarm_step"] is None:
+        lines.append("loss-only operator: the loss-spike rule never fired; no rollback")
+    else:
+        held = "already held the damage" if n["contaminated"] else "is clean"
+        lines.append(f"loss-only operator: loss spike at step {n['alarm_step']} -> checkpoint at step "
+                     f"{n['checkpoint_step']}, which {held}; {n['steps_discarded']} steps discarded")
+    lines.append(f"  {r['note']}")
+    return lines
+
+
+def analysis_text(d: dict[str, Any]) -> str:
+    """The human-readable report of `analyze`."""
+    lines = [f"verdict: {d['verdict']}"]
+    if d["root"]:
+        lines.append(_root_line(d["root"]))
+        lines.append(f"affected: {', '.join(d['affected']) or 'none'}")
+        lines.append("alarms:")
+        cols = ["step", "onset_step", "component", "attributed_to", "condition", "metric", "magnitude"]
+        lines += ["  " + line for line in table(d["alarms"], cols).splitlines()]
+    lines += rollback_text(d)
+    det = d["detectors"]
+    lines.append(f"comparators: loss spike at {det['loss_spike_step']}, gradient-norm (ZClip) spike at "
+                 f"{det['grad_norm_spike_step']}")
+    for key, name in (("light_lead_over_loss_spike", "loss spike"),
+                      ("light_lead_over_grad_norm_spike", "gradient-norm spike")):
+        if det.get(key) is not None:
+            lead = det[key]
+            lines.append(f"  the light lit {abs(lead)} steps {'before' if lead >= 0 else 'after'} the {name}")
+    return "\n".join(lines)
+
+
+@app.command("analyze")
+def analyze_cmd(
+    trace: TraceArg,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object (docs/analysis-json.md).")] = False,
+    exit_code: Annotated[bool, typer.Option("--exit-code", help="Exit 1 when a fault was found (0 when healthy).")] = False,
+    config: ConfigOpt = None,
+    overrides: SetOpt = None,
+    checkpoints: CheckpointsOpt = None,
+    every: EveryOpt = None,
+) -> None:
+    """Is this run failing? Which component, since when, how badly, and how far to roll back."""
+    result = _analysis(trace, config, overrides, checkpoints, every).to_dict()
+    typer.echo(json.dumps(result, indent=2) if as_json else analysis_text(result))
+    if exit_code and result["verdict"] == "fault":
+        raise typer.Exit(FAULT)
+
+
+@app.command("rollback")
+def rollback_cmd(
+    trace: TraceArg,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the rollback object as JSON.")] = False,
+    config: ConfigOpt = None,
+    overrides: SetOpt = None,
+    checkpoints: CheckpointsOpt = None,
+    every: EveryOpt = None,
+) -> None:
+    """The smallest rollback that removes the fault, beside what a loss-curve-only operator would do."""
+    result = _analysis(trace, config, overrides, checkpoints, every).to_dict()
+    typer.echo(json.dumps(result["rollback"], indent=2) if as_json else "\n".join(rollback_text(result)))
+
+
+@app.command("replay")
+def replay_cmd(
+    trace: TraceArg,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the timeline as JSON.")] = False,
+    config: ConfigOpt = None,
+    overrides: SetOpt = None,
+) -> None:
+    """Stream the trace in step order and print when each alarm would have fired live."""
+    cfg = config_from(config, overrides)
+    with bad_input():
+        result = replay(trace, config=cfg)
+    if as_json:
+        typer.echo(json.dumps(result.to_dict(), indent=2))
+        return
+    for e in result.events:
+        if e.source == "light":
+            z = "" if e.magnitude is None else f" z={e.magnitude:.1f}"
+            typer.echo(f"step {e.step:>6}  LIGHT  {e.component} {e.condition} ({e.metric}{z}), onset {e.onset_step}")
+        else:
+            typer.echo(f"step {e.step:>6}  {e.source.replace('_', '-')} rule fires")
+    if not result.events:
+        typer.echo("no alarm: the light never lit")
+
+
+@app.command("conditions")
+def conditions_cmd(config: ConfigOpt = None, overrides: SetOpt = None) -> None:
+    """The registry of conditions: signal, trigger thresholds, persistence and correction ceiling."""
+    rows = registry_rows(config_from(config, overrides))
+    typer.echo(table(rows, ["condition", "metric", "direction", "thresholds", "persistence", "ceiling", "roles"]))

@@ -1,0 +1,60 @@
+"""What every command shares: the one-line error convention and plain-text tables."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Annotated, Any
+
+import duckdb
+import typer
+from warninglight.forensics import CheckpointError, Config, ConfigError, TraceError, load_config
+
+BAD_INPUT = 2  # exit code for input we cannot use (not a trace, bad SQL, bad option)
+
+ConfigOpt = Annotated[Path | None, typer.Option(
+    "--config", exists=True, dir_okay=False,
+    help="A TOML file of thresholds (see `warninglight conditions` and docs/conditions.md).")]
+SetOpt = Annotated[list[str] | None, typer.Option(
+    "--set", help="Override one threshold, e.g. --set exploding.out_rms.z=10 (repeatable).")]
+TraceArg = Annotated[Path, typer.Argument(
+    exists=True, file_okay=False, help="The trace directory given to watch(...).")]
+
+
+def fail(message: str, code: int = BAD_INPUT) -> typer.Exit:
+    """Print `message` as one line on stderr; return the Exit to raise."""
+    typer.echo(f"error: {' '.join(message.split())}", err=True)
+    return typer.Exit(code)
+
+
+@contextmanager
+def bad_input() -> Iterator[None]:
+    """Turn the library's input errors into a one-line message and exit code 2."""
+    try:
+        yield
+    except (TraceError, ConfigError, CheckpointError, KeyError) as exc:
+        raise fail(str(exc).strip("'\"")) from None
+    except duckdb.Error as exc:
+        raise fail(str(exc).splitlines()[0]) from None
+
+
+def config_from(path: Path | None, overrides: list[str] | None) -> Config:
+    """The thresholds the command runs with."""
+    with bad_input():
+        return load_config(path, overrides)
+
+
+def _cell(v: Any) -> str:
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    return "" if v is None else str(v)
+
+
+def table(rows: Sequence[dict[str, Any]], columns: Sequence[str]) -> str:
+    """A plain aligned text table (header, then rows)."""
+    cells = [[_cell(r.get(c)) for c in columns] for r in rows]
+    widths = [max([len(c), *(len(row[i]) for row in cells)]) for i, c in enumerate(columns)]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(columns, widths, strict=True)).rstrip()]
+    lines += ["  ".join(v.ljust(w) for v, w in zip(row, widths, strict=True)).rstrip() for row in cells]
+    return "\n".join(lines)

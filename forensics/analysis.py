@@ -1,0 +1,131 @@
+"""`analyze(trace_dir)`: classify, localise, recommend a rollback and run the comparators, in one call.
+
+`Analysis.to_dict()` is exactly the object `warninglight analyze --json` prints (documented in
+docs/analysis-json.md); `alarms` is a Polars frame; `baseline_frame(component, metric)` gives a
+metric with its baseline band, for plots.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import polars as pl
+
+from . import detectors
+from . import rollback as rb
+from .baseline import band
+from .classify import classify
+from .conditions import Config, load_config
+from .localise import locate, root_cause
+from .store import Trace, health_frame, info, open_trace
+
+ALARM_KEYS = ("component", "condition", "step", "onset_step", "magnitude", "metric",
+              "attributed_to", "rank", "last_step", "value", "median")
+
+
+@dataclass
+class Analysis:
+    """The forensic verdict on one trace."""
+
+    trace_dir: Path
+    verdict: str  # "healthy" | "fault"
+    root: dict[str, Any] | None
+    affected: list[str]
+    alarms: pl.DataFrame
+    rollback: rb.Rollback
+    detectors: dict[str, Any]
+    scored: pl.DataFrame = field(repr=False)
+    summary: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The `--json` object (docs/analysis-json.md)."""
+        return {
+            "trace": str(self.trace_dir), "verdict": self.verdict, "root": self.root,
+            "affected": self.affected,
+            "alarms": [{k: _plain(a[k]) for k in ALARM_KEYS} for a in self.alarms.iter_rows(named=True)],
+            "rollback": self.rollback.to_dict(), "detectors": self.detectors, "trace_info": self.summary,
+        }
+
+    def baseline_frame(self, component: str, metric: str, rank: int = 0,
+                       width_z: float = 3.0) -> pl.DataFrame:
+        """step, value, median, lower, upper (median ± width_z robust scales) of one metric."""
+        rows = self.scored.filter((pl.col("component") == component) & (pl.col("rank") == rank))
+        if rows.is_empty():
+            raise KeyError(f"no component {component!r} on rank {rank} in {self.trace_dir}")
+        if f"{metric}__med" not in rows.columns:
+            raise KeyError(f"no metric {metric!r} in {self.trace_dir}; try out_rms, grad_norm_l2, update_ratio")
+        return band(rows, metric, width_z)
+
+
+def _plain(v: Any) -> Any:
+    if isinstance(v, float) and not np.isfinite(v):
+        return None
+    return v
+
+
+def _root_dict(root: dict[str, Any] | None) -> dict[str, Any] | None:
+    if root is None:
+        return None
+    return {"component": root["attributed_to"], "condition": root["condition"],
+            "onset_step": root["onset_step"], "alarm_step": root["step"],
+            "magnitude": _plain(root["magnitude"]), "metric": root["metric"],
+            "observed_on": root["component"], "rank": root["rank"], "evidence": root["evidence"]}
+
+
+def _step_series(trace: Trace, column: str) -> tuple[np.ndarray, np.ndarray]:
+    rows = trace.con.execute(
+        f"SELECT step, avg({column}) FROM steps GROUP BY step ORDER BY step").fetchall()
+    steps = np.array([r[0] for r in rows], dtype=np.int64)
+    return steps, np.array([np.nan if r[1] is None else r[1] for r in rows], dtype=np.float64)
+
+
+def comparators(trace: Trace, onset: int | None) -> dict[str, Any]:
+    """When the loss-spike and ZClip-style rules fire on this trace."""
+    loss = detectors.loss_spikes(*_step_series(trace, "loss"))
+    grad = detectors.grad_norm_spikes(*_step_series(trace, "grad_norm_total_l2"))
+    return {
+        "loss_spike_step": detectors.first_at_or_after(loss, onset),
+        "grad_norm_spike_step": detectors.first_at_or_after(grad, onset),
+        "loss_spike_first_step": detectors.first_at_or_after(loss, None),
+        "grad_norm_spike_first_step": detectors.first_at_or_after(grad, None),
+        "loss_spike_count": len(loss), "grad_norm_spike_count": len(grad),
+    }
+
+
+def _checkpoints(trace: Trace, checkpoints_glob: str | None, checkpoint_every: int | None,
+                 last_step: int) -> tuple[list[rb.Checkpoint], str]:
+    if checkpoints_glob:
+        return rb.from_glob(checkpoints_glob), "glob"
+    if checkpoint_every:
+        return rb.every(checkpoint_every, last_step), "every"
+    return rb.from_trace(trace), "trace"
+
+
+def analyze(trace_dir: str | Path, *, config: Config | str | Path | None = None,
+            checkpoints_glob: str | None = None, checkpoint_every: int | None = None) -> Analysis:
+    """Read the trace and answer: failing? where, since when, how badly, and how far to roll back."""
+    cfg = config if isinstance(config, Config) else load_config(config)
+    trace = open_trace(trace_dir)
+    try:
+        summary = info(trace)
+        scored, alarms = classify(health_frame(trace), cfg)
+        located = locate(alarms, scored, trace.frame("components").collect(), cfg)
+        root, affected = root_cause(located, cfg)
+        onset = root["onset_step"] if root else None
+        found = comparators(trace, onset)
+        last = int(summary["last_step"] or 0)
+        ckpts, source = _checkpoints(trace, checkpoints_glob, checkpoint_every, last)
+        rollback = rb.recommend(trace, ckpts, source, onset, root["step"] if root else None,
+                                found["loss_spike_step"], last)
+    finally:
+        trace.close()
+    if root is not None:
+        found["light_lead_over_loss_spike"] = (None if found["loss_spike_step"] is None
+                                               else found["loss_spike_step"] - root["step"])
+        found["light_lead_over_grad_norm_spike"] = (None if found["grad_norm_spike_step"] is None
+                                                    else found["grad_norm_spike_step"] - root["step"])
+    return Analysis(Path(trace_dir), "fault" if root else "healthy", _root_dict(root), affected,
+                    located.drop("drift", "signal", "forward_index"), rollback, found, scored, summary)

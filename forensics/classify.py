@@ -1,0 +1,144 @@
+"""The classifier: condition rules as Polars expressions over the baseline, and alarms from hits.
+
+One classifier serves the offline analysis (whole trace) and the live replay (a sliding window of
+`BaselineConfig.history` steps): both call `score` then `hits` then `alarms`. Every expression
+is causal (it reads the current step and the baseline of earlier steps only), so a hit at step t
+is exactly what a live monitor would have seen at t.
+
+A *hit* is a (component, condition, rule, step) whose rule held for the condition's persistence;
+an *alarm* is the first hit of an episode (hits of one component and condition no more than
+`episode_gap` steps apart).
+"""
+
+from __future__ import annotations
+
+import polars as pl
+
+from .baseline import KEYS, metrics_in, with_baseline
+from .conditions import DOWN, EITHER, NONFINITE, UNCLASSIFIED, UP, Condition, Config, Rule
+
+COUNT_METRICS = ("out_nonfinite_count", "grad_nonfinite_count")
+FORWARD, GRADIENT, WEIGHTS = "forward", "gradient", "weights"
+
+
+def signal_of(metric: str) -> str:
+    """Which way a metric's disturbance travels: forward outputs, gradients, or the weights."""
+    if metric.startswith(("out_", "pred_")):
+        return FORWARD
+    return GRADIENT if metric.startswith("grad_") else WEIGHTS
+HIT_COLUMNS = ("rank", "component", "step", "condition", "metric", "value", "median", "magnitude")
+ALARM_SCHEMA = {"rank": pl.Int64, "component": pl.String, "condition": pl.String,
+                "step": pl.Int64, "last_step": pl.Int64, "metric": pl.String,
+                "value": pl.Float64, "median": pl.Float64, "magnitude": pl.Float64}
+
+
+def _rule_expr(rule: Rule) -> pl.Expr:
+    """True where `rule` holds at a step (before persistence); null-safe."""
+    v = pl.col(rule.metric).cast(pl.Float64)
+    if rule.direction == NONFINITE:
+        hit = v > 0 if rule.metric in COUNT_METRICS else v.is_not_null() & ~v.is_finite()
+        return hit.fill_null(False)
+    med, z = pl.col(f"{rule.metric}__med"), pl.col(f"{rule.metric}__z")
+    up, down = rule.direction in (UP, EITHER), rule.direction in (DOWN, EITHER)
+    parts_up: list[pl.Expr] = [v.is_finite()]
+    parts_down: list[pl.Expr] = [v.is_finite()]
+    if rule.z is not None:
+        parts_up.append(z >= rule.z)
+        parts_down.append(z <= -rule.z)
+    if rule.fold is not None:
+        parts_up += [med > 0, v >= med * rule.fold]
+        parts_down += [med > 0, v <= med / rule.fold]
+    if rule.delta is not None:
+        parts_up.append(v - med >= rule.delta)
+        parts_down.append(med - v >= rule.delta)
+    if rule.level is not None:
+        parts_up.append(v >= rule.level)
+        parts_down.append(v <= rule.level)
+    hit = pl.lit(False)
+    if up:
+        hit = hit | pl.all_horizontal(parts_up)
+    if down:
+        hit = hit | pl.all_horizontal(parts_down)
+    if rule.peers_fold is not None:  # the typical component still moves: this one alone stopped
+        hit = hit & (pl.col(f"{rule.metric}__peers") >= rule.peers_fold)
+    if rule.roles:
+        hit = hit & pl.col("role").is_in(list(rule.roles))
+    return hit.fill_null(False)
+
+
+def _persisted(hit: pl.Expr, steps: int) -> pl.Expr:
+    """True where `hit` held on this and the `steps - 1` previous rows of the component."""
+    if steps == 1:
+        return hit
+    held = hit.cast(pl.Int32).rolling_sum(window_size=steps, min_samples=steps).over(KEYS)
+    return (held == steps).fill_null(False)
+
+
+def _rules(config: Config) -> list[tuple[Condition, Rule, str]]:
+    return [(c, r, f"hit__{c.name}__{i}") for c in config.conditions for i, r in enumerate(c.rules)]
+
+
+def score(frame: pl.LazyFrame, config: Config) -> pl.LazyFrame:
+    """Health rows with baseline columns and one boolean column per (condition, rule)."""
+    present = set(metrics_in(frame))
+    scored = with_baseline(frame, config.baseline)
+    peers = {r.metric for c in config.conditions for r in c.rules if r.peers_fold is not None} & present
+    scored = scored.with_columns([  # the median component's value/baseline at each step
+        (pl.col(m).cast(pl.Float64) / pl.col(f"{m}__med")).median().over(["rank", "step"]).alias(f"{m}__peers")
+        for m in peers])
+    cols = [_persisted(_rule_expr(r), c.persistence_of(r)).alias(name)
+            for c, r, name in _rules(config) if r.metric in present]
+    return scored.with_columns(cols)
+
+
+def _magnitude(rule: Rule) -> pl.Expr:
+    if rule.direction == NONFINITE:  # a count has baseline 0 and scale 1: its z is the count
+        return pl.col(rule.metric).cast(pl.Float64) if rule.metric in COUNT_METRICS else pl.lit(None, pl.Float64)
+    return pl.col(f"{rule.metric}__z")
+
+
+def hits(scored: pl.LazyFrame, config: Config) -> pl.DataFrame:
+    """Every (component, condition, step) that fired, with the rule's metric and robust z."""
+    names = set(scored.collect_schema().names())
+    parts = []
+    for c, r, name in _rules(config):
+        if name not in names:
+            continue
+        med = pl.col(f"{r.metric}__med") if r.direction != NONFINITE else pl.lit(None, pl.Float64)
+        parts.append(scored.filter(pl.col(name)).select(
+            "rank", "component", "step", pl.lit(c.name).alias("condition"),
+            pl.lit(r.metric).alias("metric"), pl.col(r.metric).cast(pl.Float64).alias("value"),
+            med.cast(pl.Float64).alias("median"), _magnitude(r).cast(pl.Float64).alias("magnitude")))
+    if not parts:
+        return pl.DataFrame(schema={k: ALARM_SCHEMA[k] for k in HIT_COLUMNS})
+    found = pl.concat(pl.collect_all(parts)).with_columns(pl.col("rank").cast(pl.Int64))
+    named = found.filter(pl.col("condition") != UNCLASSIFIED)
+    other = found.filter(pl.col("condition") == UNCLASSIFIED).join(
+        named.select("rank", "component", "step").unique(), on=["rank", "component", "step"], how="anti")
+    return pl.concat([named, other]).sort("rank", "component", "condition", "step")
+
+
+def alarms(found: pl.DataFrame, config: Config) -> pl.DataFrame:
+    """The first hit of each episode per (rank, component, condition), strongest metric first."""
+    if found.is_empty():
+        return pl.DataFrame(schema=ALARM_SCHEMA)
+    group = ["rank", "component", "condition"]
+    steps = found.select(*group, "step").unique().sort(*group, "step")
+    steps = steps.with_columns(
+        ((pl.col("step") - pl.col("step").shift(1).over(group)).fill_null(1 << 40)
+         > config.baseline.episode_gap).cum_sum().over(group).alias("episode"))
+    ends = steps.group_by(*group, "episode").agg(pl.col("step").min(), pl.col("step").max().alias("last_step"))
+    # The episode's metric: a forward signal first (it tells localisation where the values went
+    # wrong), then a non-finite one, then the largest |z|.
+    forward = pl.col("metric").str.starts_with("out_") | pl.col("metric").str.starts_with("pred_")
+    strength = pl.when(pl.col("magnitude").is_null()).then(float("inf")).otherwise(pl.col("magnitude").abs())
+    first = (found.join(ends.drop("last_step"), on=[*group, "step"])
+             .sort(forward, strength, descending=True).unique([*group, "episode"], keep="first"))
+    out = first.join(ends, on=[*group, "episode", "step"]).drop("episode")
+    return out.select(list(ALARM_SCHEMA)).cast(ALARM_SCHEMA).sort("step", "rank", "component", "condition")
+
+
+def classify(frame: pl.LazyFrame, config: Config) -> tuple[pl.DataFrame, pl.DataFrame]:
+    """(scored rows, alarms) for a whole health frame."""
+    scored = score(frame, config).collect()
+    return scored, alarms(hits(scored.lazy(), config), config)

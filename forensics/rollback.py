@@ -1,0 +1,129 @@
+"""The smallest rollback that removes a fault, beside what a loss-curve-only operator would do.
+
+A checkpoint recorded at step c holds the weights after c steps (tracer/schema.py), so it is
+free of a fault whose onset is step o exactly when c < o. We recommend the latest such
+checkpoint, the steps it throws away (last recorded step − c), and the steps (and batch ids, where
+`rec.batch` recorded them) from the onset to the alarm, to skip on resume. The loss-only choice
+is the latest checkpoint strictly before the loss-spike alarm; it is *contaminated* when it was
+saved at or after the onset (it already holds the damage).
+"""
+
+from __future__ import annotations
+
+import glob
+import re
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .store import Trace
+
+_STEP_IN_NAME = re.compile(r"(\d+)(?!.*\d)")  # the last number in a file name
+
+
+class CheckpointError(ValueError):
+    """Checkpoint options that cannot be used."""
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    step: int
+    path: str | None
+
+
+@dataclass(frozen=True)
+class Naive:
+    """What an operator with only the loss curve would do."""
+
+    alarm_step: int | None
+    checkpoint_step: int | None
+    contaminated: bool | None
+    steps_discarded: int | None
+
+
+@dataclass(frozen=True)
+class Rollback:
+    checkpoint_step: int | None  # None: no clean checkpoint; 0 means restart from initialisation
+    checkpoint_path: str | None
+    steps_discarded: int | None
+    skip_steps: list[int] | None
+    skip_batches: list[int] | None
+    naive: Naive
+    checkpoint_source: str = "trace"
+    note: str = ""
+    checkpoints: list[int] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d.pop("checkpoints")
+        return d
+
+
+def from_trace(trace: Trace) -> list[Checkpoint]:
+    """Checkpoints the run recorded with `rec.checkpoint(path)` (effective timeline)."""
+    rows = trace.con.execute("SELECT DISTINCT step, path FROM checkpoints ORDER BY step").fetchall()
+    return [Checkpoint(int(s), p) for s, p in rows if s is not None]
+
+
+def from_glob(pattern: str) -> list[Checkpoint]:
+    """Checkpoint files matching `pattern`, their step parsed from the last number in the name."""
+    found = []
+    for path in sorted(glob.glob(pattern)):
+        m = _STEP_IN_NAME.search(Path(path).stem)
+        if m:
+            found.append(Checkpoint(int(m.group(1)), path))
+    if not found:
+        raise CheckpointError(f"--checkpoints {pattern!r} matched no file with a step number in its name "
+                              "(e.g. ckpt/step-000300.pt); check the glob and quote it")
+    return sorted(found, key=lambda c: c.step)
+
+
+def every(n: int, last_step: int) -> list[Checkpoint]:
+    """Checkpoints assumed at every `n` steps up to the last step."""
+    if n < 1:
+        raise CheckpointError(f"--checkpoint-every must be >= 1 step, got {n}")
+    return [Checkpoint(s, None) for s in range(n, last_step + 1, n)]
+
+
+def _before(checkpoints: list[Checkpoint], step: int) -> Checkpoint:
+    clean = [c for c in checkpoints if c.step < step]
+    return max(clean, key=lambda c: c.step) if clean else Checkpoint(0, None)
+
+
+def batches_in(trace: Trace, first: int, last: int) -> list[int] | None:
+    """Batch ids recorded for steps first..last, or None if the run did not record them."""
+    rows = trace.con.execute(
+        "SELECT batch_ids FROM steps WHERE step BETWEEN ? AND ? ORDER BY step", [first, last]).fetchall()
+    ids = [int(i) for (b,) in rows if b is not None for i in b]
+    return ids if ids or any(b is not None for (b,) in rows) else None
+
+
+def recommend(trace: Trace, checkpoints: list[Checkpoint], source: str, onset: int | None,
+              alarm: int | None, loss_spike: int | None, last_step: int) -> Rollback:
+    """The rollback for a fault with `onset` raised at `alarm` (both None: nothing to roll back)."""
+    steps = sorted(c.step for c in checkpoints)
+    naive = _naive(checkpoints, onset, loss_spike, last_step)
+    if onset is None or alarm is None:
+        return Rollback(None, None, None, None, None, naive, source, "healthy: nothing to roll back", steps)
+    ckpt = _before(checkpoints, onset)
+    note = (f"resume from the checkpoint at step {ckpt.step}" if ckpt.step else
+            "no checkpoint before the onset: restart from initialisation")
+    note += f"; skip steps {onset}-{alarm}"
+    if naive.alarm_step is None:
+        note += "; the loss-spike rule never fired, so a loss-only operator would not roll back"
+    elif naive.checkpoint_step is not None:
+        later = naive.checkpoint_step - ckpt.step
+        note += (f"; a loss-only operator would roll back to step {naive.checkpoint_step}"
+                 + (f", which already held the damage (saved at or after onset {onset})" if naive.contaminated else "")
+                 + (f" ({later} steps later than ours)" if later > 0 else ""))
+    return Rollback(ckpt.step, ckpt.path, last_step - ckpt.step, [onset, alarm],
+                    batches_in(trace, onset, alarm), naive, source, note, steps)
+
+
+def _naive(checkpoints: list[Checkpoint], onset: int | None, loss_spike: int | None,
+           last_step: int) -> Naive:
+    if loss_spike is None:
+        return Naive(None, None, None, None)
+    ckpt = _before(checkpoints, loss_spike)
+    contaminated = None if onset is None else ckpt.step >= onset
+    return Naive(loss_spike, ckpt.step, contaminated, last_step - ckpt.step)

@@ -1,0 +1,210 @@
+"""Open a trace directory as DuckDB views (and Polars frames for the classifier).
+
+Views (every one has `rank` and `incarnation` columns, from the hive partitions):
+
+- `health_all`, `steps_all`, `scalars_all`, `events_all`, `components_all`: every row recorded,
+  every incarnation.
+- `health`, `steps`, `scalars`, `events`: the *effective timeline*: a restarted run (a new
+  incarnation starting at step s) supersedes what earlier incarnations recorded from step s on,
+  so each (rank, step) appears once, from the latest incarnation that reached it.
+- `components`: one row per (rank, component), from the latest incarnation.
+- `checkpoints`: the `checkpoint` events of the effective timeline (step, path, detail).
+
+Checks on open (each a named `TraceError` whose message names the file and the fix): not a trace
+directory, no segments, a segment that is not readable Parquet, an unknown format version.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import duckdb
+import polars as pl
+import pyarrow.parquet as pq
+from warninglight.tracer import schema
+
+_DUCK_TYPES = {"int64": "BIGINT", "float": "FLOAT", "double": "DOUBLE", "string": "VARCHAR",
+               "bool": "BOOLEAN", "list<item: int64>": "BIGINT[]"}
+_TIMELINE_TABLES = ("health", "steps", "scalars", "events")
+
+
+class TraceError(Exception):
+    """The path cannot be read as a trace."""
+
+
+class NotATraceError(TraceError):
+    """The path is not a trace directory."""
+
+
+class EmptyTraceError(TraceError):
+    """The trace directory holds no recorded steps."""
+
+
+class CorruptSegmentError(TraceError):
+    """A segment file is not readable Parquet."""
+
+
+class FormatVersionError(TraceError):
+    """The trace was written in a format version this reader does not know."""
+
+
+@dataclass
+class Trace:
+    """An open trace: a DuckDB connection with the views above, and the manifests."""
+
+    root: Path
+    con: duckdb.DuckDBPyConnection
+    manifests: list[dict[str, Any]] = field(default_factory=list)
+    segments: list[Path] = field(default_factory=list)
+
+    def sql(self, query: str) -> duckdb.DuckDBPyRelation:
+        """Run SQL over the views."""
+        return self.con.sql(query)
+
+    def one(self, query: str) -> tuple[Any, ...]:
+        """The first row of a query's result."""
+        rows = self.con.execute(query).fetchall()
+        assert rows, "an aggregate query returns one row"
+        return rows[0]
+
+    def frame(self, view: str) -> pl.LazyFrame:
+        """A view as a Polars lazy frame (materialised once through Arrow)."""
+        table = self.con.sql(f"SELECT * FROM {view}").to_arrow_table()
+        return pl.from_arrow(table).lazy()  # type: ignore[union-attr]
+
+    def close(self) -> None:
+        self.con.close()
+
+
+def _segments(root: Path, table: str) -> list[Path]:
+    base = root / table
+    if not base.is_dir():
+        return []
+    return sorted(p for p in base.glob("rank=*/incarnation=*/*") if schema.is_segment_name(p.name))
+
+
+def _read_manifests(root: Path) -> list[dict[str, Any]]:
+    manifests = []
+    for path in sorted((root / schema.MANIFEST_DIR).glob("rank=*.json")):
+        try:
+            manifest = json.loads(path.read_text())
+        except (OSError, ValueError) as exc:
+            raise CorruptSegmentError(
+                f"manifest {path} is not valid JSON ({exc}) — restore it or delete it; "
+                "the Parquet segments can be read without it") from exc
+        version = manifest.get("format_version")
+        if version not in schema.SUPPORTED_FORMAT_VERSIONS:
+            known = ", ".join(str(v) for v in sorted(schema.SUPPORTED_FORMAT_VERSIONS))
+            raise FormatVersionError(
+                f"{path} says format_version {version!r}; this warninglight reads version {known} "
+                "— upgrade warninglight to read it (pip install -U warninglight)")
+        manifests.append(manifest)
+    return manifests
+
+
+def _check_segments(segments: list[Path]) -> None:
+    for path in segments:
+        try:
+            pq.read_metadata(path)
+        except Exception as exc:  # pyarrow raises several types for a damaged footer
+            raise CorruptSegmentError(
+                f"segment {path} is not readable Parquet ({type(exc).__name__}) — move it out of "
+                "the trace directory to analyse the rest (a crash loses at most that segment)") from exc
+
+
+def _empty_select(table: str) -> str:
+    cols = [f"CAST(NULL AS {_DUCK_TYPES[str(c.type)]}) AS {c.name}" for c in schema.COLUMNS[table]]
+    return f"SELECT {', '.join(cols)}, CAST(NULL AS BIGINT) AS rank, CAST(NULL AS BIGINT) AS incarnation WHERE false"
+
+
+def _raw_view(con: duckdb.DuckDBPyConnection, root: Path, table: str, present: bool) -> None:
+    if present:
+        glob = schema.segment_glob(root, table).replace("'", "''")
+        src = f"SELECT * FROM read_parquet('{glob}', hive_partitioning = true, union_by_name = true)"
+    else:
+        src = _empty_select(table)
+    con.execute(f"CREATE VIEW {table}_all AS {src}")
+
+
+def _timeline_views(con: duckdb.DuckDBPyConnection) -> None:
+    # An incarnation is superseded from the first step of any later incarnation of the same rank.
+    con.execute("""
+        CREATE VIEW incarnations AS
+        SELECT rank, incarnation, min(step) AS first_step, max(step) AS last_step, count(*) AS rows
+        FROM (SELECT rank, incarnation, step FROM health_all UNION ALL
+              SELECT rank, incarnation, step FROM steps_all)
+        GROUP BY rank, incarnation""")
+    con.execute("""
+        CREATE VIEW _superseded AS
+        SELECT a.rank, a.incarnation, min(b.first_step) AS at_step
+        FROM incarnations a LEFT JOIN incarnations b
+          ON a.rank = b.rank AND b.incarnation > a.incarnation
+        GROUP BY a.rank, a.incarnation""")
+    for table in _TIMELINE_TABLES:
+        con.execute(f"""
+            CREATE VIEW {table} AS SELECT t.* FROM {table}_all t
+            JOIN _superseded s ON t.rank = s.rank AND t.incarnation = s.incarnation
+            WHERE s.at_step IS NULL OR t.step < s.at_step""")
+    con.execute("""
+        CREATE VIEW components AS SELECT * FROM components_all
+        QUALIFY incarnation = max(incarnation) OVER (PARTITION BY rank, component)""")
+    con.execute("""
+        CREATE VIEW checkpoints AS SELECT step, path, detail, rank, incarnation, wall_time_s
+        FROM events WHERE kind = 'checkpoint' ORDER BY step""")
+
+
+def open_trace(path: str | Path) -> Trace:
+    """Open the trace at `path`; raise a `TraceError` naming the file and the fix if it cannot be read."""
+    root = Path(path)
+    if not root.is_dir():
+        raise NotATraceError(f"{root} is not a directory — pass the trace directory given to watch(...)")
+    manifests = _read_manifests(root)
+    by_table = {t: _segments(root, t) for t in schema.TABLES}
+    if not by_table["health"]:
+        example = schema.segment_path(Path(root), "health", 0, 1, 0).relative_to(root)
+        if manifests or by_table["steps"]:
+            raise EmptyTraceError(
+                f"no health segments under {root / 'health'} — the run recorded no complete steps "
+                f"yet (segments are written every few steps and at exit); expected files like {example}")
+        raise NotATraceError(
+            f"no trace segments under {root / 'health'} — is this a trace directory? "
+            f"expected files like {example}")
+    segments = [p for t in schema.TABLES for p in by_table[t]]
+    _check_segments(segments)
+    con = duckdb.connect()
+    for table in schema.TABLES:
+        _raw_view(con, root, table, bool(by_table[table]))
+    _timeline_views(con)
+    return Trace(root=root, con=con, manifests=manifests, segments=segments)
+
+
+def info(trace: Trace) -> dict[str, Any]:
+    """The summary `warninglight info` prints: run, steps, incarnations, components, ranks, size."""
+    row = trace.one("SELECT count(DISTINCT step), min(step), max(step), count(DISTINCT rank) FROM steps")
+    incarnations = trace.one("SELECT count(*) FROM incarnations")
+    components = trace.one("SELECT count(DISTINCT component) FROM components")
+    dropped = sum(int(inc.get("dropped_steps") or 0) for m in trace.manifests
+                  for inc in m.get("incarnations", []))
+    return {
+        "trace": str(trace.root),
+        "run_id": next((m.get("run_id") for m in trace.manifests), None),
+        "steps": int(row[0]), "first_step": row[1], "last_step": row[2],
+        "incarnations": int(incarnations[0]), "components": int(components[0]),
+        "ranks": int(row[3]),
+        "segments": len(trace.segments),
+        "size_bytes": sum(p.stat().st_size for p in trace.segments),
+        "dropped_steps": dropped,
+    }
+
+
+COMPONENT_KEYS = ("rank", "component", "kind", "role", "bound", "parent_param", "forward_index")
+
+
+def health_frame(trace: Trace) -> pl.LazyFrame:
+    """Effective-timeline health rows joined with each component's role, bound, parent and order."""
+    comps = trace.frame("components").select(
+        *[c for c in COMPONENT_KEYS if c in trace.frame("components").collect_schema().names()])
+    return trace.frame("health").join(comps, on=["rank", "component"], how="left")

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
+from warninglight.cli.common import TraceArg, bad_input, fail
 from warninglight.cli.main import app
 
 
@@ -16,28 +17,19 @@ class Format(StrEnum):
     png = "png"
 
 
-def _fail(message: str) -> typer.Exit:
-    typer.echo(f"error: {message}", err=True)
-    return typer.Exit(1)
-
-
 @app.command("report")
 def report_cmd(
-    trace: Annotated[Path, typer.Argument(exists=True, file_okay=False, help="The trace directory to report on.")],
+    trace: TraceArg,
     out: Annotated[Path, typer.Option("-o", "--out", help="Where to write: an .html file, or a folder for --format png.")] = Path("report.html"),
     fmt: Annotated[Format, typer.Option("--format", help="html: one self-contained file; png: the figures alone, into a folder.")] = Format.html,
 ) -> None:
     """Write a report of a trace: health heatmap, root metric, loss with every detector, rollback, alarms."""
     from warninglight.forensics import report
 
-    try:
-        if fmt is Format.png:
-            for path in report.write_pngs(trace, out):
-                typer.echo(str(path))
-        else:
-            typer.echo(str(report.write_html(trace, out)))
-    except (report.ReportError, FileNotFoundError) as e:
-        raise _fail(str(e)) from None
+    with bad_input():
+        paths = report.write_pngs(trace, out) if fmt is Format.png else [report.write_html(trace, out)]
+    for path in paths:
+        typer.echo(str(path))
 
 
 @app.command("demo")
@@ -53,7 +45,7 @@ def demo_cmd(
     try:
         result = demo.run_demo(out, scenario, seed)
     except (demo.DemoError, ScenarioError) as e:
-        raise _fail(str(e)) from None
+        raise fail(str(e)) from None
     s = result.seconds
     typer.echo(demo.describe_truth(result.truth))
     typer.echo(result.line)
@@ -81,7 +73,7 @@ def eval_cmd(
     names = scenarios or list(SCENARIOS)
     unknown = [n for n in names if n not in SCENARIOS]
     if unknown:
-        raise _fail(f"unknown scenario {unknown[0]!r}; run `warninglight eval --list` for the names")
+        raise fail(f"unknown scenario {unknown[0]!r}; run `warninglight eval --list` for the names")
 
     def progress(r: evaluation.RunScore) -> None:
         verdict = f"root {r.root_component} ({r.root_condition})" if r.fault_verdict else "no fault verdict"
@@ -90,7 +82,7 @@ def eval_cmd(
     try:
         runs = evaluation.run_benchmark(names, seeds, workdir, steps, progress)
     except evaluation.EvaluationError as e:
-        raise _fail(str(e)) from None
+        raise fail(str(e)) from None
     typer.echo(evaluation.format_tables(runs))
     if json_out is not None:
         json_out.write_text(json.dumps([r.to_dict() for r in runs], indent=1))

@@ -123,12 +123,14 @@ def run_one(scenario: str, seed: int, workdir: Path, steps: int | None = None) -
 
 
 def count_component_steps(trace: Path) -> int:
-    """Rows of the health table: the denominator of the false-alarm rate."""
-    import duckdb
-    from warninglight.tracer import schema
+    """Rows of the health timeline: the denominator of the false-alarm rate."""
+    from warninglight.forensics import open_trace
 
-    glob = schema.segment_glob(trace, "health")
-    return int(duckdb.sql(f"select count(*) from read_parquet('{glob}', hive_partitioning=true)").fetchone()[0])
+    opened = open_trace(trace)
+    try:
+        return int(opened.one("SELECT count(*) FROM health")[0])
+    finally:
+        opened.close()
 
 
 def run_benchmark(scenarios: Iterable[str], seeds: int, workdir: Path | None = None,

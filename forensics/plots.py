@@ -17,11 +17,12 @@ matplotlib.use("Agg")  # files only, never a window; must precede pyplot
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 import polars as pl  # noqa: E402
-from matplotlib.colors import ListedColormap  # noqa: E402
+from matplotlib.colors import BoundaryNorm, ListedColormap  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
 
 MAX_LABEL = 26  # characters of a component name on an axis before it is shortened
 Z_CAP = 12.0  # |z| colour scale saturates here; beyond it every cell looks equally alarming
+Z_LEVELS = (0.0, 3.0, 4.0, 6.0, 8.0, Z_CAP, 2 * Z_CAP)  # heatmap colour bins of |z|; the last is ">= Z_CAP"
 
 # One colour per mark kind, used on every figure so the legend reads the same everywhere.
 MARK_STYLE: dict[str, tuple[str, str]] = {
@@ -65,8 +66,8 @@ def _draw_marks(ax: plt.Axes, marks: Sequence[Mark]) -> None:
 
 def heatmap(scores: pl.DataFrame, order: Sequence[str], marks: Sequence[Mark] = (),
             kinds: dict[str, str] | None = None,
-            title: str = "Component health: |z| against each component's own baseline",
-            colour_label: str = "|robust z| (capped)") -> Figure:
+            title: str = "Component health: worst |robust z| of any metric against the component's own baseline",
+            colour_label: str = "worst |robust z| over the metrics") -> Figure:
     """Component × step image of `scores` (columns component, step, score), rows in `order`."""
     steps = np.arange(int(scores["step"].min()), int(scores["step"].max()) + 1)
     index = {c: i for i, c in enumerate(order)}
@@ -74,12 +75,14 @@ def heatmap(scores: pl.DataFrame, order: Sequence[str], marks: Sequence[Mark] = 
     rows = scores.filter(pl.col("component").is_in(list(order)))
     r = np.array([index[c] for c in rows["component"]], dtype=int)
     s = rows["step"].to_numpy() - steps[0]
-    grid[r, s] = np.clip(np.abs(rows["score"].fill_null(np.nan).to_numpy()), 0, Z_CAP)
+    grid[r, s] = np.clip(np.abs(rows["score"].fill_null(np.nan).to_numpy()), 0, Z_CAP + 1)
     height = min(14.0, 1.6 + 0.28 * len(order))
     fig, ax = plt.subplots(figsize=(11, height), layout="constrained")
-    cmap = plt.get_cmap("magma_r").copy()
-    cmap.set_bad("#eeeeee")  # no data (e.g. activations have no gradient)
-    im = ax.imshow(grid, aspect="auto", interpolation="nearest", cmap=cmap, vmin=0, vmax=Z_CAP,
+    # Discrete levels: |z| under 3 is ordinary noise and stays pale, so departures stand out.
+    cmap = ListedColormap(["#fbfbf4", "#fee391", "#fe9929", "#d95f0e", "#993404", "#3d1502"]).with_extremes(
+        bad="#dddddd")  # no data: warm-up before a baseline exists, or no such metric
+    norm = BoundaryNorm(Z_LEVELS, cmap.N)
+    im = ax.imshow(grid, aspect="auto", interpolation="nearest", cmap=cmap, norm=norm,
                    extent=(steps[0] - 0.5, steps[-1] + 0.5, len(order) - 0.5, -0.5))
     ax.set_yticks(range(len(order)), row_labels(order, kinds), fontsize=8)
     ax.set_xlabel("optimizer step")
@@ -88,7 +91,9 @@ def heatmap(scores: pl.DataFrame, order: Sequence[str], marks: Sequence[Mark] = 
     _draw_marks(ax, marks)
     if marks:
         ax.legend(loc="upper left", fontsize=8, framealpha=0.9)
-    fig.colorbar(im, ax=ax, shrink=0.9).set_label(colour_label, fontsize=9)
+    bar = fig.colorbar(im, ax=ax, shrink=0.9, ticks=Z_LEVELS[:-1])
+    bar.ax.set_yticklabels([f"{v:g}" for v in Z_LEVELS[:-2]] + [f"≥ {Z_CAP:g}"])
+    bar.set_label(colour_label, fontsize=9)
     return fig
 
 
@@ -133,8 +138,11 @@ def _fit_to_values(ax: plt.Axes, values: pl.Series) -> None:
         ax.set_ylim(lo - pad, hi + pad)
 
 
-def loss_and_grad(steps: pl.DataFrame, marks: Sequence[Mark] = ()) -> Figure:
-    """Loss and total gradient norm over steps, with the light's and the comparators' marks."""
+def loss_and_grad(steps: pl.DataFrame, marks: Sequence[Mark] = (), never: Sequence[str] = ()) -> Figure:
+    """Loss and total gradient norm over steps, with the light's and the comparators' marks.
+
+    `never` names detectors that did not fire at all; the legend says so instead of hiding them.
+    """
     fig, (ax_loss, ax_grad) = plt.subplots(2, 1, figsize=(11, 6), sharex=True, layout="constrained")
     step = steps["step"].to_numpy()
     for ax, col, label in ((ax_loss, "loss", "loss"), (ax_grad, "grad_norm_total_l2", "total grad norm (L2)")):
@@ -147,7 +155,10 @@ def loss_and_grad(steps: pl.DataFrame, marks: Sequence[Mark] = ()) -> Figure:
         _draw_marks(ax, marks)
     ax_loss.set_title("What a loss/grad-norm dashboard shows, and when each detector fired")
     ax_grad.set_xlabel("optimizer step")
-    if marks:
+    for label in never:
+        colour, style = MARK_STYLE.get(label, ("black", "-"))
+        ax_loss.plot([], [], color=colour, linestyle=style, alpha=0.4, label=f"{label}: never fired")
+    if marks or never:
         ax_loss.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8)
     return fig
 
@@ -163,8 +174,7 @@ def condition_map(alarms: pl.DataFrame, order: Sequence[str], last_step: int,
             grid[index[row["component"]], int(row["onset_step"]) - 1:] = conditions.index(row["condition"])
     height = min(14.0, 1.6 + 0.28 * len(order))
     fig, ax = plt.subplots(figsize=(11, height), layout="constrained")
-    palette = ListedColormap(plt.get_cmap("tab10").colors[: max(1, len(conditions))])
-    palette.set_bad("#f4f4f4")
+    palette = ListedColormap(plt.get_cmap("tab10").colors[: max(1, len(conditions))]).with_extremes(bad="#f4f4f4")
     ax.imshow(grid, aspect="auto", interpolation="nearest", cmap=palette, vmin=-0.5,
               vmax=max(1, len(conditions)) - 0.5, extent=(0.5, last_step + 0.5, len(order) - 0.5, -0.5))
     ax.set_yticks(range(len(order)), row_labels(order, kinds), fontsize=8)

@@ -18,15 +18,7 @@ from typing import Any
 import polars as pl
 from matplotlib.figure import Figure
 from warninglight.forensics import plots
-from warninglight.forensics.static_rules import StaticAlarm, TraceReadError, static_alarms
-from warninglight.tracer import schema
-
-# Metrics whose departure the heatmap shows, per component; the cell is the worst of them.
-HEAT_METRICS = ("grad_norm_l2", "update_ratio", "weight_drift_l2", "out_rms", "out_dead_frac", "out_sat_frac")
-
-
-class ReportError(ValueError):
-    """The report cannot be made from what was given."""
+from warninglight.forensics.static_rules import StaticAlarm, static_alarms
 
 
 @dataclass
@@ -38,22 +30,22 @@ class ReportData:
     steps: pl.DataFrame
     order: list[str]  # components in forward order
     kinds: dict[str, str]  # component -> module class, for axis labels
-    scores: pl.DataFrame  # component, step, score (|departure| in threshold units)
+    scores: pl.DataFrame  # component, step, score (worst |robust z| over the metrics)
     root_band: pl.DataFrame | None
     static: list[StaticAlarm]
     truth: dict[str, Any] | None = None
     notes: list[str] = field(default_factory=list)
 
 
-def read_table(trace: Path, table: str) -> pl.DataFrame:
-    """One trace table as a Polars frame (all ranks and incarnations)."""
+def read_tables(trace: Path) -> tuple[pl.DataFrame, pl.DataFrame]:
+    """(steps, components) of the trace's effective timeline."""
+    from warninglight.forensics.store import open_trace
+
+    opened = open_trace(trace)  # raises TraceError naming the path if it is not a trace
     try:
-        return pl.read_parquet(schema.segment_glob(trace, table), hive_partitioning=True)
-    except (FileNotFoundError, pl.exceptions.ComputeError) as e:
-        raise ReportError(
-            f"no {table} segments under {trace} — is this a trace directory? "
-            f"expected files like {table}/rank=0/incarnation=1/part-000000.parquet"
-        ) from e
+        return opened.frame("steps").collect().sort("step"), opened.frame("components").collect()
+    finally:
+        opened.close()
 
 
 def component_order(components: pl.DataFrame) -> list[str]:
@@ -63,35 +55,20 @@ def component_order(components: pl.DataFrame) -> list[str]:
     return c["component"].to_list()
 
 
-def departure(frame: pl.DataFrame) -> pl.Series:
-    """How far each value sits outside its baseline, in band half-widths (1 = at the band edge).
+def heat_scores(analysis: Any) -> pl.DataFrame:
+    """Worst |robust z| over all metrics per (component, step), from the engine's scored frame.
 
-    Inside the band the result is below 1; a zero-width band (a metric that is exactly constant,
-    e.g. weight drift of 0) makes any change infinite, which the heatmap caps.
+    Takes the largest over ranks too, so a rank whose replica disagrees still shows.
     """
-    above = (pl.col("value") - pl.col("median")) / (pl.col("upper") - pl.col("median"))
-    below = (pl.col("median") - pl.col("value")) / (pl.col("median") - pl.col("lower"))
-    expr = pl.when(pl.col("value") >= pl.col("median")).then(above).otherwise(below)
-    expr = pl.when(pl.col("value") == pl.col("median")).then(0.0).otherwise(expr)
-    return frame.select(expr.fill_nan(None).alias("score"))["score"]
-
-
-def heat_scores(analysis: Any, order: list[str], health: pl.DataFrame) -> pl.DataFrame:
-    """Worst departure over HEAT_METRICS per (component, step), from the engine's baselines."""
-    parts = []
-    present = [m for m in HEAT_METRICS if m in health.columns]
-    for comp in order:
-        rows = health.filter(pl.col("component") == comp)
-        for metric in present:
-            if rows[metric].null_count() == len(rows):
-                continue
-            band = analysis.baseline_frame(comp, metric)
-            if band is None or len(band) == 0:
-                continue
-            parts.append(pl.DataFrame({"component": comp, "step": band["step"], "score": departure(band)}))
-    if not parts:
+    scored: pl.DataFrame | None = getattr(analysis, "scored", None)
+    z_cols = [c for c in (scored.columns if scored is not None else []) if c.endswith("__z")]
+    if not z_cols:
         return pl.DataFrame(schema={"component": pl.String, "step": pl.Int64, "score": pl.Float64})
-    return (pl.concat(parts).with_columns(pl.col("score").abs())
+    # a z before the metric's baseline exists (warm-up, median null) is not a departure: leave it blank
+    finite = [pl.when(pl.col(c).is_finite() & pl.col(c.replace("__z", "__med")).is_not_null()).then(pl.col(c).abs())
+              if c.replace("__z", "__med") in scored.columns else pl.when(pl.col(c).is_finite()).then(pl.col(c).abs())
+              for c in z_cols]
+    return (scored.select("component", "step", pl.max_horizontal(finite).alias("score"))
             .group_by("component", "step").agg(pl.col("score").max()))
 
 
@@ -110,20 +87,16 @@ def gather(trace: Path | str, analysis: Any = None) -> ReportData:
 
         analysis = analyze(trace)
     result = analysis.to_dict()
-    health = read_table(trace, "health")
-    components = read_table(trace, "components")
+    steps, components = read_tables(trace)
     order = component_order(components)
     kinds = dict(zip(components["component"], components["kind"], strict=True))
     root = result.get("root") or {}
     band = None
     if root.get("component") is not None and root.get("metric"):
-        band = analysis.baseline_frame(root["component"], root["metric"])
-    try:
-        static = static_alarms(trace)
-    except TraceReadError:
-        static = []
-    return ReportData(trace, result, read_table(trace, "steps").sort("step"), order, kinds,
-                      heat_scores(analysis, order, health), band, static, read_truth(trace))
+        # the metric was measured on `observed_on` (e.g. the ReLU after the root Linear)
+        band = analysis.baseline_frame(root.get("observed_on") or root["component"], root["metric"])
+    return ReportData(trace, result, steps, order, kinds,
+                      heat_scores(analysis), band, static_alarms(trace), read_truth(trace))
 
 
 def marks(data: ReportData) -> list[plots.Mark]:
@@ -145,20 +118,28 @@ def marks(data: ReportData) -> list[plots.Mark]:
     return [plots.Mark(label, int(step)) for label, step in candidates if step is not None]
 
 
+def never_fired(data: ReportData) -> list[str]:
+    """The comparators that did not fire at all, named in the loss figure's legend."""
+    det = data.result.get("detectors") or {}
+    out = [label for label, key in (("loss-spike rule", "loss_spike_step"), ("grad-norm rule", "grad_norm_spike_step"))
+           if det.get(key) is None]
+    return out + ([] if data.static else ["static rules"])
+
+
 def figures(data: ReportData) -> dict[str, Figure]:
     """The report's figures by file stem, in the order the report shows them."""
     m = marks(data)
     figs: dict[str, Figure] = {}
     if len(data.scores):
         figs["heatmap"] = plots.heatmap(data.scores, data.order, [x for x in m if x.label in ("onset", "alarm")],
-                                        title="Component health: distance outside each component's own baseline",
-                                        colour_label="worst departure from baseline\n(band half-widths; 1 = band edge)",
                                         kinds=data.kinds)
     root = data.result.get("root") or {}
     if data.root_band is not None and len(data.root_band):
-        figs["root_metric"] = plots.baseline_band(data.root_band, root["component"], root["metric"],
+        observed = root.get("observed_on") or root["component"]
+        name = root["component"] if observed == root["component"] else f"{root['component']} (seen on {observed})"
+        figs["root_metric"] = plots.baseline_band(data.root_band, name, root["metric"],
                                                   [x for x in m if x.label in ("injected", "onset", "alarm")])
-    figs["loss"] = plots.loss_and_grad(data.steps, m)
+    figs["loss"] = plots.loss_and_grad(data.steps, m, never_fired(data))
     alarms = pl.DataFrame(data.result.get("alarms") or [], infer_schema_length=None)
     if len(alarms) and {"component", "condition", "onset_step"} <= set(alarms.columns):
         figs["conditions"] = plots.condition_map(alarms, data.order, int(data.steps["step"].max()), m[:3],
@@ -234,17 +215,36 @@ def _comparators(data: ReportData) -> list[dict[str, Any]]:
     return rows
 
 
+# alarm key in the `analyze --json` object -> column header in the report
+ALARM_HEADERS = {"component": "observed on", "attributed_to": "attributed to", "condition": "condition",
+                 "metric": "metric", "onset_step": "onset step", "step": "alarm step",
+                 "last_step": "last step", "magnitude": "|z|", "value": "value", "median": "baseline median"}
+
+
+def alarm_rows(result: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """The alarm table's rows, earliest alarm first, with the report's column names."""
+    alarms = sorted(result.get("alarms") or [], key=lambda a: (a.get("step") or 0, a.get("onset_step") or 0))
+    return [{header: a.get(key) for key, header in ALARM_HEADERS.items()} for a in alarms]
+
+
 def render_html(data: ReportData, images: Mapping[str, bytes]) -> str:
     """The report as one HTML string with the PNGs inlined."""
     r = data.result
     line = summary_line(r)
-    css_class = "verdict clean" if line.startswith(("CLEAN", "OK")) or not (r.get("root") or {}) else "verdict"
+    css_class = "verdict" if line.startswith("ALARM") else "verdict clean"
     rb = dict(r.get("rollback") or {})
     naive = rb.pop("naive", None) or {}
     parts = [f"<!doctype html><html><head><meta charset='utf-8'><title>Warning Light — {html.escape(data.trace.name)}</title>",
              f"<style>{_CSS}</style></head><body>",
              f"<h1>Warning Light report: <code>{html.escape(str(data.trace))}</code></h1>",
              f"<p class='{css_class}'>{html.escape(line)}</p>"]
+    evidence = (r.get("root") or {}).get("evidence")
+    if evidence:
+        observed = (r.get("root") or {}).get("observed_on")
+        parts.append(f"<p><b>Why this component:</b> {html.escape(evidence)}"
+                     + (f" (first seen on <code>{html.escape(observed)}</code>)" if observed else "") + "</p>")
+    if (r.get("rollback") or {}).get("note"):
+        parts.append(f"<p><b>Rollback:</b> {html.escape(r['rollback']['note'])}</p>")
     if data.truth:
         parts.append(f"<p><b>Answer key</b> (truth.json of this rehearsal): <code>{html.escape(json.dumps(data.truth))}</code></p>")
     captions = {"heatmap": "Where: every component at every step", "root_metric": "The root component against its baseline",
@@ -253,11 +253,10 @@ def render_html(data: ReportData, images: Mapping[str, bytes]) -> str:
         parts.append(f"<h2>{captions.get(name, name)}</h2><img alt='{name}' src='{plots.data_uri(png)}'>")
     parts.append("<h2>Rollback</h2>")
     parts.append(_table([{"choice": "Warning Light", **rb}, {"choice": "loss-only operator", **naive}],
-                        ["choice", "checkpoint_step", "checkpoint_path", "steps_discarded", "skip_steps", "contaminated"]))
+                        ["choice", "checkpoint_step", "checkpoint_path", "steps_discarded", "skip_steps",
+                         "skip_batches", "alarm_step", "contaminated"]))
     parts.append("<h2>Detectors</h2>" + _table(_comparators(data), ["detector", "first alarm step", "names a component"]))
-    alarms = r.get("alarms") or []
-    cols = ["component", "condition", "metric", "onset_step", "alarm_step", "magnitude"]
-    parts.append(f"<h2>Alarms ({len(alarms)})</h2>" + _table(alarms, cols))
+    parts.append(f"<h2>Alarms ({len(r.get('alarms') or [])})</h2>" + _table(alarm_rows(r), list(ALARM_HEADERS.values())))
     parts.append(f"<h2>Static-rule firings ({len(data.static)})</h2>"
                  + _table([a.to_dict() for a in data.static], ["rule", "component", "step", "value", "steps_fired"]))
     parts.extend(f"<p><i>{html.escape(n)}</i></p>" for n in data.notes)

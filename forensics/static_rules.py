@@ -28,14 +28,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import polars as pl
-from warninglight.tracer import schema
 
 VANISHING_GRAD_RMS = 1e-7  # SageMaker VanishingGradient default threshold
 LAYER_FRACTION = 0.5  # SageMaker threshold_layer default: 50% of the layer's units
-
-
-class TraceReadError(ValueError):
-    """A trace directory lacks the tables a static rule needs."""
 
 
 @dataclass(frozen=True)
@@ -95,22 +90,22 @@ class StaticAlarm:
         return d
 
 
-def _read(trace: Path, table: str) -> pl.DataFrame:
-    glob = schema.segment_glob(trace, table)
+def _tables(trace: Path) -> tuple[pl.DataFrame, pl.DataFrame]:
+    """(components, health) of the trace's effective timeline (latest incarnation per step)."""
+    from warninglight.forensics.store import open_trace
+
+    opened = open_trace(trace)  # raises TraceError naming the path if it is not a trace
     try:
-        return pl.read_parquet(glob, hive_partitioning=True)
-    except (FileNotFoundError, pl.exceptions.ComputeError) as e:
-        raise TraceReadError(
-            f"no {table} segments under {trace} — is this a trace directory? "
-            f"expected files like {table}/rank=0/incarnation=1/part-000000.parquet"
-        ) from e
+        components = opened.frame("components").collect().unique("component", keep="first")
+        return components, opened.frame("health").collect()
+    finally:
+        opened.close()
 
 
 def static_alarms(trace: Path | str) -> list[StaticAlarm]:
     """Every (rule, component) that fired in the trace, with its first step, earliest first."""
-    trace = Path(trace)
-    components = _read(trace, "components").unique("component", keep="first")
-    health = _read(trace, "health").join(components, on="component", how="inner")
+    components, health = _tables(Path(trace))
+    health = health.join(components.select("component", "param_count", "bound"), on="component", how="inner")
     alarms: list[StaticAlarm] = []
     for rule in RULES:
         names = components.filter(rule.applies(components))["component"]

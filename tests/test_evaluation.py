@@ -92,3 +92,25 @@ def test_tables_aggregate_and_state_targets() -> None:
 def test_benchmark_rejects_zero_seeds() -> None:
     with pytest.raises(evaluation.EvaluationError, match="--seeds must be at least 1, got 0"):
         evaluation.run_benchmark(["mlp_clean"], 0)
+
+
+def test_eval_command_runs_real_scenarios(tmp_path) -> None:
+    """Two short real rehearsals (a fault and a clean run) through `warninglight eval`."""
+    import json
+
+    import torch
+    from typer.testing import CliRunner
+    from warninglight.cli.main import app
+
+    torch.set_num_threads(1)
+    out = tmp_path / "runs.json"
+    res = CliRunner().invoke(app, ["eval", "mlp_nan", "mlp_clean", "--seeds", "1", "--steps", "200",
+                                   "--json", str(out), "--workdir", str(tmp_path / "w")])
+    assert res.exit_code == 0, res.output
+    runs = json.loads(out.read_text())
+    assert [(r["scenario"], r["kind"], r["injected"]) for r in runs] == [
+        ("mlp_nan", "abrupt", 150), ("mlp_clean", "clean", None)]
+    assert runs[1]["component_steps"] == 200 * 7  # 4 Linear + 3 ReLU components, every step
+    assert "| mlp_nan | 1 |" in res.output and "| mlp_clean | 1 |" in res.output
+    # NaN in one module's output is exactly what the fixed NaN/Inf rule is for
+    assert runs[0]["static_rule"] == "exploding_tensor" and runs[0]["static_step"] == 150

@@ -8,7 +8,8 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from warninglight.forensics.static_rules import TraceReadError, first_static_alarm, static_alarms
+from warninglight.forensics import TraceError
+from warninglight.forensics.static_rules import first_static_alarm, static_alarms
 from warninglight.tracer import schema
 
 COMPONENTS = {
@@ -88,5 +89,5 @@ def test_healthy_trace_fires_nothing(tmp_path: Path) -> None:
 
 
 def test_not_a_trace(tmp_path: Path) -> None:
-    with pytest.raises(TraceReadError, match="is this a trace directory"):
+    with pytest.raises(TraceError, match="is this a trace directory"):
         static_alarms(tmp_path)

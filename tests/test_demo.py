@@ -1,0 +1,44 @@
+"""The demo's library side: train, record, analyse, report into one folder; safe to re-run."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from typer.testing import CliRunner
+from warninglight.cli.main import app
+from warninglight.forensics import demo
+
+
+def test_demo_writes_trace_checkpoints_and_report(tmp_path: Path) -> None:
+    torch.set_num_threads(1)
+    # the MLP scenario keeps the test short; the command's default is the GPT one
+    first = demo.run_demo(tmp_path, scenario="mlp_weight_corruption", steps=200)
+    again = demo.run_demo(tmp_path, scenario="mlp_weight_corruption", steps=200)  # re-run replaces
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step-000100.pt", "step-000200.pt"]
+    assert [p.name for p in (tmp_path / "trace" / "health" / "rank=0").iterdir()] == ["incarnation=1"]
+    assert again.report == tmp_path / "report.html" and again.report.stat().st_size > 10_000
+    assert first.truth["component"] == "2" and first.truth["step"] == 150
+    assert again.line == first.line  # same seed, same run, same verdict
+    root = again.result.get("root")
+    if root:
+        assert again.line.startswith(f"ALARM {root['component']}: {root['condition']}")
+        assert f"onset step {root['onset_step']}" in again.line
+    else:
+        assert again.line.startswith("HEALTHY")
+    assert "weight_corruption on 2 at step 150" in demo.describe_truth(again.truth)
+
+
+def test_demo_refuses_to_delete_a_folder_it_did_not_make(tmp_path: Path) -> None:
+    (tmp_path / "trace").mkdir()
+    (tmp_path / "trace" / "notes.txt").write_text("mine")
+    with pytest.raises(demo.DemoError, match="is not a previous demo's output"):
+        demo.run_demo(tmp_path, scenario="mlp_clean", steps=10)
+    assert (tmp_path / "trace" / "notes.txt").read_text() == "mine"
+
+
+def test_demo_cli_unknown_scenario_is_one_line(tmp_path: Path) -> None:
+    res = CliRunner().invoke(app, ["demo", "--out", str(tmp_path), "--scenario", "nope"])
+    assert res.exit_code == 2
+    assert "unknown scenario 'nope'" in res.output and "Traceback" not in res.output

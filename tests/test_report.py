@@ -1,0 +1,87 @@
+"""The report: figures from a real recorded run, one self-contained HTML file, the PNG folder, the CLI."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import polars as pl
+import pytest
+import torch
+from typer.testing import CliRunner
+from warninglight.cli.main import app
+from warninglight.forensics import plots, report
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.fixture(scope="module")
+def fault_trace(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A real MLP run with one layer's weights corrupted at step 150 (200 steps, a few seconds)."""
+    from warninglight.tracer.rehearsal import rehearse
+
+    torch.set_num_threads(1)
+    trace = tmp_path_factory.mktemp("report") / "trace"
+    rehearse("mlp_weight_corruption", trace, seed=0, steps=200)
+    return trace
+
+
+def test_html_is_self_contained_and_names_the_root(fault_trace: Path, tmp_path: Path) -> None:
+    from warninglight.forensics import analyze
+
+    out = report.write_html(fault_trace, tmp_path / "r.html")
+    text = out.read_text()
+    images = re.findall(r"src='data:image/png;base64,([A-Za-z0-9+/=]+)'", text)
+    assert len(images) >= 3  # heatmap, root metric, loss (+ conditions when alarms have onsets)
+    assert not re.search(r"(src|href)=['\"]https?:", text)  # nothing fetched from the network
+    result = analyze(fault_trace).to_dict()
+    assert report.summary_line(result) in text.replace("&#x27;", "'")
+    if result.get("root"):
+        assert f"<td>{result['root']['component']}</td>" in text  # in the alarm table
+        assert result["root"]["evidence"] in text
+    assert '"fault": "weight_corruption"' in text.replace("&quot;", '"')  # the answer key is shown
+
+
+def test_png_format_via_cli(fault_trace: Path, tmp_path: Path) -> None:
+    res = CliRunner().invoke(app, ["report", str(fault_trace), "--format", "png", "-o", str(tmp_path / "figs")])
+    assert res.exit_code == 0, res.output
+    written = sorted(Path(line).name for line in res.output.split())
+    assert {"heatmap.png", "loss.png"} <= set(written)
+    for name in written:
+        assert (tmp_path / "figs" / name).read_bytes()[:8] == PNG_MAGIC
+
+
+def test_cli_rejects_a_folder_that_is_not_a_trace(tmp_path: Path) -> None:
+    res = CliRunner().invoke(app, ["report", str(tmp_path), "-o", str(tmp_path / "r.html")])
+    assert res.exit_code == 2
+    assert "is this a trace directory?" in res.output
+    assert "Traceback" not in res.output
+
+
+def test_summary_line_is_actionable() -> None:
+    result = {
+        "verdict": "fault",
+        "root": {"component": "h.0.mlp.c_fc", "condition": "exploding", "onset_step": 150,
+                 "alarm_step": 151, "magnitude": 41.27, "metric": "weight_drift_l2"},
+        "rollback": {"checkpoint_step": 100, "checkpoint_path": "ck/step-000100.pt", "steps_discarded": 51,
+                     "skip_steps": [150, 151],
+                     "naive": {"checkpoint_step": 200, "contaminated": True, "steps_discarded": 12}},
+    }
+    assert report.summary_line(result) == (
+        "ALARM h.0.mlp.c_fc: exploding (|z| 41.3 on weight_drift_l2), onset step 150, alarm step 151"
+        " — roll back to step 100 (ck/step-000100.pt), discard 51 steps, skip the batches of steps 150–151;"
+        " the loss-only choice (step 200) already held the damage."
+    )
+    result["rollback"]["naive"] = {"checkpoint_step": 0, "contaminated": False, "steps_discarded": 212}
+    assert report.summary_line(result).endswith(
+        "the loss-only choice (step 0, clean) would discard 212: 161 steps saved.")
+    assert report.summary_line({"verdict": "healthy", "root": None}).startswith("HEALTHY: no component")
+
+
+def test_components_in_forward_order_and_short_names() -> None:
+    comps = pl.DataFrame({"component": ["", "head", "b", "a", "unused"], "forward_index": [None, 2, 1, 0, None]})
+    assert report.component_order(comps) == ["a", "b", "head", "unused"]
+    long = "transformer.h.11.attn.c_attn.lora_A.default"
+    assert plots.short_name(long) == "…" + long[-(plots.MAX_LABEL - 1):]
+    assert len(plots.short_name(long)) == plots.MAX_LABEL
+    assert plots.short_name("") == "(root)"

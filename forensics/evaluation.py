@@ -139,6 +139,18 @@ def run_benchmark(scenarios: Iterable[str], seeds: int, workdir: Path | None = N
     """Every scenario × seeds 0..seeds-1, in order; traces go to `workdir` (a temporary one if None)."""
     if seeds < 1:
         raise EvaluationError(f"--seeds must be at least 1, got {seeds}")
+    import torch
+
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)  # fastest for these small models, and the same reduction order everywhere
+    try:
+        return _run_all(list(scenarios), seeds, workdir, steps, progress)
+    finally:
+        torch.set_num_threads(previous)
+
+
+def _run_all(scenarios: list[str], seeds: int, workdir: Path | None, steps: int | None,
+             progress: Callable[[RunScore], None] | None) -> list[RunScore]:
     with tempfile.TemporaryDirectory(prefix="wl-eval-") as tmp:
         root = Path(workdir) if workdir is not None else Path(tmp)
         root.mkdir(parents=True, exist_ok=True)

@@ -92,12 +92,12 @@ def _optimizer(scenario: Scenario, model: nn.Module) -> torch.optim.Optimizer:
     return torch.optim.Adam(model.parameters(), lr=scenario.lr)
 
 
-def _checkpoint(rec: Any, model: nn.Module, step: int, checkpoint_dir: Path | None,
-                trace_dir: Path) -> None:
-    """Save (or only announce) a checkpoint holding the weights after `step` steps."""
+def _checkpoint(rec: Any, model: nn.Module, optimizer: torch.optim.Optimizer, step: int,
+                checkpoint_dir: Path | None, trace_dir: Path) -> None:
+    """Save (or only announce) a checkpoint holding the state after `step` steps."""
     if checkpoint_dir is not None:
         path = checkpoint_dir / f"step-{step:06d}.pt"
-        torch.save(model.state_dict(), path)
+        torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step}, path)
         rec.checkpoint(str(path))
         return
     path = trace_dir / "checkpoints" / f"step-{step:06d}.pt"
@@ -110,8 +110,13 @@ def _checkpoint(rec: Any, model: nn.Module, step: int, checkpoint_dir: Path | No
 def rehearse(scenario: str | Scenario, trace_dir: str | Path, *, seed: int = 0,
              steps: int | None = None, checkpoint_every: int = 100,
              checkpoint_dir: str | Path | None = None,
-             drills: Sequence[Drill] | None = None) -> dict[str, Any]:
-    """Train the scenario's model with its drills under `watch`; return (and save) the truth."""
+             drills: Sequence[Drill] | None = None,
+             resume_from: str | Path | None = None, start_step: int = 0) -> dict[str, Any]:
+    """Train the scenario's model with its drills under `watch`; return (and save) the truth.
+
+    `resume_from` (a checkpoint this function saved) and `start_step` (the step it holds) restart
+    a run: the trace gets a new incarnation that continues at step `start_step + 1`.
+    """
     from . import watch  # imported here: drills and scenarios are usable without the recorder
 
     sc = SCENARIOS[scenario] if isinstance(scenario, str) else scenario
@@ -122,14 +127,20 @@ def rehearse(scenario: str | Scenario, trace_dir: str | Path, *, seed: int = 0,
         ckpt_dir.mkdir(parents=True, exist_ok=True)
     model, head = build_model(sc, seed)
     optimizer = _optimizer(sc, model)
+    if resume_from is not None:
+        state = torch.load(resume_from, weights_only=True)
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
     active = list(drills) if drills is not None else sc.drills()
     for d in active:
         d.attach(model, optimizer)
     data = _data(sc, seed)
+    for _ in range(start_step):  # the batches the checkpointed steps consumed
+        next(data)
     losses: list[float] = []
     try:
-        with watch(model, optimizer, str(trace_dir), heads=[head]) as rec:
-            for step in range(1, n_steps + 1):
+        with watch(model, optimizer, str(trace_dir), heads=[head], start_step=start_step) as rec:
+            for step in range(start_step + 1, n_steps + 1):
                 ids, x, y = next(data)
                 for d in active:
                     d.before_step(step, model, optimizer)
@@ -143,7 +154,7 @@ def rehearse(scenario: str | Scenario, trace_dir: str | Path, *, seed: int = 0,
                 rec.batch(ids)
                 losses.append(loss.item())
                 if checkpoint_every and step % checkpoint_every == 0:
-                    _checkpoint(rec, model, step, ckpt_dir, trace_dir)
+                    _checkpoint(rec, model, optimizer, step, ckpt_dir, trace_dir)
     finally:
         for d in active:
             d.detach()

@@ -1,0 +1,56 @@
+"""Onset and root: the layer that was harmed, not the downstream layers whose numbers moved more."""
+
+from __future__ import annotations
+
+import numpy as np
+from rehearsed import analysed, trace, truth
+from warninglight.forensics.localise import Series, drift_run_start
+
+
+def test_middle_layer_corruption_is_attributed_to_that_layer() -> None:
+    result = analysed("mlp_weight_corruption")
+    d = result.to_dict()
+    assert d["root"]["component"] == "2"
+    assert d["root"]["onset_step"] == truth(trace("mlp_weight_corruption"))["step"]
+    assert "weight drift" in d["root"]["evidence"]
+    # Downstream layers felt it, and their numbers moved more than the harmed layer's did.
+    assert {"4", "6"} <= set(d["affected"])
+
+    def fold(component: str, metric: str) -> float:
+        row = result.baseline_frame(component, metric).filter(step=150)
+        return row["value"][0] / row["median"][0]
+
+    assert max(fold(c, "out_rms") for c in ("4", "6")) > fold("2", "out_rms") > 5
+    assert max(fold(c, "grad_norm_l2") for c in ("4", "6")) > fold("2", "grad_norm_l2")
+
+
+def test_nan_is_traced_to_the_module_whose_output_went_non_finite() -> None:
+    d = analysed("mlp_nan").to_dict()
+    assert (d["root"]["component"], d["root"]["condition"]) == ("2", "exploding")
+    assert d["root"]["metric"] == "out_nonfinite_count"
+    assert d["root"]["onset_step"] == d["root"]["alarm_step"] == 150  # non-finite alarms at once
+    # Upstream layers got NaN gradients in the same step: affected through the backward pass.
+    assert "0" in d["affected"]
+
+
+def test_dead_activation_is_reported_on_the_layer_feeding_it() -> None:
+    d = analysed("mlp_dying_layer").to_dict()
+    assert d["root"]["component"] == "2"          # the Linear whose bias drifted
+    assert d["root"]["condition"] == "dead"
+    observed = {a["component"] for a in d["alarms"] if a["attributed_to"] == "2"}
+    assert "3" in observed                         # seen on the ReLU after it
+
+
+def test_corrupt_batches_are_found_at_the_first_layer() -> None:
+    d = analysed("mlp_corrupt_batches").to_dict()
+    assert (d["root"]["component"], d["root"]["onset_step"]) == ("0", 150)
+
+
+def test_drift_run_start_walks_back_over_consecutive_drift() -> None:
+    steps = np.arange(1, 21)
+    drift = np.zeros(20)
+    drift[9:15] = 0.1  # steps 10..15
+    s = Series(steps, drift)
+    assert drift_run_start(s, 13) == 10
+    assert drift_run_start(s, 17) == 10   # within reach of the run's end
+    assert drift_run_start(s, 19) is None

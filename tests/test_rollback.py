@@ -1,0 +1,67 @@
+"""Rollback: never to a checkpoint holding the damage; on a gradual fault, earlier than loss-only."""
+
+from __future__ import annotations
+
+import pytest
+from rehearsed import analysed, trace, truth
+from warninglight.forensics import analyze
+from warninglight.forensics.rollback import CheckpointError, every, from_glob
+
+FAULTS = ["mlp_weight_corruption", "mlp_nan", "mlp_corrupt_batches", "mlp_dying_layer",
+          "mlp_frozen", "mlp_saturation", "mlp_head_shrink", "mlp_vanishing_gradient"]
+
+
+@pytest.mark.parametrize("scenario", FAULTS)
+def test_checkpoint_is_before_the_true_onset(scenario: str) -> None:
+    r = analysed(scenario).to_dict()["rollback"]
+    onset = truth(trace(scenario))["step"]
+    assert r["checkpoint_step"] is not None and r["checkpoint_step"] < onset
+    assert r["checkpoint_step"] == max(s for s in range(50, 301, 50) if s < onset)  # the latest clean one
+    assert r["steps_discarded"] == 300 - r["checkpoint_step"]
+
+
+def test_skip_window_and_batches_span_onset_to_alarm() -> None:
+    d = analysed("mlp_corrupt_batches").to_dict()
+    first, last = d["rollback"]["skip_steps"]
+    assert (first, last) == (d["root"]["onset_step"], d["root"]["alarm_step"])
+    assert len(d["rollback"]["skip_batches"]) == 32 * (last - first + 1)  # batch_size ids per step
+
+
+def test_gradual_fault_loss_only_operator_is_later_or_never_and_says_so() -> None:
+    d = analysed("mlp_dying_layer").to_dict()
+    ours, naive = d["rollback"]["checkpoint_step"], d["rollback"]["naive"]
+    if naive["alarm_step"] is None:
+        assert "never fired" in d["rollback"]["note"]
+    else:
+        assert naive["alarm_step"] > d["root"]["alarm_step"]
+        assert naive["checkpoint_step"] >= ours
+        assert naive["contaminated"] == (naive["checkpoint_step"] >= d["root"]["onset_step"])
+        assert "loss-only operator" in d["rollback"]["note"]
+
+
+def test_naive_checkpoint_after_onset_is_marked_contaminated() -> None:
+    # Checkpoints every 10 steps: the loss-only choice (before the loss spike) is later than the onset.
+    d = analyze(trace("mlp_weight_corruption"), checkpoint_every=1).to_dict()
+    r = d["rollback"]
+    assert r["checkpoint_step"] == d["root"]["onset_step"] - 1
+    n = r["naive"]
+    assert n["alarm_step"] is not None and n["alarm_step"] > d["root"]["onset_step"]
+    assert n["checkpoint_step"] == n["alarm_step"] - 1 and n["contaminated"] is True
+    assert "already held the damage" in r["note"]
+
+
+def test_checkpoints_from_a_glob_parse_the_step(tmp_path) -> None:
+    for s in (40, 120, 160):
+        (tmp_path / f"ckpt-step{s}.pt").write_bytes(b"")
+    found = from_glob(str(tmp_path / "*.pt"))
+    assert [c.step for c in found] == [40, 120, 160]
+    d = analyze(trace("mlp_weight_corruption"), checkpoints_glob=str(tmp_path / "*.pt")).to_dict()
+    assert d["rollback"]["checkpoint_step"] == 120
+    assert d["rollback"]["checkpoint_path"].endswith("ckpt-step120.pt")
+
+
+def test_bad_checkpoint_options_are_named(tmp_path) -> None:
+    with pytest.raises(CheckpointError, match="matched no file"):
+        from_glob(str(tmp_path / "*.pt"))
+    with pytest.raises(CheckpointError, match="--checkpoint-every must be >= 1"):
+        every(0, 100)

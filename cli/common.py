@@ -18,8 +18,8 @@ ConfigOpt = Annotated[Path | None, typer.Option(
     help="A TOML file of thresholds (see `warninglight conditions` and docs/conditions.md).")]
 SetOpt = Annotated[list[str] | None, typer.Option(
     "--set", help="Override one threshold, e.g. --set exploding.out_rms.z=10 (repeatable).")]
-TraceArg = Annotated[Path, typer.Argument(
-    exists=True, file_okay=False, help="The trace directory given to watch(...).")]
+# Not `exists=True`: the store's own check gives a one-line error naming the path and the fix.
+TraceArg = Annotated[Path, typer.Argument(help="The trace directory given to watch(...).")]
 
 
 def fail(message: str, code: int = BAD_INPUT) -> typer.Exit:

@@ -122,10 +122,8 @@ def analyze(trace_dir: str | Path, *, config: Config | str | Path | None = None,
                                 found["loss_spike_step"], last)
     finally:
         trace.close()
-    if root is not None:
-        found["light_lead_over_loss_spike"] = (None if found["loss_spike_step"] is None
-                                               else found["loss_spike_step"] - root["step"])
-        found["light_lead_over_grad_norm_spike"] = (None if found["grad_norm_spike_step"] is None
-                                                    else found["grad_norm_spike_step"] - root["step"])
+    for key, step in (("light_lead_over_loss_spike", found["loss_spike_step"]),
+                      ("light_lead_over_grad_norm_spike", found["grad_norm_spike_step"])):
+        found[key] = None if root is None or step is None else step - root["step"]
     return Analysis(Path(trace_dir), "fault" if root else "healthy", _root_dict(root), affected,
                     located.drop("drift", "signal", "forward_index"), rollback, found, scored, summary)

@@ -1,0 +1,136 @@
+"""The commands: exit codes, one-line errors without tracebacks, JSON contract, help everywhere."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+from rehearsed import trace
+from typer.testing import CliRunner
+from warninglight.cli.main import app
+from warninglight.tracer import schema
+
+runner = CliRunner()
+MINE = ["info", "query", "analyze", "rollback", "replay", "conditions"]
+
+
+def run(*args: str):
+    return runner.invoke(app, [str(a) for a in args])
+
+
+def assert_one_line_error(result, *fragments: str) -> None:
+    assert result.exit_code == 2, result.output
+    assert result.stdout == ""
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
+    assert "Traceback" not in result.stderr and result.exception is None or isinstance(result.exception, SystemExit)
+    for f in fragments:
+        assert f in lines[0]
+
+
+@pytest.fixture
+def broken(tmp_path: Path):
+    """Copies of a real trace, damaged in the ways a user can hit."""
+    def make(kind: str) -> Path:
+        out = tmp_path / kind
+        shutil.copytree(trace("mlp_clean"), out)
+        if kind == "empty":
+            for table in schema.TABLES:
+                shutil.rmtree(out / table)
+        elif kind == "corrupt":
+            seg = sorted((out / "steps").rglob("part-*.parquet"))[0]
+            seg.write_bytes(b"PAR1 not really")
+        elif kind == "version":
+            m = schema.manifest_path(out, 0)
+            m.write_text(json.dumps({**json.loads(m.read_text()), "format_version": 7}))
+        return out
+    return make
+
+
+@pytest.mark.parametrize("command", ["info", "analyze", "rollback", "replay"])
+@pytest.mark.parametrize(("kind", "fragments"), [
+    ("not_a_trace", ["is this a trace directory?", "expected files like health/rank=0"]),
+    ("empty", ["no health segments under", "recorded no complete steps"]),
+    ("corrupt", ["is not readable Parquet", "part-000000.parquet", "move it out"]),
+    ("version", ["format_version 7", "rank=0.json", "upgrade warninglight"]),
+])
+def test_bad_input_is_one_line_exit_2(command: str, kind: str, fragments: list[str], broken, tmp_path) -> None:
+    path = tmp_path if kind == "not_a_trace" else broken(kind)
+    result = run(command, path)
+    assert_one_line_error(result, *fragments)
+    if kind != "not_a_trace":
+        assert str(path) in result.stderr
+
+
+def test_missing_path_is_one_line(tmp_path: Path) -> None:
+    assert_one_line_error(run("analyze", tmp_path / "nope"), "is not a directory", "nope")
+
+
+def test_analyze_exit_codes_and_text() -> None:
+    healthy, faulty = trace("mlp_clean"), trace("mlp_weight_corruption")
+    assert run("analyze", healthy, "--exit-code").exit_code == 0
+    r = run("analyze", faulty)
+    assert r.exit_code == 0 and r.stdout.startswith("verdict: fault\nroot: 2 exploding: onset step 150")
+    assert "rollback: checkpoint at step 100" in r.stdout and "loss-only operator" in r.stdout
+    assert run("analyze", faulty, "--exit-code").exit_code == 1
+
+
+def test_analyze_json_is_the_documented_object() -> None:
+    r = run("analyze", trace("mlp_weight_corruption"), "--json")
+    d = json.loads(r.stdout)
+    assert d["verdict"] == "fault"
+    assert set(d["root"]) >= {"component", "condition", "onset_step", "alarm_step", "magnitude", "metric"}
+    assert all(set(a) >= {"component", "condition", "step", "onset_step", "magnitude", "metric"} for a in d["alarms"])
+    assert set(d["rollback"]) >= {"checkpoint_step", "checkpoint_path", "steps_discarded", "skip_steps",
+                                  "skip_batches", "naive"}
+    assert set(d["rollback"]["naive"]) >= {"alarm_step", "checkpoint_step", "contaminated", "steps_discarded"}
+    assert set(d["detectors"]) >= {"loss_spike_step", "grad_norm_spike_step"}
+    assert (d["root"]["component"], d["root"]["onset_step"], d["rollback"]["checkpoint_step"]) == ("2", 150, 100)
+    doc = (Path(__file__).parents[1] / "docs" / "analysis-json.md").read_text()
+    for key in [*d, *d["root"], *d["rollback"], *d["rollback"]["naive"], *d["detectors"], *d["alarms"][0]]:
+        assert f"`{key}`" in doc, f"{key} is not documented in docs/analysis-json.md"
+
+
+def test_threshold_options_reach_the_classifier(tmp_path: Path) -> None:
+    faulty = trace("mlp_weight_corruption")
+    strict = run("analyze", faulty, "--json", "--set", "exploding.persistence=30")
+    assert json.loads(strict.stdout)["root"]["condition"] != "exploding" or \
+        json.loads(strict.stdout)["root"]["alarm_step"] >= 179
+    f = tmp_path / "t.toml"
+    f.write_text("[exploding]\npersistence = 30\n")
+    assert json.loads(run("analyze", faulty, "--json", "--config", f).stdout) == json.loads(strict.stdout)
+    assert_one_line_error(run("analyze", faulty, "--set", "exploding.out_rms.q=1"), "not a threshold")
+
+
+def test_query_formats_and_bad_sql() -> None:
+    t = trace("mlp_clean")
+    sql = "SELECT component, count(*) AS n FROM health WHERE component IN ('0', '6') GROUP BY 1 ORDER BY 1"
+    assert run("query", t, sql, "--format", "csv").stdout == "component,n\n0,300\n6,300\n"
+    assert json.loads(run("query", t, sql, "--format", "json").stdout) == [
+        {"component": "0", "n": 300}, {"component": "6", "n": 300}]
+    assert run("query", t, sql).stdout.splitlines() == ["component  n", "0          300", "6          300"]
+    assert_one_line_error(run("query", t, "SELEC 1"), "syntax error")
+    assert_one_line_error(run("query", t, "SELECT nope FROM health"), "nope")
+
+
+def test_info_replay_rollback_conditions() -> None:
+    t = trace("mlp_weight_corruption")
+    assert "steps: 300" in run("info", t).stdout
+    timeline = run("replay", t).stdout
+    assert "LIGHT  2 exploding" in timeline and "loss-spike rule fires" in timeline
+    assert run("rollback", t).stdout.startswith("rollback: checkpoint at step 100")
+    table = run("conditions").stdout
+    for name in ("dead", "oscillating", "saturated", "stagnant", "exploding", "losing_confidence",
+                 "losing_gradient", "unclassified"):
+        assert name in table
+
+
+@pytest.mark.parametrize("command", MINE)
+def test_every_command_has_help(command: str) -> None:
+    r = run(command, "--help")
+    assert r.exit_code == 0
+    doc = app.registered_commands
+    cmd = next(c for c in doc if c.name == command)
+    assert cmd.callback.__doc__ and cmd.callback.__doc__.split("\n")[0] in " ".join(r.stdout.split())

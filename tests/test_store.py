@@ -1,0 +1,105 @@
+"""The store: DuckDB views over a real trace, and named errors for what is not one."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import polars as pl
+import pytest
+from rehearsed import trace
+from warninglight.forensics import (
+    CorruptSegmentError,
+    EmptyTraceError,
+    FormatVersionError,
+    NotATraceError,
+    open_trace,
+)
+from warninglight.forensics.store import health_frame, info
+from warninglight.tracer import schema
+
+
+@pytest.fixture
+def copy(tmp_path: Path) -> Path:
+    out = tmp_path / "trace"
+    shutil.copytree(trace("mlp_clean"), out)
+    return out
+
+
+def test_views_expose_the_trace() -> None:
+    t = open_trace(trace("mlp_clean"))
+    try:
+        assert t.one("SELECT count(*), count(DISTINCT step), min(step), max(step) FROM steps") == (300, 300, 1, 300)
+        assert t.one("SELECT count(DISTINCT component) FROM health") == (7,)
+        assert t.one("SELECT count(*) FROM health WHERE rank = 0 AND incarnation = 1") == (7 * 300,)
+        assert t.con.execute("SELECT step FROM checkpoints ORDER BY step").fetchall() == [
+            (s,) for s in range(50, 301, 50)]
+        roles = dict(t.con.execute("SELECT component, role FROM components").fetchall())
+        assert roles["2"] == "param" and roles["3"] == "activation" and roles["6"] == "head"
+        assert t.one("SELECT count(*) FROM events WHERE kind = 'start'") == (1,)
+        for view in ("health_all", "steps_all", "scalars", "events_all", "components_all", "incarnations"):
+            t.sql(f"SELECT * FROM {view} LIMIT 1").fetchall()
+        frame = health_frame(t)
+        assert isinstance(frame, pl.LazyFrame)
+        cols = frame.collect_schema().names()
+        assert {"step", "component", "rank", "role", "parent_param", "forward_index", *schema.HEALTH_METRICS} <= set(cols)
+    finally:
+        t.close()
+
+
+def test_info_summarises_the_trace() -> None:
+    t = open_trace(trace("mlp_clean"))
+    try:
+        s = info(t)
+    finally:
+        t.close()
+    assert (s["steps"], s["first_step"], s["last_step"], s["incarnations"], s["components"], s["ranks"]) == (
+        300, 1, 300, 1, 7, 1)
+    assert s["segments"] >= 5 and s["size_bytes"] > 10_000 and s["dropped_steps"] == 0
+    assert s["run_id"]
+
+
+def test_not_a_trace_directory(tmp_path: Path) -> None:
+    with pytest.raises(NotATraceError, match="is this a trace directory") as e:
+        open_trace(tmp_path)
+    assert str(tmp_path / "health") in str(e.value)
+    assert "health/rank=0/incarnation=1/part-000000.parquet" in str(e.value)
+    with pytest.raises(NotATraceError, match="is not a directory"):
+        open_trace(tmp_path / "missing")
+
+
+def test_empty_trace(copy: Path) -> None:
+    for table in schema.TABLES:
+        shutil.rmtree(copy / table)
+    with pytest.raises(EmptyTraceError, match="recorded no complete steps") as e:
+        open_trace(copy)
+    assert str(copy / "health") in str(e.value)
+
+
+def test_corrupted_segment_is_named(copy: Path) -> None:
+    seg = sorted((copy / "health").rglob("part-*.parquet"))[1]
+    seg.write_bytes(seg.read_bytes()[: seg.stat().st_size // 2])
+    with pytest.raises(CorruptSegmentError, match="not readable Parquet") as e:
+        open_trace(copy)
+    assert str(seg) in str(e.value) and "move it out" in str(e.value)
+
+
+def test_unknown_format_version_is_named(copy: Path) -> None:
+    path = schema.manifest_path(copy, 0)
+    manifest = json.loads(path.read_text())
+    manifest["format_version"] = 99
+    path.write_text(json.dumps(manifest))
+    with pytest.raises(FormatVersionError, match="format_version 99") as e:
+        open_trace(copy)
+    assert str(path) in str(e.value) and "upgrade warninglight" in str(e.value)
+
+
+def test_temporary_files_are_not_segments(copy: Path) -> None:
+    seg_dir = schema.segment_dir(copy, "health", 0, 1)
+    (seg_dir / "part-000099.parquet.tmp").write_bytes(b"half written")
+    t = open_trace(copy)
+    try:
+        assert t.one("SELECT count(DISTINCT step) FROM health") == (300,)
+    finally:
+        t.close()

@@ -1,0 +1,64 @@
+"""The trailing robust baseline: each component against its own past, causal, robust to outliers."""
+
+from __future__ import annotations
+
+import math
+
+import polars as pl
+import pytest
+from warninglight.forensics.baseline import band, with_baseline
+from warninglight.forensics.conditions import BaselineConfig
+
+CFG = BaselineConfig(window=20, lag=2, min_samples=10)
+
+
+def frame(values_a: list[float], values_b: list[float]) -> pl.DataFrame:
+    n = len(values_a)
+    return pl.DataFrame({
+        "rank": [0] * 2 * n, "component": ["a"] * n + ["b"] * n,
+        "step": list(range(1, n + 1)) * 2,
+        "out_mean": values_a + values_b, "grad_norm_l2": [1.0] * n + [100.0] * n,
+    })
+
+
+def scored(df: pl.DataFrame) -> pl.DataFrame:
+    return with_baseline(df.lazy(), CFG, ["out_mean", "grad_norm_l2"]).collect().sort("component", "step")
+
+
+def test_baseline_is_causal_and_lagged() -> None:
+    a = [float(i % 3) for i in range(60)]
+    base = scored(frame(a, a))
+    changed = a[:40] + [1e6] * 20                      # the future changes...
+    after = scored(frame(changed, a))
+    cols = ["out_mean__med", "out_mean__scale"]
+    past = pl.col("step") <= 42                        # ...the baseline up to step 40 + lag does not
+    assert base.filter(past).select(cols).equals(after.filter(past).select(cols))
+    later = (pl.col("step") == 55) & (pl.col("component") == "a")  # most of its window changed
+    assert after.filter(later)["out_mean__med"][0] == 1e6 != base.filter(later)["out_mean__med"][0]
+    assert base.filter(pl.col("step") < CFG.min_samples + CFG.lag)["out_mean__med"].is_null().all()
+
+
+def test_each_component_has_its_own_baseline() -> None:
+    s = scored(frame([0.0] * 50, [0.0] * 50))
+    med = dict(s.filter(pl.col("step") == 50).select("component", "grad_norm_l2__med").iter_rows())
+    assert med == {"a": pytest.approx(1.0), "b": pytest.approx(100.0)}
+
+
+def test_one_outlier_does_not_move_the_baseline() -> None:
+    a = [1.0 + 0.1 * (i % 5) for i in range(50)]
+    spiked = list(a)
+    spiked[30] = 1000.0
+    s0, s1 = scored(frame(a, a)), scored(frame(spiked, a))
+    row = (pl.col("component") == "a") & (pl.col("step") == 40)
+    assert s1.filter(row)["out_mean__med"][0] == pytest.approx(s0.filter(row)["out_mean__med"][0])
+    assert s1.filter(row)["out_mean__scale"][0] == pytest.approx(s0.filter(row)["out_mean__scale"][0], rel=0.35)
+    assert s1.filter((pl.col("component") == "a") & (pl.col("step") == 31))["out_mean__z"][0] > 1000
+
+
+def test_norms_are_judged_in_log_units_and_band_brackets_the_median() -> None:
+    s = scored(frame([0.0] * 50, [0.0] * 50)).filter(pl.col("component") == "b")
+    row = s.filter(pl.col("step") == 45)
+    assert row["grad_norm_l2__scale"][0] == pytest.approx(0.02)   # a constant norm: the log floor
+    b = band(s, "grad_norm_l2", width_z=3.0).filter(pl.col("step") == 45)
+    assert b["lower"][0] == pytest.approx(100 * math.exp(-0.06))
+    assert b["upper"][0] == pytest.approx(100 * math.exp(0.06))

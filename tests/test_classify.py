@@ -1,0 +1,46 @@
+"""The classifier on real runs: clean runs stay dark; non-finite values alarm at once; causal."""
+
+from __future__ import annotations
+
+import polars as pl
+import pytest
+from rehearsed import analysed, trace
+from warninglight.forensics.classify import classify
+from warninglight.forensics.conditions import Config
+from warninglight.forensics.store import health_frame, open_trace
+
+CLEAN = [("mlp_clean", 1000), ("cnn_clean", 400), ("gpt_clean", 600)]
+
+
+def test_clean_runs_total_at_least_2000_steps() -> None:
+    assert sum(steps for _, steps in CLEAN) >= 2000
+
+
+@pytest.mark.parametrize(("scenario", "steps"), CLEAN)
+def test_clean_run_is_healthy(scenario: str, steps: int) -> None:
+    result = analysed(scenario, steps)
+    assert result.summary["steps"] == steps
+    assert result.verdict == "healthy", result.to_dict()["alarms"]
+    assert result.alarms.is_empty() and result.root is None
+    assert result.rollback.checkpoint_step is None
+
+
+def test_non_finite_values_alarm_at_once() -> None:
+    alarms = analysed("mlp_nan").alarms
+    nan = alarms.filter(pl.col("metric") == "out_nonfinite_count")
+    assert not nan.is_empty()
+    assert nan["step"].min() == 150 and (nan["step"] == nan["onset_step"]).all()
+
+
+def test_alarms_do_not_depend_on_the_future() -> None:
+    t = open_trace(trace("mlp_weight_corruption"))
+    try:
+        frame = health_frame(t).collect()
+    finally:
+        t.close()
+    cfg = Config()
+    _, full = classify(frame.lazy(), cfg)
+    _, cut = classify(frame.filter(pl.col("step") <= 160).lazy(), cfg)
+    keys = ["component", "condition", "step", "metric"]
+    assert cut.select(keys).equals(full.filter(pl.col("step") <= 160).select(keys))
+    assert not cut.is_empty()

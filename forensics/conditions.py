@@ -270,3 +270,37 @@ def registry_rows(config: Config | None = None) -> list[dict[str, Any]]:
                          "persistence": c.persistence_of(r), "ceiling": c.ceiling,
                          "roles": ",".join(r.roles) or "all"})
     return rows
+
+
+def markdown(config: Config | None = None) -> str:
+    """docs/conditions.md: the registry as tables (regenerate with `python -m warninglight.forensics.conditions`)."""
+    config = config or Config()
+    b = config.baseline
+    out = ["# The conditions", "",
+           "Generated from `forensics/conditions.py` (the one registry); do not edit by hand.", "",
+           "Every component is compared with its own trailing baseline: median and robust scale "
+           f"(IQR/1.349) of its last {b.window} values, ending {b.lag} steps before the step judged, "
+           f"no verdict before {b.min_samples} past values. Norms and ratios are judged in log units. "
+           "z = (value - median) / scale. A rule fires when every threshold it sets holds "
+           "(`z`: |z| at least; `fold`: value/median at least, or at most 1/fold going down; `delta`: "
+           "|value - median| at least; `level`: value beyond; `peers_fold`: the median component's "
+           "value/median at least, i.e. the others still move). A condition alarms when a rule has "
+           "held for its persistence in consecutive steps; non-finite values alarm at once.", "",
+           "The correction ceiling is the largest change, as a fraction of the component's own "
+           "weight, a correction for this condition should make. It is shown, never applied.", "",
+           "| condition | meaning | signal | persistence | ceiling |", "|---|---|---|---|---|"]
+    out += [f"| {c.name} | {c.meaning} | {c.signal} | {c.persistence} | {c.ceiling:g} |" for c in config.conditions]
+    out += ["", "## Rules", "", "| condition | metric | direction | thresholds | persistence | roles |",
+            "|---|---|---|---|---|---|"]
+    out += [f"| {r['condition']} | `{r['metric']}` | {r['direction']} | {r['thresholds']} | {r['persistence']} | {r['roles']} |"
+            for r in registry_rows(config)]
+    out += ["", "## Overriding thresholds", "",
+            "A TOML file (`--config FILE`) or `--set KEY=VALUE` options:", "", "```toml",
+            "[baseline]", f"window = {b.window}", "", "[exploding]", "persistence = 3", "",
+            "[exploding.out_rms]   # a rule, named by its metric", "z = 10.0", "fold = 4.0", "```", "",
+            "`--set exploding.out_rms.z=10 --set baseline.window=128`", ""]
+    return "\n".join(out)
+
+
+if __name__ == "__main__":
+    print(markdown(), end="")

@@ -79,3 +79,12 @@ def test_registry_rows_cover_every_rule() -> None:
     assert len(rows) == sum(len(c.rules) for c in CONDITIONS)
     osc = next(r for r in rows if r["condition"] == "oscillating")
     assert osc["metric"] == "update_cos" and "level <= -0.5" in osc["thresholds"]
+
+
+def test_docs_are_generated_from_the_registry() -> None:
+    from pathlib import Path
+
+    from warninglight.forensics.conditions import markdown
+
+    doc = Path(__file__).parents[1] / "docs" / "conditions.md"
+    assert doc.read_text() == markdown(), "regenerate: python -m warninglight.forensics.conditions > docs/conditions.md"

@@ -61,6 +61,8 @@ def eval_cmd(
     json_out: Annotated[Path | None, typer.Option("--json", help="Also write every run's scores to this JSON file.")] = None,
     workdir: Annotated[Path | None, typer.Option(help="Keep the traces here (default: a temporary folder).")] = None,
     list_: Annotated[bool, typer.Option("--list", help="List the scenarios and exit.")] = False,
+    twins: Annotated[bool, typer.Option("--clean-twins/--no-clean-twins",
+                                        help="Also run a drill-free copy of every training set-up no clean scenario covers.")] = True,
 ) -> None:
     """Run scenarios over seeds and print detection accuracy, onset error, lead over other detectors, rollback."""
     from warninglight.forensics import evaluation
@@ -80,7 +82,8 @@ def eval_cmd(
         typer.echo(f"  {r.scenario} seed {r.seed}: {verdict}, truth {r.truth_component or r.fault}, {r.seconds:.1f} s", err=True)
 
     try:
-        runs = evaluation.run_benchmark(names, seeds, workdir, steps, progress)
+        extra = evaluation.clean_twins(names) if twins else []
+        runs = evaluation.run_benchmark([*names, *extra], seeds, workdir, steps, progress)
     except evaluation.EvaluationError as e:
         raise fail(str(e)) from None
     typer.echo(evaluation.format_tables(runs))

@@ -46,6 +46,7 @@ class RunScore:
     onset_error: int | None  # |onset - injected|
     onset_ok: bool | None  # within ONSET_TOLERANCE[kind]
     latency: int | None  # alarm - injected
+    early_alarm: bool | None  # the root alarm came before the fault existed: a false alarm
     loss_rule_step: int | None
     grad_rule_step: int | None
     lead_loss: int | None  # loss rule step - our alarm step; None if either never fired
@@ -69,9 +70,27 @@ def _diff(a: int | None, b: int | None) -> int | None:
     return None if a is None or b is None else int(a) - int(b)
 
 
+@dataclass(frozen=True)
+class Comparators:
+    """Every step at which the loss-spike and gradient-norm rules fired on a run."""
+
+    loss: tuple[int, ...] = ()
+    grad: tuple[int, ...] = ()
+
+    def first(self, rule: str, at_or_after: int | None) -> int | None:
+        """First firing of `rule` ("loss" or "grad") at or after a step (at all if None)."""
+        return next((s for s in getattr(self, rule) if at_or_after is None or s >= at_or_after), None)
+
+
 def score(scenario: str, seed: int, truth: Mapping[str, Any], result: Mapping[str, Any],
-          static: Sequence[StaticAlarm], component_steps: int, seconds: float = 0.0) -> RunScore:
-    """Score one run: the truth.json dict, the `analyze --json` dict and the static-rule firings."""
+          static: Sequence[StaticAlarm], component_steps: int, seconds: float = 0.0,
+          comparators: Comparators | None = None) -> RunScore:
+    """Score one run: the truth.json dict, the `analyze --json` dict and the static-rule firings.
+
+    The comparators' steps are their first firing at or after the injection (on a clean run: at
+    all, which is a false alarm). Without `comparators`, the engine's own `detectors` are used
+    (first firing at or after *its* onset).
+    """
     fault = str(truth.get("fault") or CLEAN)
     clean = fault in (CLEAN, "none")
     kind = CLEAN if clean else str(truth.get("kind", "abrupt"))
@@ -84,6 +103,9 @@ def score(scenario: str, seed: int, truth: Mapping[str, Any], result: Mapping[st
     onset_error = abs(_diff(root.get("onset_step"), injected)) if named and not clean and root.get("onset_step") is not None else None
     after = injected or 0
     firing = next((a for a in static if a.step >= after), None)
+    if comparators is not None:
+        det = {"loss_spike_step": comparators.first("loss", injected),
+               "grad_norm_spike_step": comparators.first("grad", injected)}
     return RunScore(
         scenario=scenario, seed=seed, fault=CLEAN if clean else fault, kind=kind,
         truth_component=None if clean else truth.get("component"), injected=injected,
@@ -93,6 +115,7 @@ def score(scenario: str, seed: int, truth: Mapping[str, Any], result: Mapping[st
         onset_error=onset_error,
         onset_ok=None if clean else (onset_error is not None and onset_error <= ONSET_TOLERANCE.get(kind, 2)),
         latency=None if clean else _diff(alarm, injected),
+        early_alarm=None if clean else (alarm is not None and alarm < injected),
         loss_rule_step=det.get("loss_spike_step"), grad_rule_step=det.get("grad_norm_spike_step"),
         lead_loss=_diff(det.get("loss_spike_step"), alarm), lead_grad=_diff(det.get("grad_norm_spike_step"), alarm),
         alarms=len(result.get("alarms") or []), component_steps=component_steps,
@@ -105,35 +128,64 @@ def score(scenario: str, seed: int, truth: Mapping[str, Any], result: Mapping[st
     )
 
 
-def run_one(scenario: str, seed: int, workdir: Path, steps: int | None = None) -> RunScore:
-    """Rehearse one scenario with one seed into `workdir`, analyse it, and score it."""
+def run_one(scenario: Any, seed: int, workdir: Path, steps: int | None = None) -> RunScore:
+    """Rehearse one scenario (a name or a `Scenario`) with one seed into `workdir`, analyse, score."""
     from warninglight.forensics import analyze
     from warninglight.forensics.static_rules import static_alarms
     from warninglight.tracer.rehearsal import rehearse
 
-    trace = workdir / f"{scenario}-seed{seed}"
+    name = scenario if isinstance(scenario, str) else scenario.name
+    trace = workdir / f"{name}-seed{seed}"
     t0 = time.perf_counter()
-    kwargs: dict[str, Any] = {"seed": seed, "checkpoint_dir": workdir / f"{scenario}-seed{seed}-ckpt"}
+    kwargs: dict[str, Any] = {"seed": seed, "checkpoint_dir": workdir / f"{name}-seed{seed}-ckpt"}
     if steps is not None:
         kwargs["steps"] = steps
     truth = rehearse(scenario, trace, **kwargs)
     result = analyze(trace).to_dict()
-    return score(scenario, seed, truth, result, static_alarms(trace), count_component_steps(trace),
-                 time.perf_counter() - t0)
+    rows, comps = read_run(trace)
+    return score(name, seed, truth, result, static_alarms(trace), rows,
+                 time.perf_counter() - t0, comps)
 
 
-def count_component_steps(trace: Path) -> int:
-    """Rows of the health timeline: the denominator of the false-alarm rate."""
-    from warninglight.forensics import open_trace
+def read_run(trace: Path) -> tuple[int, Comparators]:
+    """Health rows (the false-alarm denominator) and every firing of the two comparator rules."""
+    import numpy as np
+    from warninglight.forensics import detectors, open_trace
 
     opened = open_trace(trace)
     try:
-        return int(opened.one("SELECT count(*) FROM health")[0])
+        rows = int(opened.one("SELECT count(*) FROM health")[0])
+        series = opened.sql("SELECT step, loss, grad_norm_total_l2 FROM steps ORDER BY step").fetchall()
     finally:
         opened.close()
+    step = np.array([r[0] for r in series], dtype=np.int64)
+    loss, grad = (np.array([np.nan if r[i] is None else r[i] for r in series], dtype=np.float64) for i in (1, 2))
+    return rows, Comparators(tuple(detectors.loss_spikes(step, loss)), tuple(detectors.grad_norm_spikes(step, grad)))
 
 
-def run_benchmark(scenarios: Iterable[str], seeds: int, workdir: Path | None = None,
+def clean_twins(names: Sequence[str]) -> list[Any]:
+    """A drill-free copy of each training set-up among `names` that no clean scenario already covers.
+
+    Without them the false-alarm figure would only speak for the set-ups someone wrote a clean
+    scenario for (e.g. Adam, while the learning-rate-spike runs train with SGD + momentum).
+    """
+    from dataclasses import replace
+
+    from warninglight.tracer.rehearsal import SCENARIOS
+
+    def setup(sc: Any) -> tuple[Any, ...]:
+        return (sc.model, sc.steps, sc.optimizer, sc.lr, sc.momentum, sc.activation, sc.batch_size)
+
+    covered = {setup(sc) for sc in SCENARIOS.values() if not sc.drills()}
+    twins: dict[tuple[Any, ...], Any] = {}
+    for name in names:
+        sc = SCENARIOS[name]
+        if setup(sc) not in covered and setup(sc) not in twins:
+            twins[setup(sc)] = replace(sc, name=f"{name}~clean", drills=list)
+    return list(twins.values())
+
+
+def run_benchmark(scenarios: Iterable[Any], seeds: int, workdir: Path | None = None,
                   steps: int | None = None,
                   progress: Callable[[RunScore], None] | None = None) -> list[RunScore]:
     """Every scenario × seeds 0..seeds-1, in order; traces go to `workdir` (a temporary one if None)."""
@@ -149,7 +201,7 @@ def run_benchmark(scenarios: Iterable[str], seeds: int, workdir: Path | None = N
         torch.set_num_threads(previous)
 
 
-def _run_all(scenarios: list[str], seeds: int, workdir: Path | None, steps: int | None,
+def _run_all(scenarios: list[Any], seeds: int, workdir: Path | None, steps: int | None,
              progress: Callable[[RunScore], None] | None) -> list[RunScore]:
     with tempfile.TemporaryDirectory(prefix="wl-eval-") as tmp:
         root = Path(workdir) if workdir is not None else Path(tmp)
@@ -196,22 +248,33 @@ def _ratio(pair: tuple[int, int]) -> str:
 
 
 def summarise_faults(runs: Sequence[RunScore]) -> dict[str, Any]:
-    """One row of the fault table for a group of fault runs (one scenario, or all)."""
-    rb_ours, rb_naive = _median(r.discarded_ours for r in runs), _median(r.discarded_naive for r in runs)
+    """Detection row of the fault table for a group of fault runs (one scenario, or all)."""
     onset = [r.onset_error for r in runs if r.onset_error is not None]
-    static_hits = [r for r in runs if r.static_step is not None]
     return {
         "runs": len(runs),
         "root right": _ratio(_count(r.root_correct for r in runs)),
         "onset err med/max": f"{_plain(_median(onset))}/{max(onset)}" if onset else "—",
         "onset in tol": _ratio(_count(r.onset_ok for r in runs)),
         "latency med": _plain(_median(r.latency for r in runs)),
+        "alarm before fault": _ratio(_count(r.early_alarm for r in runs)),
         "lead vs loss rule": _lead(runs, "loss_rule_step", "lead_loss"),
         "lead vs grad rule": _lead(runs, "grad_rule_step", "lead_grad"),
-        "discarded ours/loss-only": f"{_plain(rb_ours)}/{_plain(rb_naive)}",
+    }
+
+
+def summarise_recovery(runs: Sequence[RunScore]) -> dict[str, Any]:
+    """Rollback and fixed-rule row of the fault table."""
+    rb_ours, rb_naive = _median(r.discarded_ours for r in runs), _median(r.discarded_naive for r in runs)
+    hits = [r for r in runs if r.static_step is not None]
+    rules = ", ".join(sorted({r.static_rule for r in hits if r.static_rule}))
+    return {
+        "runs": len(runs),
+        "discarded ours/loss-only (med)": f"{_plain(rb_ours)}/{_plain(rb_naive)}",
+        "loss-only rolled back": f"{sum(r.discarded_naive is not None for r in runs)}/{len(runs)}",
         "loss-only ckpt damaged": _ratio(_count(r.naive_contaminated for r in runs)),
-        "static rules": (f"{len(static_hits)}/{len(runs)} ({', '.join(sorted({r.static_rule for r in static_hits}))})"
-                         if static_hits else f"0/{len(runs)}"),
+        "static rules fired": f"{len(hits)}/{len(runs)}" + (f" ({rules})" if rules else ""),
+        "static named root": _ratio(_count(r.static_correct for r in hits)),
+        "static latency med": _plain(_median(_diff(r.static_step, r.injected) for r in hits)),
     }
 
 
@@ -229,7 +292,9 @@ def summarise_clean(runs: Sequence[RunScore]) -> dict[str, Any]:
         "alarms": alarms,
         "component-steps": steps,
         "alarms per 10k comp-steps": f"{1e4 * alarms / steps:.2f}" if steps else "—",
-        "static firings": f"{sum(r.static_step is not None for r in runs)}/{len(runs)}",
+        "static rules fired": f"{sum(r.static_step is not None for r in runs)}/{len(runs)}",
+        "loss rule fired": f"{sum(r.loss_rule_step is not None for r in runs)}/{len(runs)}",
+        "grad rule fired": f"{sum(r.grad_rule_step is not None for r in runs)}/{len(runs)}",
     }
 
 
@@ -246,16 +311,24 @@ def format_tables(runs: Sequence[RunScore]) -> str:
     cleans = [r for r in runs if r.kind == CLEAN]
     out = []
     if faults:
-        rows = [{"scenario": s, **summarise_faults([r for r in faults if r.scenario == s])}
-                for s in dict.fromkeys(r.scenario for r in faults)]
-        rows.append({"scenario": "**all faults**", **summarise_faults(faults)})
-        out += ["Fault runs (steps are optimizer steps; lead = rule's step − our alarm step, + means earlier):", "",
-                _markdown(rows, "scenario"), ""]
+        names = list(dict.fromkeys(r.scenario for r in faults))
+        for title, summarise in (
+            ("Fault runs, detection (steps are optimizer steps; latency = our alarm − injection; "
+             "lead = the rule's first firing at/after the injection − our alarm, + means we were earlier):",
+             summarise_faults),
+            ("Fault runs, rollback and fixed rules (discarded = last step − checkpoint step; "
+             "static = SageMaker-style thresholds, first firing at/after the injection):", summarise_recovery),
+        ):
+            rows = [{"scenario": n, **summarise([r for r in faults if r.scenario == n])} for n in names]
+            rows.append({"scenario": "**all faults**", **summarise(faults)})
+            out += [title, "", _markdown(rows, "scenario"), ""]
     if cleans:
         rows = [{"scenario": s, **summarise_clean([r for r in cleans if r.scenario == s])}
                 for s in dict.fromkeys(r.scenario for r in cleans)]
         rows.append({"scenario": "**all clean**", **summarise_clean(cleans)})
-        out += ["Clean runs:", "", _markdown(rows, "scenario"), ""]
+        out += ["Clean runs (a `~clean` name is a drill-free twin of that scenario's training set-up; "
+                "the comparators' columns count runs where they fired at all, i.e. false alarms):", "",
+                _markdown(rows, "scenario"), ""]
     out += ["Targets:"] + [f"- {line}" for line in targets(runs)]
     return "\n".join(out)
 

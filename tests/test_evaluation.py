@@ -49,6 +49,32 @@ def test_onset_tolerance_depends_on_kind(kind_truth: dict, onset: int, ok: bool)
     assert r.onset_error == abs(onset - 150)
 
 
+def test_comparators_count_from_the_injection_not_from_our_onset() -> None:
+    comps = evaluation.Comparators(loss=(40, 190), grad=(149,))
+    r = evaluation.score("s", 0, TRUTH_ABRUPT, result(alarm=153, loss=40), [], 100, comparators=comps)
+    # the loss rule's firing at step 40 predates the fault: its first firing at/after 150 is 190
+    assert (r.loss_rule_step, r.lead_loss) == (190, 37)
+    assert (r.grad_rule_step, r.lead_grad) == (None, None)  # 149 is before the injection
+    clean = evaluation.score("c", 0, TRUTH_CLEAN, result(component=None), [], 100, comparators=comps)
+    assert (clean.loss_rule_step, clean.grad_rule_step) == (40, 149)  # on a clean run, any firing
+
+
+def test_alarm_before_the_fault_is_flagged() -> None:
+    r = evaluation.score("s", 0, TRUTH_ABRUPT, result(onset=40, alarm=48), [], 100)
+    assert (r.early_alarm, r.latency, r.onset_ok) == (True, -102, False)
+
+
+def test_clean_twins_cover_set_ups_without_a_clean_scenario() -> None:
+    from warninglight.tracer.rehearsal import SCENARIOS
+
+    twins = evaluation.clean_twins(list(SCENARIOS))
+    assert twins and all(t.name.endswith("~clean") and t.drills() == [] for t in twins)
+    clean_setups = {(s.model, s.optimizer, s.lr, s.momentum, s.activation, s.batch_size, s.steps)
+                    for s in [*SCENARIOS.values(), *twins] if not s.drills()}
+    for sc in SCENARIOS.values():  # every fault scenario's set-up now has a clean run
+        assert (sc.model, sc.optimizer, sc.lr, sc.momentum, sc.activation, sc.batch_size, sc.steps) in clean_setups
+
+
 def test_wrong_root_and_missed_fault() -> None:
     wrong = evaluation.score("s", 0, TRUTH_ABRUPT, result(component="4"), [], 100)
     missed = evaluation.score("s", 1, TRUTH_ABRUPT, result(component=None), [], 100)

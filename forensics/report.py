@@ -249,12 +249,21 @@ def render_html(data: ReportData, images: Mapping[str, bytes]) -> str:
         parts.append(f"<p><b>Answer key</b> (truth.json of this rehearsal): <code>{html.escape(json.dumps(data.truth))}</code></p>")
     captions = {"heatmap": "Where: every component at every step", "root_metric": "The root component against its baseline",
                 "loss": "When: the light against the loss and gradient-norm rules", "conditions": "What: conditions by component"}
+    notes = {"heatmap": "Each cell: the largest |robust z| of any recorded metric of that component at that step, "
+                        "against the component's own trailing baseline. Grey: no baseline yet (warm-up).",
+             "loss": "Vertical lines: the fault's onset and our alarm, the comparators' first firing at or after "
+                     "the onset, and the checkpoint each rollback would resume from."}
     for name, png in images.items():
         parts.append(f"<h2>{captions.get(name, name)}</h2><img alt='{name}' src='{plots.data_uri(png)}'>")
+        if name in notes:
+            parts.append(f"<p><small>{html.escape(notes[name])}</small></p>")
     parts.append("<h2>Rollback</h2>")
-    parts.append(_table([{"choice": "Warning Light", **rb}, {"choice": "loss-only operator", **naive}],
-                        ["choice", "checkpoint_step", "checkpoint_path", "steps_discarded", "skip_steps",
-                         "skip_batches", "alarm_step", "contaminated"]))
+    headers = {"choice": "choice", "alarm_step": "alarm step", "checkpoint_step": "resume from step",
+               "checkpoint_path": "checkpoint", "steps_discarded": "steps discarded",
+               "skip_steps": "skip steps", "skip_batches": "skip batches", "contaminated": "holds the damage"}
+    choices = [{"choice": "Warning Light", **rb, "alarm_step": (r.get("root") or {}).get("alarm_step")},
+               {"choice": "loss-only operator", **naive}]
+    parts.append(_table([{headers[k]: c.get(k) for k in headers} for c in choices], list(headers.values())))
     parts.append("<h2>Detectors</h2>" + _table(_comparators(data), ["detector", "first alarm step", "names a component"]))
     parts.append(f"<h2>Alarms ({len(r.get('alarms') or [])})</h2>" + _table(alarm_rows(r), list(ALARM_HEADERS.values())))
     parts.append(f"<h2>Static-rule firings ({len(data.static)})</h2>"

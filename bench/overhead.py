@@ -1,8 +1,9 @@
 """Step-time ratio with/without the recorder (every step, every component), measured side by side.
 
-Blocks of steps with and without the recorder alternate in one process on the same model, so
-drift in machine load hits both; the figure is the median over block pairs of
-time(with) / time(without), with its spread. Run: `python bench/overhead.py [--steps N]`.
+Blocks of steps with and without the recorder alternate in one process on the same model (order
+swapped every other pair), so drift in machine load hits both; the figure is the median over block
+pairs of time(with) / time(without), with its spread. Wall-clock is the figure that matters; the
+process-CPU ratio is printed too because on a shared machine it is less disturbed by others' load. Run: `python bench/overhead.py [--steps N]`.
 """
 
 from __future__ import annotations
@@ -42,9 +43,9 @@ def mlp_case(batch: int) -> tuple[torch.nn.Module, Callable[[], torch.Tensor]]:
 
 
 def run_block(loss_fn: Callable[[], torch.Tensor], opt: torch.optim.Optimizer, steps: int,
-              rec: object | None) -> float:
-    """Seconds per step over `steps` training steps."""
-    t0 = time.perf_counter()
+              rec: object | None) -> tuple[float, float]:
+    """Wall seconds and process CPU seconds per step over `steps` training steps."""
+    t0, c0 = time.perf_counter(), time.process_time()
     for _ in range(steps):
         loss = loss_fn()
         loss.backward()
@@ -52,7 +53,7 @@ def run_block(loss_fn: Callable[[], torch.Tensor], opt: torch.optim.Optimizer, s
         opt.zero_grad(set_to_none=True)
         if rec is not None:
             rec.log(loss=loss)  # type: ignore[attr-defined]
-    return (time.perf_counter() - t0) / steps
+    return (time.perf_counter() - t0) / steps, (time.process_time() - c0) / steps
 
 
 def measure(name: str, model: torch.nn.Module, loss_fn: Callable[[], torch.Tensor],
@@ -60,20 +61,31 @@ def measure(name: str, model: torch.nn.Module, loss_fn: Callable[[], torch.Tenso
     """Alternate blocks without/with the recorder and print the median ratio and its spread."""
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     run_block(loss_fn, opt, 3, None)  # warm-up: allocator, thread pools
-    ratios, base = [], []
+    wall, cpu, base = [], [], []
     with tempfile.TemporaryDirectory() as tmp:
         for i in range(pairs):
-            plain = run_block(loss_fn, opt, steps, None)
             rec = watch(model, opt, f"{tmp}/run{i}", flush_every_steps=50)
             run_block(loss_fn, opt, 1, rec)  # first step settles components (not timed)
-            recorded = run_block(loss_fn, opt, steps, rec)
-            rec.close()
-            ratios.append(recorded / plain)
-            base.append(plain)
-    q = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else [ratios[0]] * 3
-    print(f"{name}: step {statistics.median(base) * 1e3:.2f} ms without; ratio with/without "
-          f"median {statistics.median(ratios):.3f} (quartiles {q[0]:.3f}-{q[2]:.3f}, "
-          f"{len(ratios)} block pairs of {steps} steps)")
+            if i % 2:  # alternate the order inside a pair: load drift does not favour one side
+                recorded = run_block(loss_fn, opt, steps, rec)
+                rec.close()
+                plain = run_block(loss_fn, opt, steps, None)
+            else:
+                rec.close()
+                plain = run_block(loss_fn, opt, steps, None)
+                rec = watch(model, opt, f"{tmp}/run{i}b", flush_every_steps=50)
+                run_block(loss_fn, opt, 1, rec)
+                recorded = run_block(loss_fn, opt, steps, rec)
+                rec.close()
+            wall.append(recorded[0] / plain[0])
+            cpu.append(recorded[1] / plain[1])
+            base.append(plain[0])
+    print(f"{name}: {statistics.median(base) * 1e3:.2f} ms/step without the recorder "
+          f"({pairs} block pairs of {steps} steps)")
+    for label, ratios in (("wall-clock", wall), ("process CPU", cpu)):
+        q = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else [ratios[0]] * 3
+        print(f"  {label} ratio with/without: median {statistics.median(ratios):.3f} "
+              f"(quartiles {q[0]:.3f}-{q[2]:.3f}, min {min(ratios):.3f}, max {max(ratios):.3f})")
 
 
 def main() -> None:

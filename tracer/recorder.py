@@ -182,6 +182,8 @@ class Recorder:
     def _root_pre_hook(self, module: nn.Module, args: Any) -> None:
         if self._recording(module):
             self._begin_step()
+            if self.fwd.held:  # another micro-batch: judge the previous one by its gradients
+                self.fwd.settle(self.params.grads_suspect())
             self._micro_batches += 1
 
     def _make_hook(self, comp: Any) -> Any:
@@ -210,6 +212,10 @@ class Recorder:
             return
         try:
             self.params.grads()
+            total = self.params.total_grad_norm
+            # forward outputs held on CPU are counted only if the gradients say something was
+            # not finite; a non-finite output that never reaches the gradients goes uncounted
+            self.fwd.settle(total is None or not bool(torch.isfinite(total)) if self.fwd.held else False)
         except Exception as exc:
             self._probe_failed(exc)
 
@@ -235,6 +241,7 @@ class Recorder:
 
     def _step_record(self, now: float) -> _StepRecord:
         grad_total = self.params.total_grad_norm
+        self.fwd.settle(True)  # outputs still held: no gradients were seen this step
         pcols, pvalid = self.params.end()
         cols = {**self.fwd.compute(self.device), **pcols}
         stats = torch.stack([cols[m].double() for m in schema.HEALTH_METRICS], 1)
@@ -310,6 +317,7 @@ class Recorder:
             recs = self._records if final else self._records[:-1]
             self._records = [] if final else self._records[-1:]
             self._last_flush = time.time()
+            self.params.refresh()
             self.writer.submit(self._segment(recs))
         except Exception as exc:
             self._probe_failed(exc)

@@ -165,13 +165,14 @@ def loss_and_grad(steps: pl.DataFrame, marks: Sequence[Mark] = (), never: Sequen
 
 def condition_map(alarms: pl.DataFrame, order: Sequence[str], last_step: int,
                   marks: Sequence[Mark] = (), kinds: dict[str, str] | None = None) -> Figure:
-    """Component × step map coloured by the alarmed condition, from onset to the run's end."""
+    """Component × step map coloured by the alarmed condition, from each alarm's onset to its last step."""
     conditions = sorted(set(alarms["condition"].to_list())) if len(alarms) else []
     index = {c: i for i, c in enumerate(order)}
     grid = np.full((len(order), last_step), np.nan)
     for row in alarms.iter_rows(named=True):
         if row["component"] in index and row["onset_step"] is not None:
-            grid[index[row["component"]], int(row["onset_step"]) - 1:] = conditions.index(row["condition"])
+            end = row.get("last_step") or last_step  # the episode's last alarming step, if known
+            grid[index[row["component"]], int(row["onset_step"]) - 1:int(end)] = conditions.index(row["condition"])
     height = min(14.0, 1.6 + 0.28 * len(order))
     fig, ax = plt.subplots(figsize=(11, height), layout="constrained")
     palette = ListedColormap(plt.get_cmap("tab10").colors[: max(1, len(conditions))]).with_extremes(bad="#f4f4f4")
@@ -180,7 +181,7 @@ def condition_map(alarms: pl.DataFrame, order: Sequence[str], last_step: int,
     ax.set_yticks(range(len(order)), row_labels(order, kinds), fontsize=8)
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("component (forward order)")
-    ax.set_title("Alarmed components by condition (from onset on)")
+    ax.set_title("Alarmed components by condition (onset to last alarming step)")
     handles = [plt.Rectangle((0, 0), 1, 1, color=palette(i)) for i in range(len(conditions))]
     _draw_marks(ax, marks)
     lines, labels = ax.get_legend_handles_labels()

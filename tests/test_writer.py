@@ -170,3 +170,13 @@ def test_an_unwritable_path_from_the_start_never_raises(tmp_path: Path) -> None:
             opt.step()
     assert rec.dropped_steps == 5
     assert os.path.isfile(blocker)
+
+
+def test_trace_format_doc_is_generated_from_the_schema() -> None:
+    from warninglight.tracer import formatdoc
+
+    doc = (Path(__file__).parent.parent / "docs" / "trace-format.md").read_text()
+    assert doc == formatdoc.render(), "regenerate: python -m warninglight.tracer.formatdoc > docs/trace-format.md"
+    for table, columns in schema.COLUMNS.items():
+        assert all(f"| `{c.name}` |" in doc for c in columns), table
+    assert all(f"| `{k}` |" in doc for k in schema.MANIFEST_KEYS + schema.INCARNATION_KEYS)

@@ -1,0 +1,130 @@
+"""Render docs/trace-format.md from the schema, so the document cannot drift from the code.
+
+Run `python -m warninglight.tracer.formatdoc > docs/trace-format.md`; a test checks they agree.
+"""
+
+from __future__ import annotations
+
+import textwrap
+
+import pyarrow as pa
+
+from . import schema
+
+MANIFEST_DOCS: dict[str, str] = {
+    "format_version": f"trace format version (this document: {schema.FORMAT_VERSION})",
+    "run_id": "identifier of the run; kept when a later incarnation reuses the directory",
+    "rank": "this file's rank (the manifest is per rank)",
+    "world_size": "number of ranks in the run (torch.distributed world size, else 1)",
+    "started_at": "when the first incarnation started, seconds since the Unix epoch",
+    "model_class": "class name of the recorded model",
+    "versions": "versions of python, torch and warninglight that wrote the latest incarnation",
+    "config": "recorder settings (sample_size, sketch_size, flush_every_steps, flush_every_s, "
+              "heads, start_step) and any extra keywords given to `watch`",
+    "incarnations": "one entry per process that recorded into this directory (keys below)",
+}
+
+INCARNATION_DOCS: dict[str, str] = {
+    "incarnation": "1, 2, ...: the `incarnation=N` partition this process wrote",
+    "started_at": "seconds since the Unix epoch",
+    "ended_at": "seconds since the Unix epoch; null while running or after a kill",
+    "status": "`running` (or killed: SIGKILL leaves it so), `normal`, `sigterm`, `exception`",
+    "first_step": "first step written by this incarnation",
+    "last_step": "last step written (in a closed segment)",
+    "steps_recorded": "steps written in closed segments",
+    "dropped_steps": "steps lost to write failures, a full queue or probe errors",
+    "segments": "segments written (one Parquet file per table each)",
+    "warnings": "the first write or probe errors, as text",
+}
+
+_NOTES = """\
+## How the numbers are measured
+
+- **Steps.** A step ends at `optimizer.step()` (or `rec.step()` when no optimizer is given) and
+  is counted from 1 (`watch(..., start_step=N)` continues from N when resuming). `rec.log` and
+  `rec.batch` belong to the step in progress if a training forward ran since the last step, else
+  to the step just completed; `rec.checkpoint` records the steps completed so far.
+- **Training forwards only.** Hooks record only when the module is in training mode and
+  gradients are enabled: `model.eval()` and `torch.no_grad()` passes are not part of any step.
+- **Subsample.** `out_*` statistics (except `out_nonfinite_count`) come from the *first* training
+  forward of the step (the first micro-batch under gradient accumulation), on up to
+  `sample_size` (default 64) evenly strided rows of the output viewed as (rows, units): units
+  are the last dimension, or the channel dimension for convolution/batch-norm outputs and 4-D
+  or 5-D outputs (of which at most 8 images are sampled). Wide outputs get fewer rows: at most
+  8192 values per component, never fewer than 16 rows.
+- **Non-finite counts** cover the whole output of every micro-batch. On CPU the outputs are
+  held until `optimizer.step()` and counted only if the gradients are not all finite (a full
+  pass over every output costs more than the rest of the recorder); a non-finite output that
+  never reaches the gradients is not counted there. On an accelerator every output is counted.
+- **Gradients** are read in `optimizer.step()`'s pre-hook, after `GradScaler.step` unscaled
+  them, and summed over micro-batches as PyTorch accumulates them.
+- **Sketch.** Update norm, ratio and cosine use a fixed random set of up to `sketch_size`
+  (default 256) coordinates per parameter tensor (all of them for smaller tensors), drawn from
+  the recorder's own generator; squared differences are scaled by numel/k to estimate the full
+  norm. **Weight drift** is the larger of the sketch estimate and the change of the exact weight
+  norm between the end of the previous step and the first forward of this one, so a rescaled
+  layer or a large change of one element outside the sketch is seen; a sign flip of one
+  element outside the sketch is not.
+- **Heads** (`role = head`): the components named in `watch(heads=[...])`, else the last
+  parameter-owning component called in the first forward. Entropy and max probability are of
+  the softmax over the last dimension of the sampled rows.
+- **Nulls** mean "not applicable": parameter metrics for activations, saturation for unbounded
+  components, prediction metrics for non-heads, update cosine and drift on an incarnation's
+  first step, output metrics for a component not called in a step. NaN means the value itself
+  was not finite.
+
+## Durability
+
+Every `flush_every_steps` steps (default 100) or `flush_every_s` seconds (default 30), the
+finished steps are handed to a background thread that writes one segment: for every table a
+`part-NNNNNN.parquet.tmp` file, renamed to `part-NNNNNN.parquet` when complete, then the
+manifest (also written to a temporary name and renamed). `close()`, leaving the `with` block,
+SIGTERM (the handler chains to any previous one, then the default action ends the process) and
+interpreter exit flush everything. A SIGKILL loses the steps not yet in a closed segment. Any
+write error drops that segment's steps, counts them in `dropped_steps` and warns once; training
+is never interrupted. Temporary files left by a kill are not segments and readers ignore them.
+"""
+
+
+def _type_name(t: pa.DataType) -> str:
+    return {"float": "float32", "double": "float64"}.get(str(t), str(t))
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|")  # a literal | would end the table cell
+
+
+def _table(columns: tuple[schema.Column, ...]) -> list[str]:
+    lines = ["| column | type | unit | meaning |", "|---|---|---|---|"]
+    lines += [f"| `{c.name}` | {_type_name(c.type)} | {_cell(c.unit)} | {_cell(c.doc)} |"
+              for c in columns]
+    return lines
+
+
+def _layout() -> list[str]:
+    """The directory sketch from schema.py's docstring, dedented."""
+    block = (schema.__doc__ or "").split("::")[1].split("`rank`")[0].strip("\n")
+    return textwrap.dedent(block).splitlines()
+
+
+def render() -> str:
+    """The whole of docs/trace-format.md."""
+    out = [f"# Trace format v{schema.FORMAT_VERSION}", "",
+           "Generated from `tracer/schema.py` by `python -m warninglight.tracer.formatdoc`; "
+           "do not edit by hand.", "", "```text", *_layout(), "```", "",
+           "`rank` and `incarnation` are hive partitions (directory names), read as columns by "
+           "DuckDB `read_parquet(..., hive_partitioning=true)` and Polars `hive_partitioning=True`. "
+           "Steps that repeat after a restart from a checkpoint are kept; `incarnation` tells them apart.",
+           ""]
+    for table in schema.TABLES:
+        out += [f"## `{table}`", "", *_table(schema.COLUMNS[table]), ""]
+    out += ["## Manifest (`manifest/rank=R.json`)", "", "| key | meaning |", "|---|---|"]
+    out += [f"| `{k}` | {MANIFEST_DOCS[k]} |" for k in schema.MANIFEST_KEYS]
+    out += ["", "Each entry of `incarnations`:", "", "| key | meaning |", "|---|---|"]
+    out += [f"| `{k}` | {INCARNATION_DOCS[k]} |" for k in schema.INCARNATION_KEYS]
+    out += ["", f"Event kinds: {', '.join(f'`{k}`' for k in schema.EVENT_KINDS)}.", "", _NOTES]
+    return "\n".join(out)
+
+
+if __name__ == "__main__":
+    print(render(), end="")

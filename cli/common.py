@@ -33,8 +33,8 @@ def bad_input() -> Iterator[None]:
     """Turn the library's input errors into a one-line message and exit code 2."""
     try:
         yield
-    except (TraceError, ConfigError, CheckpointError, KeyError) as exc:
-        raise fail(str(exc).strip("'\"")) from None
+    except (TraceError, ConfigError, CheckpointError) as exc:
+        raise fail(str(exc)) from None
     except duckdb.Error as exc:
         raise fail(str(exc).splitlines()[0]) from None
 

@@ -205,6 +205,6 @@ COMPONENT_KEYS = ("rank", "component", "kind", "role", "bound", "parent_param", 
 
 def health_frame(trace: Trace) -> pl.LazyFrame:
     """Effective-timeline health rows joined with each component's role, bound, parent and order."""
-    comps = trace.frame("components").select(
-        *[c for c in COMPONENT_KEYS if c in trace.frame("components").collect_schema().names()])
+    comps = trace.frame("components")
+    comps = comps.select(*[c for c in COMPONENT_KEYS if c in comps.collect_schema().names()])
     return trace.frame("health").join(comps, on=["rank", "component"], how="left")

@@ -116,7 +116,7 @@ CONDITIONS: tuple[Condition, ...] = (
                Rule("out_rms", UP, z=6.0, fold=3.0),
                Rule("out_absmax", UP, z=6.0, fold=4.0),
                Rule("grad_norm_l2", UP, z=6.0, fold=5.0),
-               Rule("weight_norm_l2", UP, z=6.0, fold=2.0),
+               Rule("weight_norm_l2", UP, fold=2.5),  # no z: weight norms move slowly, a creep has no spread
                Rule("update_norm_l2", UP, z=6.0, fold=10.0)),
               persistence=2, ceiling=0.5, precedence=7),
     Condition("dead", "the component stopped responding",

@@ -8,7 +8,8 @@ from warninglight.forensics import analyze
 from warninglight.forensics.rollback import CheckpointError, every, from_glob
 
 FAULTS = ["mlp_weight_corruption", "mlp_nan", "mlp_corrupt_batches", "mlp_dying_layer",
-          "mlp_frozen", "mlp_saturation", "mlp_head_shrink", "mlp_vanishing_gradient"]
+          "mlp_frozen", "mlp_saturation", "mlp_head_shrink", "mlp_vanishing_gradient",
+          "mlp_creeping_corruption"]
 
 
 @pytest.mark.parametrize("scenario", FAULTS)
@@ -27,16 +28,24 @@ def test_skip_window_and_batches_span_onset_to_alarm() -> None:
     assert len(d["rollback"]["skip_batches"]) == 32 * (last - first + 1)  # batch_size ids per step
 
 
-def test_gradual_fault_loss_only_operator_is_later_or_never_and_says_so() -> None:
+def test_gradual_fault_loss_only_never_fires_and_report_says_so() -> None:
     d = analysed("mlp_dying_layer").to_dict()
+    assert d["rollback"]["naive"]["alarm_step"] is None
+    assert "loss-spike rule never fired" in d["rollback"]["note"]
+    assert d["rollback"]["checkpoint_step"] < truth(trace("mlp_dying_layer"))["step"]
+
+
+def test_creeping_fault_loss_only_is_later_and_already_damaged() -> None:
+    d = analysed("mlp_creeping_corruption").to_dict()
+    onset = truth(trace("mlp_creeping_corruption"))["step"]
     ours, naive = d["rollback"]["checkpoint_step"], d["rollback"]["naive"]
-    if naive["alarm_step"] is None:
-        assert "never fired" in d["rollback"]["note"]
-    else:
-        assert naive["alarm_step"] > d["root"]["alarm_step"]
-        assert naive["checkpoint_step"] >= ours
-        assert naive["contaminated"] == (naive["checkpoint_step"] >= d["root"]["onset_step"])
-        assert "loss-only operator" in d["rollback"]["note"]
+    assert abs(d["root"]["onset_step"] - onset) <= 10 and d["root"]["component"] == "2"
+    assert ours < onset
+    assert naive["alarm_step"] > d["root"]["alarm_step"]          # the light lit first
+    assert naive["checkpoint_step"] > ours and naive["contaminated"] is True
+    assert naive["steps_discarded"] < d["rollback"]["steps_discarded"]
+    assert "already held the damage" in d["rollback"]["note"]
+    assert d["detectors"]["light_lead_over_loss_spike"] > 0
 
 
 def test_naive_checkpoint_after_onset_is_marked_contaminated() -> None:

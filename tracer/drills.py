@@ -174,6 +174,27 @@ class WeightShrink(Drill):
 
 
 @dataclass
+class WeightGrowth(Drill):
+    """Creeping corruption: a module's weights grow by `rate` (fraction) per step, outside the optimizer.
+
+    Slow enough that the loss curve shows nothing for a while; the layer's norms explode.
+    """
+
+    rate: float = 0.03
+    duration: int = 150
+    kind: str = GRADUAL
+    fault: str = "weight_growth"
+    condition: str = "exploding"
+
+    def before_step(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
+        if not self.step <= step < self.step + self.duration:
+            return
+        with torch.no_grad():
+            for p in self.module(model).parameters(recurse=False):
+                p.mul_(1.0 + self.rate)
+
+
+@dataclass
 class BiasShift(Drill):
     """Shift a module's output by a constant: it departs its baseline in no named way."""
 

@@ -32,6 +32,7 @@ from .drills import (
     NaNInjection,
     PreActivationScale,
     WeightCorruption,
+    WeightGrowth,
     WeightShrink,
 )
 
@@ -212,6 +213,8 @@ def _scenarios() -> dict[str, Scenario]:
         Scenario("mlp_oscillating", "mlp", optimizer="sgd", lr=0.05, batch_size=512,
                  drills=lambda: [GradientSignFlip("2", 150)]),
         Scenario("mlp_clean_tanh", "mlp", activation="tanh"),
+        Scenario("mlp_creeping_corruption", "mlp",
+                 drills=lambda: [WeightGrowth("2", 150, rate=0.03, duration=150)]),
     ]
     return {sc.name: sc for sc in s}
 

@@ -30,6 +30,8 @@ def _analysis(trace: Path, config: Path | None, overrides: list[str] | None,
 def _root_line(root: dict[str, Any]) -> str:
     z = "" if root["magnitude"] is None else f", magnitude z={root['magnitude']:.1f}"
     seen = "" if root["observed_on"] == root["component"] else f" (observed on {root['observed_on']})"
+    if root["ranks_disagree"]:
+        seen += f" on rank {', '.join(str(r) for r in root['ranks'])} only"
     return (f"root: {root['component']}{seen} {root['condition']}: onset step {root['onset_step']}, "
             f"alarm step {root['alarm_step']}{z} on {root['metric']}; {root['evidence']}")
 

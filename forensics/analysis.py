@@ -66,13 +66,15 @@ def _plain(v: Any) -> Any:
     return v
 
 
-def _root_dict(root: dict[str, Any] | None) -> dict[str, Any] | None:
+def _root_dict(root: dict[str, Any] | None, located: pl.DataFrame, ranks: int) -> dict[str, Any] | None:
     if root is None:
         return None
+    on = located.filter(pl.col("attributed_to") == root["attributed_to"])["rank"].unique().sort().to_list()
     return {"component": root["attributed_to"], "condition": root["condition"],
             "onset_step": root["onset_step"], "alarm_step": root["step"],
             "magnitude": _plain(root["magnitude"]), "metric": root["metric"],
-            "observed_on": root["component"], "rank": root["rank"], "evidence": root["evidence"]}
+            "observed_on": root["component"], "rank": root["rank"], "ranks": on,
+            "ranks_disagree": len(on) < ranks, "evidence": root["evidence"]}
 
 
 def _step_series(trace: Trace, column: str) -> tuple[np.ndarray, np.ndarray]:
@@ -125,5 +127,6 @@ def analyze(trace_dir: str | Path, *, config: Config | str | Path | None = None,
     for key, step in (("light_lead_over_loss_spike", found["loss_spike_step"]),
                       ("light_lead_over_grad_norm_spike", found["grad_norm_spike_step"])):
         found[key] = None if root is None or step is None else step - root["step"]
-    return Analysis(Path(trace_dir), "fault" if root else "healthy", _root_dict(root), affected,
+    return Analysis(Path(trace_dir), "fault" if root else "healthy",
+                    _root_dict(root, located, summary["ranks"]), affected,
                     located.drop("drift", "signal", "forward_index"), rollback, found, scored, summary)

@@ -54,3 +54,18 @@ def test_drift_run_start_walks_back_over_consecutive_drift() -> None:
     assert drift_run_start(s, 13) == 10
     assert drift_run_start(s, 17) == 10   # within reach of the run's end
     assert drift_run_start(s, 19) is None
+
+
+def test_a_fault_on_one_rank_names_that_rank() -> None:
+    from rehearsed import ROOT
+    from warninglight.forensics import analyze
+    from warninglight.tracer.rehearsal import rehearse
+
+    out = ROOT / "two-ranks"
+    rehearse("mlp_clean", out, steps=220, rank=0, world_size=2)
+    rehearse("mlp_weight_corruption", out, steps=220, rank=1, world_size=2)
+    d = analyze(out).to_dict()
+    assert d["trace_info"]["ranks"] == 2
+    assert (d["root"]["component"], d["root"]["rank"], d["root"]["onset_step"]) == ("2", 1, 150)
+    assert d["root"]["ranks"] == [1] and d["root"]["ranks_disagree"] is True
+    assert {a["rank"] for a in d["alarms"]} == {1}

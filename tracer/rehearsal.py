@@ -112,11 +112,13 @@ def rehearse(scenario: str | Scenario, trace_dir: str | Path, *, seed: int = 0,
              steps: int | None = None, checkpoint_every: int = 100,
              checkpoint_dir: str | Path | None = None,
              drills: Sequence[Drill] | None = None,
-             resume_from: str | Path | None = None, start_step: int = 0) -> dict[str, Any]:
+             resume_from: str | Path | None = None, start_step: int = 0,
+             rank: int = 0, world_size: int = 1) -> dict[str, Any]:
     """Train the scenario's model with its drills under `watch`; return (and save) the truth.
 
     `resume_from` (a checkpoint this function saved) and `start_step` (the step it holds) restart
-    a run: the trace gets a new incarnation that continues at step `start_step + 1`.
+    a run: the trace gets a new incarnation that continues at step `start_step + 1`. `rank` and
+    `world_size` record the run as one rank of a data-parallel job (each rank trains on its own).
     """
     from . import watch  # imported here: drills and scenarios are usable without the recorder
 
@@ -140,7 +142,8 @@ def rehearse(scenario: str | Scenario, trace_dir: str | Path, *, seed: int = 0,
         next(data)
     losses: list[float] = []
     try:
-        with watch(model, optimizer, str(trace_dir), heads=[head], start_step=start_step) as rec:
+        with watch(model, optimizer, str(trace_dir), heads=[head], start_step=start_step,
+                   rank=rank, world_size=world_size) as rec:
             for step in range(start_step + 1, n_steps + 1):
                 ids, x, y = next(data)
                 for d in active:
@@ -172,7 +175,7 @@ def _write_truth(trace_dir: Path, sc: Scenario, seed: int, n_steps: int,
         **({k: first[k] for k in ("fault", "component", "step", "kind", "condition")} if first else {}),
         "final_loss": losses[-1] if losses else None,
     }
-    (trace_dir / TRUTH_FILE).write_text(json.dumps(truth, indent=2))
+    (trace_dir / TRUTH_FILE).write_text(json.dumps(truth, indent=2))  # the last rank's, if several
     return truth
 
 

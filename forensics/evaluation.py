@@ -58,7 +58,7 @@ class RunScore:
     naive_contaminated: bool | None
     static_step: int | None  # first static-rule firing at or after the injection (any step if clean)
     static_rule: str | None
-    static_correct: bool | None  # it named the truth component
+    static_correct: bool | None  # the truth component, and it alone, fired first
     seconds: float = 0.0
 
     def to_dict(self) -> dict[str, Any]:
@@ -103,6 +103,8 @@ def score(scenario: str, seed: int, truth: Mapping[str, Any], result: Mapping[st
     onset_error = abs(_diff(root.get("onset_step"), injected)) if named and not clean and root.get("onset_step") is not None else None
     after = injected or 0
     firing = next((a for a in static if a.step >= after), None)
+    # a fixed rule names the root only if the truth component is the one component firing first
+    first_firing = {a.component for a in static if firing is not None and a.step == firing.step}
     if comparators is not None:
         det = {"loss_spike_step": comparators.first("loss", injected),
                "grad_norm_spike_step": comparators.first("grad", injected)}
@@ -123,7 +125,8 @@ def score(scenario: str, seed: int, truth: Mapping[str, Any], result: Mapping[st
         discarded_naive=naive.get("steps_discarded") if named else None,
         naive_contaminated=naive.get("contaminated") if named else None,
         static_step=firing.step if firing else None, static_rule=firing.rule if firing else None,
-        static_correct=None if clean or firing is None or not truth.get("component") else firing.component == truth.get("component"),
+        static_correct=(None if clean or firing is None or not truth.get("component")
+                        else first_firing == {truth.get("component")}),
         seconds=seconds,
     )
 
@@ -273,7 +276,7 @@ def summarise_recovery(runs: Sequence[RunScore]) -> dict[str, Any]:
         "loss-only rolled back": f"{sum(r.discarded_naive is not None for r in runs)}/{len(runs)}",
         "loss-only ckpt damaged": _ratio(_count(r.naive_contaminated for r in runs)),
         "static rules fired": f"{len(hits)}/{len(runs)}" + (f" ({rules})" if rules else ""),
-        "static named root": _ratio(_count(r.static_correct for r in hits)),
+        "static named root alone": _ratio(_count(r.static_correct for r in hits)),
         "static latency med": _plain(_median(_diff(r.static_step, r.injected) for r in hits)),
     }
 

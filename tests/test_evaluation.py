@@ -35,6 +35,9 @@ def test_score_abrupt_fault_run() -> None:
     assert (r.discarded_ours, r.discarded_naive, r.naive_contaminated) == (53, 0, True)
     # the static firing at step 90 predates the fault; the first at or after 150 counts
     assert (r.static_step, r.static_rule, r.static_correct) == (160, "exploding_tensor", True)
+    # when other components fire at the same step, the fixed rule has not named the root
+    both = [*static, StaticAlarm("exploding_tensor", "0", 160, 2.0, 1)]
+    assert evaluation.score("mlp_x", 0, TRUTH_ABRUPT, result(), both, 2100).static_correct is False
 
 
 @pytest.mark.parametrize("kind_truth, onset, ok", [

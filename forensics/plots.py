@@ -21,6 +21,7 @@ from matplotlib.colors import BoundaryNorm, ListedColormap  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
 
 MAX_LABEL = 26  # characters of a component name on an axis before it is shortened
+MAX_ROWS_LABELLED = 60  # more component rows than this and labels would overlap at 8 pt
 Z_CAP = 12.0  # |z| colour scale saturates here; beyond it every cell looks equally alarming
 Z_LEVELS = (0.0, 3.0, 4.0, 6.0, 8.0, Z_CAP, 2 * Z_CAP)  # heatmap colour bins of |z|; the last is ">= Z_CAP"
 
@@ -58,6 +59,15 @@ def row_labels(order: Sequence[str], kinds: dict[str, str] | None = None) -> lis
     return [f"{short_name(c)}  {kinds[c]}" if kinds.get(c) else short_name(c) for c in order]
 
 
+def _set_rows(ax: plt.Axes, order: Sequence[str], kinds: dict[str, str] | None) -> None:
+    """Label the component rows; past MAX_ROWS_LABELLED, label every k-th so names stay legible."""
+    every = max(1, -(-len(order) // MAX_ROWS_LABELLED))  # ceil
+    rows = range(0, len(order), every)
+    labels = row_labels(order, kinds)
+    ax.set_yticks(list(rows), [labels[i] for i in rows], fontsize=8)
+    ax.set_ylabel("component (forward order)" + (f", 1 in {every} labelled" if every > 1 else ""))
+
+
 def _draw_marks(ax: plt.Axes, marks: Sequence[Mark]) -> None:
     for m in marks:
         colour, style = MARK_STYLE.get(m.label, ("black", "-"))
@@ -84,9 +94,8 @@ def heatmap(scores: pl.DataFrame, order: Sequence[str], marks: Sequence[Mark] = 
     norm = BoundaryNorm(Z_LEVELS, cmap.N)
     im = ax.imshow(grid, aspect="auto", interpolation="nearest", cmap=cmap, norm=norm,
                    extent=(steps[0] - 0.5, steps[-1] + 0.5, len(order) - 0.5, -0.5))
-    ax.set_yticks(range(len(order)), row_labels(order, kinds), fontsize=8)
+    _set_rows(ax, order, kinds)
     ax.set_xlabel("optimizer step")
-    ax.set_ylabel("component (forward order)")
     ax.set_title(title)
     _draw_marks(ax, marks)
     if marks:
@@ -178,9 +187,8 @@ def condition_map(alarms: pl.DataFrame, order: Sequence[str], last_step: int,
     palette = ListedColormap(plt.get_cmap("tab10").colors[: max(1, len(conditions))]).with_extremes(bad="#f4f4f4")
     ax.imshow(grid, aspect="auto", interpolation="nearest", cmap=palette, vmin=-0.5,
               vmax=max(1, len(conditions)) - 0.5, extent=(0.5, last_step + 0.5, len(order) - 0.5, -0.5))
-    ax.set_yticks(range(len(order)), row_labels(order, kinds), fontsize=8)
+    _set_rows(ax, order, kinds)
     ax.set_xlabel("optimizer step")
-    ax.set_ylabel("component (forward order)")
     ax.set_title("Alarmed components by condition (onset to last alarming step)")
     handles = [plt.Rectangle((0, 0), 1, 1, color=palette(i)) for i in range(len(conditions))]
     _draw_marks(ax, marks)

@@ -17,7 +17,6 @@ import threading
 import time
 import uuid
 import warnings
-from dataclasses import dataclass
 from types import FrameType, TracebackType
 from typing import Any
 
@@ -26,25 +25,14 @@ import torch
 from torch import nn
 
 from . import schema
-from .components import assign_parents, component_rows, discover, resolve_heads
+from .components import assign_parents, discover, resolve_heads
 from .probes import ForwardProbe, ParamProbe
-from .writer import Segment, TraceWriter
+from .steprows import StepBuffer, StepRecord
+from .writer import TraceWriter
 
 _PARAM_METRICS = ("grad_norm_l2", "grad_nonfinite_count", "weight_norm_l2", "update_norm_l2",
                   "update_ratio", "update_cos", "weight_drift_l2")
 _METRIC_POS = {m: i for i, m in enumerate(schema.HEALTH_METRICS)}
-
-
-@dataclass
-class _StepRecord:
-    step: int
-    stats: torch.Tensor                 # (C, M) float64 on the model's device
-    valid: np.ndarray                   # (C, M) bool
-    grad_total: torch.Tensor | None
-    wall_time_s: float
-    step_time_s: float
-    micro_batches: int
-    lr: float | torch.Tensor | None
 
 
 class Recorder:
@@ -74,14 +62,10 @@ class Recorder:
         self.step_count = start_step
         self._first_step = start_step + 1
         self._static_valid = self._structural_validity()
-        self._records: list[_StepRecord] = []
-        self._logs: dict[int, dict[str, list[Any]]] = {}
-        self._batches: dict[int, list[Any]] = {}
-        self._events: list[dict[str, Any]] = []
+        self.buffer = StepBuffer(self.components)
         self._in_step = False
         self._micro_batches = 0
         self._order = 0
-        self._components_written = False
         self._probe_dropped = 0
         self._warned = False
         self._errors_seen = 0
@@ -117,17 +101,13 @@ class Recorder:
         """Step-level scalars (`loss=...`, anything else goes to `scalars`); tensors are not synced."""
         if self._closed:
             return
-        slot = self._logs.setdefault(self._target_step(), {})
-        for name, value in values.items():
-            v = value.detach() if isinstance(value, torch.Tensor) else value
-            slot.setdefault(name, []).append(v)
+        self.buffer.log(self._target_step(), values)
 
     def batch(self, ids: Any) -> None:
         """The sample ids (or batch indices) this step consumed: a list or tensor of ints."""
         if self._closed:
             return
-        ids = ids.detach() if isinstance(ids, torch.Tensor) else ids
-        self._batches.setdefault(self._target_step(), []).append(ids)
+        self.buffer.batch(self._target_step(), ids)
 
     def checkpoint(self, path: str | os.PathLike[str]) -> None:
         """Record that a checkpoint holding the weights after `step_count` steps was saved."""
@@ -227,7 +207,7 @@ class Recorder:
         try:
             if self.step_count == self._first_step:
                 self._settle_components()
-            self._records.append(self._step_record(now))
+            self.buffer.records.append(self._step_record(now))
         except Exception as exc:
             self._probe_failed(exc)
             self.writer.record_failure(f"step {self.step_count} not recorded", 1)
@@ -235,11 +215,12 @@ class Recorder:
             self.fwd.reset()
             self._in_step, self._micro_batches, self._last_step_time = False, 0, now
         self._check_writer()
-        if len(self._records) > self.flush_every_steps or (
-                len(self._records) > 1 and now - self._last_flush >= self.flush_every_s):
+        pending = len(self.buffer.records)
+        if pending > self.flush_every_steps or (
+                pending > 1 and now - self._last_flush >= self.flush_every_s):
             self._flush(final=False)
 
-    def _step_record(self, now: float) -> _StepRecord:
+    def _step_record(self, now: float) -> StepRecord:
         grad_total = self.params.total_grad_norm
         self.fwd.settle(True)  # outputs still held: no gradients were seen this step
         pcols, pvalid = self.params.end()
@@ -253,7 +234,7 @@ class Recorder:
         for j, m in enumerate(_PARAM_METRICS):
             valid[:, _METRIC_POS[m]] = pvalid[:, j]
         lr = self.optimizer.param_groups[0].get("lr") if self.optimizer else None
-        return _StepRecord(self.step_count, stats, valid, grad_total, now,
+        return StepRecord(self.step_count, stats, valid, grad_total, now,
                            now - self._last_step_time, self._micro_batches,
                            lr.detach().clone() if isinstance(lr, torch.Tensor) else lr)
 
@@ -287,8 +268,8 @@ class Recorder:
             else self.step_count
 
     def _event(self, kind: str, path: str | None = None, detail: str | None = None) -> None:
-        self._events.append({"step": self.step_count, "wall_time_s": time.time(), "kind": kind,
-                             "path": path, "detail": detail})
+        self.buffer.events.append({"step": self.step_count, "wall_time_s": time.time(),
+                                   "kind": kind, "path": path, "detail": detail})
 
     def _warn_once(self, message: str) -> None:
         self._event("warning", detail=message)
@@ -314,49 +295,11 @@ class Recorder:
     def _flush(self, final: bool) -> None:
         """Hand the finished steps (all of them when `final`) to the writer as one segment."""
         try:
-            recs = self._records if final else self._records[:-1]
-            self._records = [] if final else self._records[-1:]
             self._last_flush = time.time()
             self.params.refresh()
-            self.writer.submit(self._segment(recs))
+            self.writer.submit(self.buffer.take_segment(final))
         except Exception as exc:
             self._probe_failed(exc)
-
-    def _segment(self, recs: list[_StepRecord]) -> Segment:
-        steps = [r.step for r in recs]
-        n_c, n_m = len(self.components), len(schema.HEALTH_METRICS)
-        if recs:
-            stats = torch.stack([r.stats for r in recs]).cpu().numpy()  # the only sync: every K steps
-            valid = np.stack([r.valid for r in recs])
-        else:
-            stats, valid = np.zeros((0, n_c, n_m)), np.zeros((0, n_c, n_m), dtype=bool)
-        tables = {"steps": self._step_rows(recs), "scalars": self._scalar_rows(steps),
-                  "events": _columns(self._events, schema.EVENT_COLUMNS)}
-        self._events = []
-        if not self._components_written:
-            tables["components"] = component_rows(self.components)
-            self._components_written = True
-        return Segment(np.asarray(steps, dtype=np.int64), [c.name for c in self.components],
-                       stats, valid, tables)
-
-    def _step_rows(self, recs: list[_StepRecord]) -> dict[str, list[Any]]:
-        loss = [_mean(self._logs.get(r.step, {}).get("loss")) for r in recs]
-        totals = _floats([r.grad_total for r in recs])
-        return {"step": [r.step for r in recs], "wall_time_s": [r.wall_time_s for r in recs],
-                "step_time_s": [r.step_time_s for r in recs], "loss": loss,
-                "lr": _floats([r.lr for r in recs]), "grad_norm_total_l2": totals,
-                "micro_batches": [r.micro_batches for r in recs],
-                "batch_ids": [_ids(self._batches.pop(r.step, None)) for r in recs]}
-
-    def _scalar_rows(self, steps: list[int]) -> dict[str, list[Any]]:
-        rows: dict[str, list[Any]] = {"step": [], "name": [], "value": []}
-        for s in steps:
-            for name, values in self._logs.pop(s, {}).items():
-                if name != "loss":
-                    rows["step"].append(s)
-                    rows["name"].append(name)
-                    rows["value"].append(_mean(values))
-        return rows
 
     # --- process life -----------------------------------------------------------------------
 
@@ -395,38 +338,6 @@ def _rank_and_world(rank: int | None, world_size: int | None) -> tuple[int, int]
     if world_size is None:
         world_size = dist.get_world_size() if initialised else 1
     return rank, world_size
-
-
-def _floats(values: list[Any]) -> list[float | None]:
-    """Python floats from a mix of numbers, tensors and None, with one device copy for tensors."""
-    tensors = [(i, v) for i, v in enumerate(values) if isinstance(v, torch.Tensor)]
-    out: list[float | None] = [None if v is None or isinstance(v, torch.Tensor) else float(v)
-                               for v in values]
-    if tensors:
-        host = torch.stack([v.float().mean().cpu() for _, v in tensors]).tolist()
-        for (i, _), x in zip(tensors, host, strict=True):
-            out[i] = x
-    return out
-
-
-def _mean(values: list[Any] | None) -> float | None:
-    if not values:
-        return None
-    xs = [x for x in _floats(values) if x is not None]
-    return sum(xs) / len(xs) if xs else None
-
-
-def _ids(chunks: list[Any] | None) -> list[int] | None:
-    if not chunks:
-        return None
-    out: list[int] = []
-    for c in chunks:
-        out += c.reshape(-1).tolist() if isinstance(c, torch.Tensor) else [int(i) for i in c]
-    return out
-
-
-def _columns(rows: list[dict[str, Any]], columns: tuple[schema.Column, ...]) -> dict[str, list[Any]]:
-    return {c.name: [r.get(c.name) for r in rows] for c in columns}
 
 
 def watch(model: nn.Module, optimizer: torch.optim.Optimizer | str | os.PathLike[str] | None = None,

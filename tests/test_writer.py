@@ -180,3 +180,14 @@ def test_trace_format_doc_is_generated_from_the_schema() -> None:
     for table, columns in schema.COLUMNS.items():
         assert all(f"| `{c.name}` |" in doc for c in columns), table
     assert all(f"| `{k}` |" in doc for k in schema.MANIFEST_KEYS + schema.INCARNATION_KEYS)
+
+
+def test_an_exception_in_the_loop_is_recorded_as_the_stop_reason(tmp_path: Path) -> None:
+    model = zoo.mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    with pytest.raises(KeyError), watch(model, opt, tmp_path):
+        model(torch.randn(4, 32)).sum().backward()
+        opt.step()
+        raise KeyError("data loader failed")
+    assert query(tmp_path, "select step, detail from events where kind = 'stop'") == [(1, "exception")]
+    assert json.loads(schema.manifest_path(tmp_path, 0).read_text())["incarnations"][0]["status"] == "exception"

@@ -71,7 +71,7 @@ _NOTES = """\
 - **Nulls** mean "not applicable": parameter metrics for activations, saturation for unbounded
   components, prediction metrics for non-heads, update cosine and drift on an incarnation's
   first step, output metrics for a component not called in a step. NaN means the value itself
-  was not finite.
+  was not finite (or undefined: `update_cos` when either update is exactly zero).
 
 ## Durability
 

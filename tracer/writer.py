@@ -100,8 +100,11 @@ class TraceWriter:
         self.dropped_steps = 0
         self.errors: list[str] = []
         self._seq = 0
-        self._queue: queue.Queue[Segment | None] = queue.Queue(maxsize=queue_size)
-        self._lock = threading.Lock()
+        # SimpleQueue and RLock are safe to re-enter from the SIGTERM handler, which may interrupt
+        # the training thread inside submit() or record_failure(); the bound is kept by hand
+        self._queue: queue.SimpleQueue[Segment | None] = queue.SimpleQueue()
+        self._queue_size = queue_size
+        self._lock = threading.RLock()
         self.manifest = self._load_manifest(run_id, world_size, model_class, config)
         self._entry: dict[str, object] = {
             "incarnation": self.incarnation, "started_at": time.time(), "ended_at": None,
@@ -127,12 +130,12 @@ class TraceWriter:
 
     def submit(self, seg: Segment) -> bool:
         """Queue a segment for writing; False (and its steps counted as dropped) if the queue is full."""
-        try:
-            self._queue.put_nowait(seg)
-            return True
-        except queue.Full:
-            self.record_failure(f"writer queue full: dropped steps {seg.steps[0]}..{seg.steps[-1]}", len(seg.steps))
+        if self._queue.qsize() >= self._queue_size:
+            self.record_failure(f"writer queue full ({self._queue_size} segments): dropped "
+                                f"{len(seg.steps)} steps", len(seg.steps))
             return False
+        self._queue.put(seg)
+        return True
 
     def close(self, status: str, timeout_s: float = 60.0) -> None:
         """Write everything queued, then the final manifest; waits at most `timeout_s`."""

@@ -88,7 +88,7 @@ class BaselineConfig:
     window: int = 64      # steps in the baseline window
     lag: int = 3          # the window ends this many steps before the step judged
     min_samples: int = 32  # no verdict (no alarm) until this many finite past values
-    onset_z: float = 2.0  # onset walk-back: a step departs while |z| against the alarm's baseline exceeds this
+    onset_z: float = 3.0  # onset walk-back: a step departs while |z| against the alarm's baseline exceeds this
     episode_gap: int = 10  # hits further apart than this start a new alarm
 
     def __post_init__(self) -> None:
@@ -130,7 +130,9 @@ CONDITIONS: tuple[Condition, ...] = (
               persistence=3, ceiling=0.2, precedence=3),
     Condition("losing_confidence", "predictions flatten",
               "head entropy up, max probability down",
-              (Rule("pred_entropy_nats", UP, z=3.0, delta=0.3, roles=("head",)),
+              # Entropy is bounded by ln(classes): near uniform its z stays small, so the
+              # absolute rise (nats) carries the decision.
+              (Rule("pred_entropy_nats", UP, z=2.0, delta=0.25, roles=("head",)),
                Rule("pred_maxprob", DOWN, z=3.0, delta=0.1, roles=("head",))),
               persistence=5, ceiling=0.2, precedence=4),
     Condition("oscillating", "updates flip back and forth",

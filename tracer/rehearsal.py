@@ -198,7 +198,7 @@ def _scenarios() -> dict[str, Scenario]:
             Scenario(f"{model}_frozen", model,
                      drills=lambda mid=mid: [FreezeModule(mid, 150)]),
             Scenario(f"{model}_head_shrink", model,
-                     drills=lambda head=head: [WeightShrink(head, 150, rate=0.08, duration=50)]),
+                     drills=lambda head=head: [WeightShrink(head, 150, rate=0.1, duration=40)]),
             Scenario(f"{model}_vanishing_gradient", model,
                      drills=lambda mid=mid: [GradientAttenuation(mid, 150)]),
             Scenario(f"{model}_bias_shift", model,

@@ -111,7 +111,7 @@ def test_head_prediction_entropy_and_confidence(tmp_path: Path) -> None:
 def test_activation_statistics_match_the_output(tmp_path: Path) -> None:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(6, 5), nn.ReLU())
-    x = torch.randn(16, 6)  # 16 rows <= 64 sampled rows: every value is in the sample
+    x = torch.randn(16, 6)  # 16 rows = the 16 sampled rows: every value is in the sample
     with torch.no_grad():
         out = model(x)
     with watch(model, path=tmp_path) as rec:

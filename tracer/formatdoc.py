@@ -48,10 +48,10 @@ _NOTES = """\
   gradients are enabled: `model.eval()` and `torch.no_grad()` passes are not part of any step.
 - **Subsample.** `out_*` statistics (except `out_nonfinite_count`) come from the *first* training
   forward of the step (the first micro-batch under gradient accumulation), on up to
-  `sample_size` (default 64) evenly strided rows of the output viewed as (rows, units): units
+  `sample_size` (default 16) evenly strided rows of the output viewed as (rows, units): units
   are the last dimension, or the channel dimension for convolution/batch-norm outputs and 4-D
-  or 5-D outputs (of which at most 8 images are sampled). Wide outputs get fewer rows: at most
-  8192 values per component, never fewer than 16 rows.
+  or 5-D outputs (of which at most 8 images are sampled). Very wide outputs get fewer rows: at
+  most 65536 values per component, never fewer than 4 rows.
 - **Non-finite counts** cover the whole output of every micro-batch. On CPU the outputs are
   held until `optimizer.step()` and counted only if the gradients are not all finite (a full
   pass over every output costs more than the rest of the recorder); a non-finite output that

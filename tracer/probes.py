@@ -18,8 +18,8 @@ from .components import SAT_RANGES, Component
 
 DEAD_EPS = 1e-6      # |output| at or below this counts as "no response" for the dead fraction
 _MAX_IMAGES = 8      # channel-first outputs: images taken before striding over positions
-_MAX_VALUES = 8192   # sampled values per component and step: wide outputs get fewer rows ...
-_MIN_ROWS = 16       # ... but never fewer than this (a unit is "dead" only if all rows are ~0)
+_MAX_VALUES = 65536  # sampled values per component and step: very wide outputs get fewer rows ...
+_MIN_ROWS = 4        # ... but never fewer than this (a unit is "dead" only if all rows are ~0)
 
 
 def first_tensor(out: object) -> torch.Tensor | None:
@@ -39,8 +39,18 @@ def first_tensor(out: object) -> torch.Tensor | None:
 
 
 def subsample(t: torch.Tensor, rows: int, channel_first: bool) -> torch.Tensor:
-    """An (r, units) copy of r <= `rows` evenly strided rows of `t` viewed as (rows, units)."""
-    t = t.detach()
+    """An (r, units) copy of r <= `rows` evenly strided rows of `t` viewed as (rows, units).
+
+    `t` must be detached. Each op here costs ~10-20 us inside a forward pass (cold caches), far
+    more than its arithmetic, so the usual case (a contiguous output, units last) is one strided
+    view and one copy.
+    """
+    if t.dim() >= 2 and t.is_contiguous() and not (t.dim() >= 4 or (channel_first and t.dim() == 3)):
+        units = t.shape[-1]
+        n = t.numel() // units
+        r = min(rows, max(_MIN_ROWS, _MAX_VALUES // units), n)
+        step = max(1, n // r)
+        return t.as_strided((r, units), (step * units, 1)).clone()
     if t.dim() < 2:
         t = t.reshape(1, -1)
     if t.dim() >= 4 or (channel_first and t.dim() == 3):
@@ -261,11 +271,6 @@ class ParamProbe:
     def _weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         return self._sketch(), self._comp_norms(self._flat, self.param_comp)
 
-    def _per_comp(self, coords: torch.Tensor) -> torch.Tensor:
-        """Estimated per-component L2 norm of a sketched vector (sum of scaled squares)."""
-        sq = torch.zeros(self.n, device=self.device).index_add_(0, self.coord_comp, self.scale * coords)
-        return sq.clamp_min(0).sqrt()
-
     def begin(self) -> None:
         """First training forward of a step: remember the weights as the step found them."""
         if self.params:
@@ -321,22 +326,23 @@ class ParamProbe:
         cols["weight_norm_l2"] = wnorm
         valid[:, 2] = self.is_param
         if self._fwd is not None:
-            update = sketch - self._fwd[0]
-            unorm = self._per_comp(update * update)
+            fwd_sketch, fwd_norm = self._fwd
+            update = sketch - fwd_sketch
+            prev = self._prev_update if self._prev_update is not None else update
+            drift = fwd_sketch - (self._prev_end[0] if self._prev_end is not None else fwd_sketch)
+            # the four per-component sums of scaled sketch products in one segment reduction
+            terms = torch.stack([update * update, update * prev, prev * prev, drift * drift])
+            sums = torch.zeros(4, n, device=self.device).index_add_(1, self.coord_comp, terms * self.scale)
+            unorm = sums[0].sqrt()
             cols["update_norm_l2"], cols["update_ratio"] = unorm, unorm / wnorm
             valid[:, 3:5] = self.is_param[:, None]
             if self._prev_update is not None:
-                prev = self._prev_update
-                dot = torch.zeros(n, device=self.device).index_add_(
-                    0, self.coord_comp, self.scale * update * prev)
-                cols["update_cos"] = dot / (unorm * self._per_comp(prev * prev))
+                cols["update_cos"] = sums[1] / (unorm * sums[2].sqrt())
                 valid[:, 5] = self.is_param
-            self._prev_update = update
             if self._prev_end is not None:
-                d = self._fwd[0] - self._prev_end[0]
-                cols["weight_drift_l2"] = torch.maximum(self._per_comp(d * d),
-                                                        (self._fwd[1] - self._prev_end[1]).abs())
+                cols["weight_drift_l2"] = torch.maximum(sums[3].sqrt(), (fwd_norm - self._prev_end[1]).abs())
                 valid[:, 6] = self.is_param
+            self._prev_update = update
         self._prev_end = (sketch, wnorm)
         self.begun, self._fwd, self.grad_cols = False, None, {}
         self.has_grad = np.zeros(n, dtype=bool)

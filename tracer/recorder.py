@@ -41,7 +41,7 @@ class Recorder:
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None,
                  path: str | os.PathLike[str], *, rank: int | None = None,
                  world_size: int | None = None, heads: list[str] | None = None,
-                 sample_size: int = 64, sketch_size: int = 256, flush_every_steps: int = 100,
+                 sample_size: int = 16, sketch_size: int = 256, flush_every_steps: int = 100,
                  flush_every_s: float = 30.0, start_step: int = 0, run_id: str | None = None,
                  config: dict[str, Any] | None = None) -> None:
         if sample_size < 1 or sketch_size < 1 or flush_every_steps < 1 or flush_every_s <= 0:

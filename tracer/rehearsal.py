@@ -128,12 +128,7 @@ def rehearse(scenario: str | Scenario, trace_dir: str | Path, *, seed: int = 0,
     ckpt_dir = Path(checkpoint_dir) if checkpoint_dir is not None else None
     if ckpt_dir is not None:
         ckpt_dir.mkdir(parents=True, exist_ok=True)
-    model, head = build_model(sc, seed)
-    optimizer = _optimizer(sc, model)
-    if resume_from is not None:
-        state = torch.load(resume_from, weights_only=True)
-        model.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
+    model, head, optimizer = _start(sc, seed, resume_from)
     active = list(drills) if drills is not None else sc.drills()
     for d in active:
         d.attach(model, optimizer)
@@ -146,23 +141,41 @@ def rehearse(scenario: str | Scenario, trace_dir: str | Path, *, seed: int = 0,
                    rank=rank, world_size=world_size) as rec:
             for step in range(start_step + 1, n_steps + 1):
                 ids, x, y = next(data)
-                for d in active:
-                    d.before_step(step, model, optimizer)
-                    x, y = d.corrupt_batch(step, x, y)
-                logits = model(x)  # (B, C) or (B, T, vocab)
-                loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
-                optimizer.zero_grad(set_to_none=True)
-                loss.backward()
-                optimizer.step()
-                rec.log(loss=loss.detach())
+                losses.append(_train_step(step, model, optimizer, active, x, y))
+                rec.log(loss=losses[-1])
                 rec.batch(ids)
-                losses.append(loss.item())
                 if checkpoint_every and step % checkpoint_every == 0:
                     _checkpoint(rec, model, optimizer, step, ckpt_dir, trace_dir)
     finally:
         for d in active:
             d.detach()
     return _write_truth(trace_dir, sc, seed, n_steps, active, losses)
+
+
+def _start(sc: Scenario, seed: int, resume_from: str | Path | None
+           ) -> tuple[nn.Module, str, torch.optim.Optimizer]:
+    """The model, its head's name and the optimizer: fresh, or restored from a checkpoint."""
+    model, head = build_model(sc, seed)
+    optimizer = _optimizer(sc, model)
+    if resume_from is not None:
+        state = torch.load(resume_from, weights_only=True)
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+    return model, head, optimizer
+
+
+def _train_step(step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
+                drills: Sequence[Drill], x: torch.Tensor, y: torch.Tensor) -> float:
+    """One optimizer step with the drills applied; the loss."""
+    for d in drills:
+        d.before_step(step, model, optimizer)
+        x, y = d.corrupt_batch(step, x, y)
+    logits = model(x)  # (B, C) or (B, T, vocab)
+    loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    optimizer.step()
+    return loss.item()
 
 
 def _write_truth(trace_dir: Path, sc: Scenario, seed: int, n_steps: int,

@@ -7,6 +7,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+import typer
 from rehearsed import trace
 from typer.testing import CliRunner
 from warninglight.cli.main import app
@@ -128,10 +129,14 @@ def test_info_replay_rollback_conditions() -> None:
         assert name in table
 
 
-@pytest.mark.parametrize("command", MINE)
-def test_every_command_has_help(command: str) -> None:
-    r = run(command, "--help")
-    assert r.exit_code == 0
-    doc = app.registered_commands
-    cmd = next(c for c in doc if c.name == command)
-    assert cmd.callback.__doc__ and cmd.callback.__doc__.split("\n")[0] in " ".join(r.stdout.split())
+def test_every_command_and_option_has_help() -> None:
+    group = typer.main.get_command(app)
+    assert set(MINE) <= set(group.commands)
+    for name, cmd in group.commands.items():
+        r = run(name, "--help")
+        assert r.exit_code == 0, name
+        assert cmd.help and cmd.help.split("\n")[0] in " ".join(r.stdout.split()), f"{name} has no help"
+        for param in cmd.params:
+            assert getattr(param, "help", None), f"{name} {param.name} has no help text"
+    top = run("--help").stdout
+    assert all(name in top for name in group.commands)

@@ -115,6 +115,7 @@ def baseline_band(frame: pl.DataFrame, component: str, metric: str,
                     color="#1f77b4", alpha=0.18, step="mid", label="baseline band")
     ax.plot(step, frame["median"].to_numpy(), color="#1f77b4", linewidth=1, label="baseline median")
     ax.plot(step, frame["value"].to_numpy(), color="black", linewidth=0.9, label=metric)
+    _mark_nonfinite(ax, step, frame["value"])
     _draw_marks(ax, marks)
     _maybe_log(ax, frame["value"])
     _fit_to_values(ax, frame["value"])
@@ -131,6 +132,15 @@ def _maybe_log(ax: plt.Axes, values: pl.Series) -> None:
     v = v[np.isfinite(v)]
     if len(v) and v.min() > 0 and v.max() / v.min() > 100:
         ax.set_yscale("log")
+
+
+def _mark_nonfinite(ax: plt.Axes, step: np.ndarray, values: pl.Series) -> None:
+    """A rug along the top of the axes where the value is NaN or Inf (a line plot just stops there)."""
+    v = values.cast(pl.Float64).to_numpy()  # nulls (not recorded) become NaN too; keep only real ones
+    bad = ~np.isfinite(v) & ~values.is_null().to_numpy()
+    if bad.any():
+        ax.plot(step[bad], np.full(bad.sum(), 0.97), "|", color="#d62728", markersize=9,
+                transform=ax.get_xaxis_transform(), label=f"NaN/Inf ({bad.sum()} steps)")
 
 
 def _fit_to_values(ax: plt.Axes, values: pl.Series) -> None:
@@ -157,6 +167,7 @@ def loss_and_grad(steps: pl.DataFrame, marks: Sequence[Mark] = (), never: Sequen
     for ax, col, label in ((ax_loss, "loss", "loss"), (ax_grad, "grad_norm_total_l2", "total grad norm (L2)")):
         if col in steps.columns and steps[col].null_count() < len(steps):
             ax.plot(step, steps[col].cast(pl.Float64).to_numpy(), color="black", linewidth=0.8)
+            _mark_nonfinite(ax, step, steps[col])
             _maybe_log(ax, steps[col].cast(pl.Float64))
         else:
             ax.text(0.5, 0.5, f"no {col} recorded", transform=ax.transAxes, ha="center")

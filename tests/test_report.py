@@ -85,3 +85,14 @@ def test_components_in_forward_order_and_short_names() -> None:
     assert plots.short_name(long) == "…" + long[-(plots.MAX_LABEL - 1):]
     assert len(plots.short_name(long)) == plots.MAX_LABEL
     assert plots.short_name("") == "(root)"
+
+
+def test_nonfinite_values_are_marked_not_dropped() -> None:
+    steps = pl.DataFrame({"step": [1, 2, 3, 4], "loss": [2.0, 1.9, float("nan"), float("inf")],
+                          "grad_norm_total_l2": [1.0, None, 1.1, 1.2]})
+    fig = plots.loss_and_grad(steps, [plots.Mark("alarm", 3)], never=["loss-spike rule"])
+    labels = fig.axes[0].get_legend_handles_labels()[1]
+    assert sorted(labels) == ["NaN/Inf (2 steps)", "alarm @ 3", "loss-spike rule: never fired"]
+    # a missing gradient norm (null: not recorded) is not a non-finite value
+    assert not any("NaN/Inf" in t for t in fig.axes[1].get_legend_handles_labels()[1])
+    plots.png_bytes(fig)

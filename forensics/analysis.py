@@ -78,10 +78,10 @@ def _root_dict(root: dict[str, Any] | None, located: pl.DataFrame, ranks: int) -
 
 
 def _step_series(trace: Trace, column: str) -> tuple[np.ndarray, np.ndarray]:
+    # Steps where nothing was logged are left out: a missing loss is not a NaN loss.
     rows = trace.con.execute(
-        f"SELECT step, avg({column}) FROM steps GROUP BY step ORDER BY step").fetchall()
-    steps = np.array([r[0] for r in rows], dtype=np.int64)
-    return steps, np.array([np.nan if r[1] is None else r[1] for r in rows], dtype=np.float64)
+        f"SELECT step, avg({column}) AS v FROM steps GROUP BY step HAVING v IS NOT NULL ORDER BY step").fetchall()
+    return np.array([r[0] for r in rows], dtype=np.int64), np.array([r[1] for r in rows], dtype=np.float64)
 
 
 def comparators(trace: Trace, onset: int | None) -> dict[str, Any]:

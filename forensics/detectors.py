@@ -38,8 +38,7 @@ def loss_spikes(steps: np.ndarray, loss: np.ndarray, rule: LossSpikeRule = LossS
     fired = []
     for i in range(len(loss)):
         if not math.isfinite(loss[i]):
-            if not np.isnan(loss[i]) or i >= rule.min_history:
-                fired.append(int(steps[i]))
+            fired.append(int(steps[i]))
             continue
         past = loss[max(0, i - rule.window):i]
         past = past[np.isfinite(past)]

@@ -56,3 +56,20 @@ def test_restart_is_analysed_on_its_effective_timeline(restarted) -> None:
     assert result.summary["incarnations"] == 2
     live = replay(restarted)
     assert live.alarms.is_empty()
+
+
+def test_comparator_rules_fire_where_they_should() -> None:
+    import numpy as np
+    from warninglight.forensics.detectors import grad_norm_spikes, loss_spikes
+
+    steps = np.arange(1, 301)
+    rng = np.random.default_rng(0)
+    loss = 2.0 - np.linspace(0, 1, 300) + 0.02 * rng.standard_normal(300)
+    assert loss_spikes(steps, loss) == []
+    loss[199] = 3.0                                   # step 200
+    loss[249] = np.nan                                # step 250
+    assert loss_spikes(steps, loss) == [200, 250]
+    norm = 1.0 + 0.01 * rng.standard_normal(300)
+    norm[149] = 5.0                                   # step 150
+    fired = grad_norm_spikes(steps, norm)
+    assert 150 in fired and all(s > 25 for s in fired)

@@ -29,6 +29,7 @@ TRACES = (
     "gpt_nan",                 # NaN from one module's forward output
     "cnn_corrupt_batches",     # a window of 20 corrupted input batches
     "mlp_saturation_gradual",  # a tanh's inputs scaled up over 30 steps until it saturates
+    "mlp_creeping_corruption", # one layer's weights grow 3% a step behind the optimizer for 150 steps
     "mlp_clean",
     "cnn_clean",
     "gpt_clean",

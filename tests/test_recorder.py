@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -143,20 +144,29 @@ def test_grad_scaler_norms_are_the_unscaled_ones(tmp_path: Path) -> None:
     assert scaled == pytest.approx(plain, rel=1e-6) and len(plain) == 3
 
 
-def test_hooks_keep_working_under_torch_compile(tmp_path: Path) -> None:
+@pytest.mark.parametrize("mode, fullgraph", [("eager", False), ("skip", True)])
+def test_torch_compile_is_recorded_or_named(mode: str, fullgraph: bool, tmp_path: Path) -> None:
+    torch._dynamo.reset()  # compiled code from another test's model must not be reused here
     torch.manual_seed(0)
     model = zoo.mlp()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    with watch(model, opt, tmp_path) as rec:
-        compiled = torch.compile(model, backend="eager")  # hooks registered before compiling
+    with warnings.catch_warnings(record=True) as caught, \
+            watch(model, opt, tmp_path, hooks_under_compile=mode) as rec:
+        warnings.simplefilter("always")
+        compiled = torch.compile(model, backend="eager", fullgraph=fullgraph)  # hooks came first
         for _, (_, xb, yb) in zip(range(3), zoo.batches(*zoo.teacher_classification(256), 32), strict=False):
             F.cross_entropy(compiled(xb), yb).backward()
             opt.step()
             opt.zero_grad()
     assert rec.step_count == 3
-    seen = read(tmp_path, "health", "select count(*) filter (where out_rms is not null), count(*) from t")
-    assert seen == [(21, 21)]  # 7 components x 3 steps, every forward hook fired
-    assert not [e for e in read(tmp_path, "events", "select kind from t") if e[0] == "warning"]
+    seen = read(tmp_path, "health", "select count(*) filter (where out_rms is not null), "
+                                    "count(*) filter (where grad_norm_l2 is not null) from t")
+    warned = [d for k, d in read(tmp_path, "events", "select kind, detail from t") if k == "warning"]
+    if mode == "eager":  # every forward hook fired, outside the graph
+        assert seen == [(21, 12)] and not warned
+    else:  # fullgraph compiles; forward stats are missing and said to be
+        assert seen == [(0, 12)] and "7 of 7 components" in warned[0]
+        assert any("torch.compile" in str(w.message) for w in caught)
 
 
 def test_unused_components_are_named_in_a_warning_event(tmp_path: Path) -> None:

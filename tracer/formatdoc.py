@@ -20,7 +20,7 @@ MANIFEST_DOCS: dict[str, str] = {
     "model_class": "class name of the recorded model",
     "versions": "versions of python, torch and warninglight that wrote the latest incarnation",
     "config": "recorder settings (sample_size, sketch_size, flush_every_steps, flush_every_s, "
-              "heads, start_step) and any extra keywords given to `watch`",
+              "heads, start_step, hooks_under_compile) and any extra keywords given to `watch`",
     "incarnations": "one entry per process that recorded into this directory (keys below)",
 }
 
@@ -44,6 +44,10 @@ _NOTES = """\
   is counted from 1 (`watch(..., start_step=N)` continues from N when resuming). `rec.log` and
   `rec.batch` belong to the step in progress if a training forward ran since the last step, else
   to the step just completed; `rec.checkpoint` records the steps completed so far.
+- **torch.compile.** By default forward hooks do nothing inside compiled code (no graph
+  break, `fullgraph=True` works) and a `warning` event names the components not seen;
+  `watch(..., hooks_under_compile="eager")` runs them outside the graph instead (full
+  statistics, one graph break per component). Gradient and weight metrics work either way.
 - **Training forwards only.** Hooks record only when the module is in training mode and
   gradients are enabled: `model.eval()` and `torch.no_grad()` passes are not part of any step.
 - **Subsample.** `out_*` statistics (except `out_nonfinite_count`) come from the *first* training

@@ -43,11 +43,15 @@ class Recorder:
                  world_size: int | None = None, heads: list[str] | None = None,
                  sample_size: int = 16, sketch_size: int = 256, flush_every_steps: int = 100,
                  flush_every_s: float = 30.0, start_step: int = 0, run_id: str | None = None,
+                 hooks_under_compile: str = "skip",
                  config: dict[str, Any] | None = None) -> None:
         if sample_size < 1 or sketch_size < 1 or flush_every_steps < 1 or flush_every_s <= 0:
             raise ValueError("sample_size, sketch_size and flush_every_steps must be >= 1 and "
                              f"flush_every_s > 0; got {sample_size}, {sketch_size}, "
                              f"{flush_every_steps}, {flush_every_s}")
+        if hooks_under_compile not in ("skip", "eager"):
+            raise ValueError(f"hooks_under_compile={hooks_under_compile!r}; expected 'skip' (record "
+                             "nothing inside torch.compile'd code) or 'eager' (graph breaks)")
         self.model, self.optimizer = model, optimizer
         self.rank, self.world_size = _rank_and_world(rank, world_size)
         self.components = discover(model)
@@ -73,13 +77,15 @@ class Recorder:
         self._last_step_time = self._last_flush = time.time()
         cfg = {"sample_size": sample_size, "sketch_size": sketch_size,
                "flush_every_steps": flush_every_steps, "flush_every_s": flush_every_s,
-               "heads": heads, "start_step": start_step, **(config or {})}
+               "heads": heads, "start_step": start_step,
+               "hooks_under_compile": hooks_under_compile, **(config or {})}
         self.writer = TraceWriter(path, self.rank, self.world_size, run_id or uuid.uuid4().hex[:12],
                                   type(model).__name__, cfg)
         self.incarnation = self.writer.incarnation
         self._event("start", detail=json.dumps(cfg, default=str))
         if self.incarnation > 1:
             self._event("restart", detail=f"incarnation {self.incarnation}")
+        self._eager_under_compile = hooks_under_compile == "eager"
         self._handles = self._install_hooks()
         self._prev_sigterm = self._install_sigterm()
         atexit.register(self._at_exit)
@@ -158,20 +164,17 @@ class Recorder:
     def _recording(self, module: nn.Module) -> bool:
         return not self._closed and module.training and torch.is_grad_enabled()
 
-    @torch.compiler.disable
     def _root_pre_hook(self, module: nn.Module, args: Any) -> None:
-        if self._recording(module):
+        if not torch.compiler.is_compiling() and self._recording(module):
             self._begin_step()
             if self.fwd.held:  # another micro-batch: judge the previous one by its gradients
                 self.fwd.settle(self.params.grads_suspect())
             self._micro_batches += 1
 
     def _make_hook(self, comp: Any) -> Any:
-        # run eagerly under torch.compile: dynamo would otherwise trace into the hook and break
-        # the graph at its Python side effects anyway, with a warning per module
-        @torch.compiler.disable
         def hook(module: nn.Module, args: Any, out: Any) -> None:
-            if not self._recording(module):
+            # traced by torch.compile: a no-op, so no graph break (fullgraph=True keeps working)
+            if torch.compiler.is_compiling() or not self._recording(module):
                 return
             try:
                 self._begin_step()
@@ -180,7 +183,8 @@ class Recorder:
                 self.fwd.observe(comp, out)
             except Exception as exc:  # a probe must never break the forward pass
                 self._probe_failed(exc)
-        return hook
+        # "eager": dynamo calls the hook outside the graph (a graph break per component)
+        return torch.compiler.disable(hook) if self._eager_under_compile else hook
 
     def _begin_step(self) -> None:
         if not self._in_step:
@@ -255,11 +259,13 @@ class Recorder:
         unseen = [c.name for c in self.components if c.forward_index is None]
         if unseen:
             msg = (f"forward hooks never fired in the first step for {len(unseen)} of "
-                   f"{len(self.components)} components (unused modules, or hidden by "
-                   f"torch.compile): {', '.join(unseen[:20])}")
-            self._event("warning", detail=msg)
+                   f"{len(self.components)} components (unused modules, or a torch.compile'd "
+                   "model: watch(..., hooks_under_compile='eager') records it at the cost of a "
+                   f"graph break per component): {', '.join(unseen[:20])}")
             if len(unseen) * 2 > len(self.components):
-                self._warn_once(msg)
+                self._warn_once(msg)  # also records the event
+            else:
+                self._event("warning", detail=msg)
 
     # --- step attribution, events, failures --------------------------------------------------
 
@@ -346,13 +352,17 @@ def watch(model: nn.Module, optimizer: torch.optim.Optimizer | str | os.PathLike
 
     Keyword options: rank, world_size, heads, sample_size (rows subsampled per output),
     sketch_size (coordinates per parameter), flush_every_steps, flush_every_s, start_step (steps
-    already done when resuming), run_id; anything else is stored in the manifest's config.
+    already done when resuming), run_id, hooks_under_compile ("skip": forward hooks do nothing
+    inside torch.compile'd code, which is named in a warning event; "eager": they run outside
+    the graph, one graph break per component, incompatible with fullgraph=True); anything else
+    is stored in the manifest's config.
     """
     if isinstance(optimizer, (str, os.PathLike)):  # watch(model, "runs/x") without an optimizer
         optimizer, path = None, optimizer
     if path is None:
         raise ValueError("watch() needs a trace directory, e.g. watch(model, optimizer, 'runs/exp1')")
     known = {"rank", "world_size", "heads", "sample_size", "sketch_size", "flush_every_steps",
+             "hooks_under_compile",
              "flush_every_s", "start_step", "run_id"}
     kwargs = {k: v for k, v in options.items() if k in known}
     config = {k: v for k, v in options.items() if k not in known}

@@ -11,7 +11,7 @@ import html
 import json
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +34,6 @@ class ReportData:
     root_band: pl.DataFrame | None
     static: list[StaticAlarm]
     truth: dict[str, Any] | None = None
-    notes: list[str] = field(default_factory=list)
 
 
 def read_tables(trace: Path) -> tuple[pl.DataFrame, pl.DataFrame]:
@@ -227,49 +226,66 @@ def alarm_rows(result: Mapping[str, Any]) -> list[dict[str, Any]]:
     return [{header: a.get(key) for key, header in ALARM_HEADERS.items()} for a in alarms]
 
 
-def render_html(data: ReportData, images: Mapping[str, bytes]) -> str:
-    """The report as one HTML string with the PNGs inlined."""
-    r = data.result
+_CAPTIONS = {  # figure stem -> (heading, note under the image)
+    "heatmap": ("Where: every component at every step",
+                "Each cell: the largest |robust z| of any recorded metric of that component at that step, "
+                "against the component's own trailing baseline. Grey: no baseline yet (warm-up)."),
+    "root_metric": ("The root component against its baseline", ""),
+    "loss": ("When: the light against the loss and gradient-norm rules",
+             "Vertical lines: the fault's onset and our alarm, the comparators' first firing at or after "
+             "the onset, and the checkpoint each rollback would resume from."),
+    "conditions": ("What: conditions by component", ""),
+}
+_ROLLBACK_HEADERS = {"choice": "choice", "alarm_step": "alarm step", "checkpoint_step": "resume from step",
+                     "checkpoint_path": "checkpoint", "steps_discarded": "steps discarded",
+                     "skip_steps": "skip steps", "skip_batches": "skip batches", "contaminated": "holds the damage"}
+
+
+def _header(data: ReportData) -> list[str]:
+    r, root = data.result, data.result.get("root") or {}
     line = summary_line(r)
-    css_class = "verdict" if line.startswith("ALARM") else "verdict clean"
-    rb = dict(r.get("rollback") or {})
-    naive = rb.pop("naive", None) or {}
     parts = [f"<!doctype html><html><head><meta charset='utf-8'><title>Warning Light — {html.escape(data.trace.name)}</title>",
              f"<style>{_CSS}</style></head><body>",
              f"<h1>Warning Light report: <code>{html.escape(str(data.trace))}</code></h1>",
-             f"<p class='{css_class}'>{html.escape(line)}</p>"]
-    evidence = (r.get("root") or {}).get("evidence")
-    if evidence:
-        observed = (r.get("root") or {}).get("observed_on")
-        parts.append(f"<p><b>Why this component:</b> {html.escape(evidence)}"
-                     + (f" (first seen on <code>{html.escape(observed)}</code>)" if observed else "") + "</p>")
+             f"<p class='{'verdict' if line.startswith('ALARM') else 'verdict clean'}'>{html.escape(line)}</p>"]
+    if root.get("evidence"):
+        seen = f" (first seen on <code>{html.escape(root['observed_on'])}</code>)" if root.get("observed_on") else ""
+        parts.append(f"<p><b>Why this component:</b> {html.escape(root['evidence'])}{seen}</p>")
     if (r.get("rollback") or {}).get("note"):
         parts.append(f"<p><b>Rollback:</b> {html.escape(r['rollback']['note'])}</p>")
     if data.truth:
         parts.append(f"<p><b>Answer key</b> (truth.json of this rehearsal): <code>{html.escape(json.dumps(data.truth))}</code></p>")
-    captions = {"heatmap": "Where: every component at every step", "root_metric": "The root component against its baseline",
-                "loss": "When: the light against the loss and gradient-norm rules", "conditions": "What: conditions by component"}
-    notes = {"heatmap": "Each cell: the largest |robust z| of any recorded metric of that component at that step, "
-                        "against the component's own trailing baseline. Grey: no baseline yet (warm-up).",
-             "loss": "Vertical lines: the fault's onset and our alarm, the comparators' first firing at or after "
-                     "the onset, and the checkpoint each rollback would resume from."}
+    return parts
+
+
+def _figures(images: Mapping[str, bytes]) -> list[str]:
+    parts = []
     for name, png in images.items():
-        parts.append(f"<h2>{captions.get(name, name)}</h2><img alt='{name}' src='{plots.data_uri(png)}'>")
-        if name in notes:
-            parts.append(f"<p><small>{html.escape(notes[name])}</small></p>")
-    parts.append("<h2>Rollback</h2>")
-    headers = {"choice": "choice", "alarm_step": "alarm step", "checkpoint_step": "resume from step",
-               "checkpoint_path": "checkpoint", "steps_discarded": "steps discarded",
-               "skip_steps": "skip steps", "skip_batches": "skip batches", "contaminated": "holds the damage"}
-    choices = [{"choice": "Warning Light", **rb, "alarm_step": (r.get("root") or {}).get("alarm_step")},
+        heading, note = _CAPTIONS.get(name, (name, ""))
+        parts.append(f"<h2>{html.escape(heading)}</h2><img alt='{name}' src='{plots.data_uri(png)}'>")
+        if note:
+            parts.append(f"<p><small>{html.escape(note)}</small></p>")
+    return parts
+
+
+def _rollback(result: Mapping[str, Any]) -> str:
+    rb = dict(result.get("rollback") or {})
+    naive = rb.pop("naive", None) or {}
+    choices = [{"choice": "Warning Light", **rb, "alarm_step": (result.get("root") or {}).get("alarm_step")},
                {"choice": "loss-only operator", **naive}]
-    parts.append(_table([{headers[k]: c.get(k) for k in headers} for c in choices], list(headers.values())))
-    parts.append("<h2>Detectors</h2>" + _table(_comparators(data), ["detector", "first alarm step", "names a component"]))
-    parts.append(f"<h2>Alarms ({len(r.get('alarms') or [])})</h2>" + _table(alarm_rows(r), list(ALARM_HEADERS.values())))
-    parts.append(f"<h2>Static-rule firings ({len(data.static)})</h2>"
-                 + _table([a.to_dict() for a in data.static], ["rule", "component", "step", "value", "steps_fired"]))
-    parts.extend(f"<p><i>{html.escape(n)}</i></p>" for n in data.notes)
-    parts.append("</body></html>")
+    rows = [{header: c.get(key) for key, header in _ROLLBACK_HEADERS.items()} for c in choices]
+    return "<h2>Rollback</h2>" + _table(rows, list(_ROLLBACK_HEADERS.values()))
+
+
+def render_html(data: ReportData, images: Mapping[str, bytes]) -> str:
+    """The report as one HTML string with the PNGs inlined."""
+    r = data.result
+    parts = [*_header(data), *_figures(images), _rollback(r),
+             "<h2>Detectors</h2>" + _table(_comparators(data), ["detector", "first alarm step", "names a component"]),
+             f"<h2>Alarms ({len(r.get('alarms') or [])})</h2>" + _table(alarm_rows(r), list(ALARM_HEADERS.values())),
+             f"<h2>Static-rule firings ({len(data.static)})</h2>"
+             + _table([a.to_dict() for a in data.static], ["rule", "component", "step", "value", "steps_fired"]),
+             "</body></html>"]
     return "\n".join(parts)
 
 

@@ -133,7 +133,8 @@ def alarms(found: pl.DataFrame, config: Config) -> pl.DataFrame:
     forward = pl.col("metric").str.starts_with("out_") | pl.col("metric").str.starts_with("pred_")
     strength = pl.when(pl.col("magnitude").is_null()).then(float("inf")).otherwise(pl.col("magnitude").abs())
     first = (found.join(ends.drop("last_step"), on=[*group, "step"])
-             .sort(forward, strength, descending=True).unique([*group, "episode"], keep="first"))
+             .sort(forward, strength, "metric", descending=[True, True, False])  # metric: ties, deterministic
+             .unique([*group, "episode"], keep="first", maintain_order=True))
     out = first.join(ends, on=[*group, "episode", "step"]).drop("episode")
     return out.select(list(ALARM_SCHEMA)).cast(ALARM_SCHEMA).sort("step", "rank", "component", "condition")
 

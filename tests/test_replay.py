@@ -10,7 +10,7 @@ from warninglight.tracer.rehearsal import rehearse
 KEYS = ["rank", "component", "condition", "step", "onset_step", "attributed_to", "metric"]
 
 
-@pytest.mark.parametrize("scenario", ["mlp_weight_corruption", "mlp_dying_layer", "mlp_nan",
+@pytest.mark.parametrize("scenario", ["mlp_weight_corruption", "mlp_dying_layer", "mlp_nan", "mlp_bitflip",
                                       "mlp_oscillating"])
 def test_replay_agrees_with_analyze(scenario: str) -> None:
     offline = analysed(scenario)

@@ -131,7 +131,7 @@ class ForwardProbe:
         is only held until the gradients exist: `settle` counts it if they are not finite.
         """
         t = first_tensor(out)
-        if t is None:
+        if t is None or t.numel() == 0:
             return
         t = t.detach()
         if t.device.type == "cpu":

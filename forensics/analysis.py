@@ -124,9 +124,11 @@ def analyze(trace_dir: str | Path, *, config: Config | str | Path | None = None,
                                 found["loss_spike_step"], last)
     finally:
         trace.close()
+    first_light = located.select(pl.col("step").min()).item() if root is not None else None
     for key, step in (("light_lead_over_loss_spike", found["loss_spike_step"]),
                       ("light_lead_over_grad_norm_spike", found["grad_norm_spike_step"])):
-        found[key] = None if root is None or step is None else step - root["step"]
+        found[key] = None if first_light is None or step is None else step - first_light
+    found["first_alarm_step"] = first_light
     return Analysis(Path(trace_dir), "fault" if root else "healthy",
                     _root_dict(root, located, summary["ranks"]), affected,
                     located.drop("drift", "signal", "forward_index"), rollback, found, scored, summary)

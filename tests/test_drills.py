@@ -134,7 +134,8 @@ def test_scenarios_cover_every_model_and_fault() -> None:
     faults = {(sc.model, d.fault) for sc in SCENARIOS.values() for d in sc.drills()}
     for model in ("mlp", "cnn", "gpt"):
         assert f"{model}_clean" in SCENARIOS
-        for fault in ("weight_corruption", "lr_spike", "nan_injection", "corrupt_batches", "frozen_module"):
+        for fault in ("weight_corruption", "lr_spike", "nan_injection", "corrupt_batches", "frozen_module",
+                      "bias_drift"):
             assert (model, fault) in faults
     conditions = {d.condition for sc in SCENARIOS.values() for d in sc.drills()}
     assert conditions == {"exploding", "dead", "saturated", "stagnant", "oscillating",

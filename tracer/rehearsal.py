@@ -217,9 +217,10 @@ def _scenarios() -> dict[str, Scenario]:
             Scenario(f"{model}_bias_shift", model,
                      drills=lambda mid=mid, off=1.0 if model == "mlp" else 0.5: [BiasShift(mid, 150, offset=off)]),
         ]
-        if model != "gpt":
-            s.append(Scenario(f"{model}_dying_layer", model,
-                              drills=lambda mid=mid: [BiasDrift(mid, 150, rate=0.05, duration=100)]))
+        # GELU needs a deeper push than ReLU before its outputs are ~0 (GELU(-6) ~ -6e-9).
+        s.append(Scenario(f"{model}_dying_layer", model,
+                          drills=lambda mid=mid, rate=0.2 if model == "gpt" else 0.05:
+                          [BiasDrift(mid, 150, rate=rate, duration=100)]))
     s += [
         Scenario("mlp_saturation", "mlp", activation="tanh",
                  drills=lambda: [PreActivationScale("3", 150, factor=30.0)]),

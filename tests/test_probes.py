@@ -85,10 +85,12 @@ def test_weight_drift_is_nonzero_exactly_after_an_outside_write(tmp_path: Path) 
                     model[2].weight.mul_(1.5)         # a whole layer rescaled
                 if step == 8:
                     model[4].weight[7, 9] += 0.5      # one element, almost surely off-sketch
+                if step == 11:  # a hardware-style fault: the top exponent bit of one weight flips
+                    model[0].weight.view(torch.int32)[5, 17] ^= 1 << 30
     drift = health(tmp_path, "weight_drift_l2")
     assert drift[(1, "2")] is None  # nothing to compare the first step with
     touched = {(s, c) for (s, c), v in drift.items() if v}
-    assert touched == {(5, "2"), (9, "4")}
+    assert touched == {(5, "2"), (9, "4"), (12, "0")}
     assert drift[(5, "2")] > 0.3 * float(model[2].weight.detach().norm()) / 1.5
     assert drift[(9, "4")] > 0.001
 

@@ -45,8 +45,9 @@ class RunScore:
     root_correct: bool | None  # None on clean runs
     onset_error: int | None  # |onset - injected|
     onset_ok: bool | None  # within ONSET_TOLERANCE[kind]
-    latency: int | None  # alarm - injected
-    early_alarm: bool | None  # the root alarm came before the fault existed: a false alarm
+    latency: int | None  # first light - injected: when a live monitor would have lit
+    root_latency: int | None  # the root alarm's step - injected (the root can be confirmed later)
+    early_alarm: bool | None  # the light lit before the fault existed: a false alarm
     loss_rule_step: int | None
     grad_rule_step: int | None
     lead_loss: int | None  # loss rule step - our alarm step; None if either never fired
@@ -82,6 +83,26 @@ class Comparators:
         return next((s for s in getattr(self, rule) if at_or_after is None or s >= at_or_after), None)
 
 
+def _static(static: Sequence[StaticAlarm], injected: int | None,
+            truth_component: str | None) -> tuple[int | None, str | None, bool | None]:
+    """First static firing at/after the injection: (step, rule, named the root alone)."""
+    firing = next((a for a in static if a.step >= (injected or 0)), None)
+    if firing is None:
+        return None, None, None
+    # a fixed rule names the root only if the truth component is the one component firing first
+    first = {a.component for a in static if a.step == firing.step}
+    return firing.step, firing.rule, (None if not truth_component else first == {truth_component})
+
+
+def _rule_steps(result: Mapping[str, Any], comparators: Comparators | None,
+                injected: int | None) -> tuple[int | None, int | None]:
+    """(loss rule step, grad-norm rule step) for this run."""
+    if comparators is not None:
+        return comparators.first("loss", injected), comparators.first("grad", injected)
+    det = result.get("detectors") or {}
+    return det.get("loss_spike_step"), det.get("grad_norm_spike_step")
+
+
 def score(scenario: str, seed: int, truth: Mapping[str, Any], result: Mapping[str, Any],
           static: Sequence[StaticAlarm], component_steps: int, seconds: float = 0.0,
           comparators: Comparators | None = None) -> RunScore:
@@ -95,38 +116,33 @@ def score(scenario: str, seed: int, truth: Mapping[str, Any], result: Mapping[st
     clean = fault in (CLEAN, "none")
     kind = CLEAN if clean else str(truth.get("kind", "abrupt"))
     injected = None if clean else int(truth["step"])
+    want = None if clean else truth.get("component")  # "" = a global drill: no single root to name
     root = result.get("root") or {}
     named = root.get("component") is not None
-    det, rb = result.get("detectors") or {}, result.get("rollback") or {}
-    naive = rb.get("naive") or {}
-    alarm = root.get("alarm_step") if named else None
+    rb = result.get("rollback") or {}
+    naive = (rb.get("naive") or {}) if named else {}
+    # the light lights at its first alarm of any kind; older engines only give the root's step
+    alarm = ((result.get("detectors") or {}).get("first_alarm_step") or root.get("alarm_step")) if named else None
     onset_error = abs(_diff(root.get("onset_step"), injected)) if named and not clean and root.get("onset_step") is not None else None
-    after = injected or 0
-    firing = next((a for a in static if a.step >= after), None)
-    # a fixed rule names the root only if the truth component is the one component firing first
-    first_firing = {a.component for a in static if firing is not None and a.step == firing.step}
-    if comparators is not None:
-        det = {"loss_spike_step": comparators.first("loss", injected),
-               "grad_norm_spike_step": comparators.first("grad", injected)}
+    loss_step, grad_step = _rule_steps(result, comparators, injected)
+    static_step, static_rule, static_correct = _static(static, injected, want)
     return RunScore(
         scenario=scenario, seed=seed, fault=CLEAN if clean else fault, kind=kind,
-        truth_component=None if clean else truth.get("component"), injected=injected,
+        truth_component=want, injected=injected,
         fault_verdict=named, root_component=root.get("component"), root_condition=root.get("condition"),
-        # a drill on "" (e.g. every param group's learning rate) has no single root to name
-        root_correct=None if clean or not truth.get("component") else (named and root.get("component") == truth.get("component")),
+        root_correct=None if not want else (named and root.get("component") == want),
         onset_error=onset_error,
         onset_ok=None if clean else (onset_error is not None and onset_error <= ONSET_TOLERANCE.get(kind, 2)),
         latency=None if clean else _diff(alarm, injected),
+        root_latency=None if clean or not named else _diff(root.get("alarm_step"), injected),
         early_alarm=None if clean else (alarm is not None and alarm < injected),
-        loss_rule_step=det.get("loss_spike_step"), grad_rule_step=det.get("grad_norm_spike_step"),
-        lead_loss=_diff(det.get("loss_spike_step"), alarm), lead_grad=_diff(det.get("grad_norm_spike_step"), alarm),
+        loss_rule_step=loss_step, grad_rule_step=grad_step,
+        lead_loss=_diff(loss_step, alarm), lead_grad=_diff(grad_step, alarm),
         alarms=len(result.get("alarms") or []), component_steps=component_steps,
         discarded_ours=rb.get("steps_discarded") if named else None,
-        discarded_naive=naive.get("steps_discarded") if named else None,
-        naive_contaminated=naive.get("contaminated") if named else None,
-        static_step=firing.step if firing else None, static_rule=firing.rule if firing else None,
-        static_correct=(None if clean or firing is None or not truth.get("component")
-                        else first_firing == {truth.get("component")}),
+        discarded_naive=naive.get("steps_discarded"), naive_contaminated=naive.get("contaminated"),
+        static_step=static_step, static_rule=static_rule,
+        static_correct=None if clean else static_correct,
         seconds=seconds,
     )
 
@@ -259,6 +275,7 @@ def summarise_faults(runs: Sequence[RunScore]) -> dict[str, Any]:
         "onset err med/max": f"{_plain(_median(onset))}/{max(onset)}" if onset else "—",
         "onset in tol": _ratio(_count(r.onset_ok for r in runs)),
         "latency med": _plain(_median(r.latency for r in runs)),
+        "root alarm latency med": _plain(_median(r.root_latency for r in runs)),
         "alarm before fault": _ratio(_count(r.early_alarm for r in runs)),
         "lead vs loss rule": _lead(runs, "loss_rule_step", "lead_loss"),
         "lead vs grad rule": _lead(runs, "grad_rule_step", "lead_grad"),
@@ -316,8 +333,8 @@ def format_tables(runs: Sequence[RunScore]) -> str:
     if faults:
         names = list(dict.fromkeys(r.scenario for r in faults))
         for title, summarise in (
-            ("Fault runs, detection (steps are optimizer steps; latency = our alarm − injection; "
-             "lead = the rule's first firing at/after the injection − our alarm, + means we were earlier):",
+            ("Fault runs, detection (steps are optimizer steps; latency = the light's first alarm − injection; "
+             "lead = the rule's first firing at/after the injection − the light's first alarm, + means we were earlier):",
              summarise_faults),
             ("Fault runs, rollback and fixed rules (discarded = last step − checkpoint step; "
              "static = SageMaker-style thresholds, first firing at/after the injection):", summarise_recovery),

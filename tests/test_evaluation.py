@@ -62,6 +62,13 @@ def test_comparators_count_from_the_injection_not_from_our_onset() -> None:
     assert (clean.loss_rule_step, clean.grad_rule_step) == (40, 149)  # on a clean run, any firing
 
 
+def test_latency_counts_from_the_first_light_not_the_root_confirmation() -> None:
+    res = result(onset=150, alarm=190, loss=200)
+    res["detectors"]["first_alarm_step"] = 164  # an earlier alarm of another condition lit the light
+    r = evaluation.score("g", 0, TRUTH_GRADUAL, res, [], 100)
+    assert (r.latency, r.root_latency, r.lead_loss) == (14, 40, 36)
+
+
 def test_alarm_before_the_fault_is_flagged() -> None:
     r = evaluation.score("s", 0, TRUTH_ABRUPT, result(onset=40, alarm=48), [], 100)
     assert (r.early_alarm, r.latency, r.onset_ok) == (True, -102, False)

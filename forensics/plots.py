@@ -29,6 +29,7 @@ Z_LEVELS = (0.0, 3.0, 4.0, 6.0, 8.0, Z_CAP, 2 * Z_CAP)  # heatmap colour bins of
 MARK_STYLE: dict[str, tuple[str, str]] = {
     "injected": ("#7f7f7f", ":"),
     "onset": ("#ff7f0e", "--"),
+    "first alarm": ("#ff9896", "-"),
     "alarm": ("#d62728", "-"),
     "loss-spike rule": ("#9467bd", "-."),
     "grad-norm rule": ("#8c564b", "-."),

@@ -107,6 +107,7 @@ def marks(data: ReportData) -> list[plots.Mark]:
     candidates = [
         ("injected", (data.truth or {}).get("step")),
         ("onset", root.get("onset_step")),
+        ("first alarm", det.get("first_alarm_step") if det.get("first_alarm_step") != root.get("alarm_step") else None),
         ("alarm", root.get("alarm_step")),
         ("loss-spike rule", det.get("loss_spike_step")),
         ("grad-norm rule", det.get("grad_norm_spike_step")),
@@ -130,19 +131,20 @@ def figures(data: ReportData) -> dict[str, Figure]:
     m = marks(data)
     figs: dict[str, Figure] = {}
     if len(data.scores):
-        figs["heatmap"] = plots.heatmap(data.scores, data.order, [x for x in m if x.label in ("onset", "alarm")],
+        figs["heatmap"] = plots.heatmap(data.scores, data.order, [x for x in m if x.label in ("onset", "first alarm", "alarm")],
                                         kinds=data.kinds)
     root = data.result.get("root") or {}
     if data.root_band is not None and len(data.root_band):
         observed = root.get("observed_on") or root["component"]
         name = root["component"] if observed == root["component"] else f"{root['component']} (seen on {observed})"
         figs["root_metric"] = plots.baseline_band(data.root_band, name, root["metric"],
-                                                  [x for x in m if x.label in ("injected", "onset", "alarm")])
+                                                  [x for x in m if x.label in ("injected", "onset", "first alarm", "alarm")])
     figs["loss"] = plots.loss_and_grad(data.steps, m, never_fired(data))
     alarms = pl.DataFrame(data.result.get("alarms") or [], infer_schema_length=None)
     if len(alarms) and {"component", "condition", "onset_step"} <= set(alarms.columns):
-        figs["conditions"] = plots.condition_map(alarms, data.order, int(data.steps["step"].max()), m[:3],
-                                             kinds=data.kinds)
+        figs["conditions"] = plots.condition_map(alarms, data.order, int(data.steps["step"].max()),
+                                                 [x for x in m if x.label in ("onset", "first alarm", "alarm")],
+                                                 kinds=data.kinds)
     return figs
 
 
@@ -166,6 +168,9 @@ def summary_line(result: Mapping[str, Any]) -> str:
     line = (f"ALARM {root['component'] or '(root)'}: {root.get('condition')} "
             f"(|z| {_fmt(root.get('magnitude'))} on {root.get('metric')}), "
             f"onset step {root.get('onset_step')}, alarm step {root.get('alarm_step')}")
+    first = (result.get("detectors") or {}).get("first_alarm_step")
+    if first is not None and root.get("alarm_step") is not None and first < root["alarm_step"]:
+        line += f" (the light first lit at step {first})"
     if rb.get("checkpoint_step") is None:
         return line + " — no checkpoint before the onset: restart from scratch."
     line += (f" — roll back to step {rb['checkpoint_step']} ({rb.get('checkpoint_path') or 'checkpoint'}), "
@@ -202,7 +207,7 @@ def _table(rows: list[Mapping[str, Any]], columns: list[str]) -> str:
 
 def _comparators(data: ReportData) -> list[dict[str, Any]]:
     det, root = data.result.get("detectors") or {}, data.result.get("root") or {}
-    ours = root.get("alarm_step")
+    ours = det.get("first_alarm_step") or root.get("alarm_step")
     rows = [{"detector": "Warning Light", "first alarm step": ours, "names a component": root.get("component")}]
     for name, key in (("loss spike (mean + 6σ, 128 steps)", "loss_spike_step"),
                       ("gradient-norm spike", "grad_norm_spike_step")):

@@ -76,6 +76,8 @@ def test_summary_line_is_actionable() -> None:
     assert report.summary_line(result).endswith(
         "the loss-only choice (step 0, clean) would discard 212: 161 steps saved.")
     assert report.summary_line({"verdict": "healthy", "root": None}).startswith("HEALTHY: no component")
+    result["detectors"] = {"first_alarm_step": 149}
+    assert "alarm step 151 (the light first lit at step 149) — roll back" in report.summary_line(result)
 
 
 def test_components_in_forward_order_and_short_names() -> None:

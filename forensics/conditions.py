@@ -87,7 +87,7 @@ class BaselineConfig:
 
     window: int = 64      # steps in the baseline window
     lag: int = 3          # the window ends this many steps before the step judged
-    min_samples: int = 32  # no verdict (no alarm) until this many finite past values
+    min_samples: int = 64  # no verdict until a full window of finite past values: early training moves fast
     onset_z: float = 3.0  # onset walk-back: a step departs while |z| against the alarm's baseline exceeds this
     episode_gap: int = 10  # hits further apart than this start a new alarm
 
@@ -220,11 +220,14 @@ def apply(config: Config, table: dict[str, Any]) -> Config:
     baseline = config.baseline
     conditions = {c.name: c for c in config.conditions}
     for key, value in table.items():
-        if key == "baseline":
-            for k, v in value.items():
+        if key == "baseline":  # all at once: window and min_samples are checked together
+            for k in value:
                 if not hasattr(baseline, k):
                     raise ConfigError(f"baseline.{k} is not a setting; use window, lag, min_samples, onset_z or episode_gap")
-                baseline = replace(baseline, **{k: _coerce(f"baseline.{k}", v, getattr(baseline, k))})
+            changes = {k: _coerce(f"baseline.{k}", v, getattr(baseline, k)) for k, v in value.items()}
+            if "min_samples" not in changes:  # a shorter window shortens the wait for a verdict too
+                changes["min_samples"] = min(baseline.min_samples, changes.get("window", baseline.window))
+            baseline = replace(baseline, **changes)
         elif key in conditions and isinstance(value, dict):
             conditions[key] = _apply_condition(conditions[key], value)
         else:

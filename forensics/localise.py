@@ -1,8 +1,9 @@
 """Onset and root: where each excursion began, and which component it began in.
 
 Onset: from the alarm step, walk back while the metric still departs (|z| > `onset_z`, in the
-alarm's direction) from the baseline *as it stood at the alarm* — so a gradual excursion is
-traced to where it started, not where it crossed the threshold. Weight drift (the weights
+alarm's direction) both from the baseline *as it stood at the alarm* and from its own baseline
+at that step — so a gradual excursion is traced to where it started, not where it crossed the
+threshold, and one noisy step before an abrupt fault is not taken for its start. Weight drift (the weights
 changed between one optimizer step and the next forward: something outside the optimizer wrote
 them) is direct evidence: a run of drift steps reaching the onset moves the onset to its start.
 
@@ -62,7 +63,11 @@ def metric_onset(scored: pl.DataFrame, alarm: dict[str, Any], onset_z: float) ->
         scale = float(row[f"{alarm['metric']}__scale"][0])
         direction = np.sign(alarm["value"] - alarm["median"]) or 1.0
         z = direction * z_numpy(alarm["metric"], values, alarm["median"], scale)
-        departing = ~np.isfinite(values) | (z > onset_z)
+        # ...and against its own baseline at the time, as a live monitor saw it: one noisy step
+        # just before an abrupt fault must not pass for its start.
+        own = direction * np.nan_to_num(_series(scored, alarm["rank"], alarm["component"],
+                                                f"{alarm['metric']}__z").values[upto], nan=np.inf)
+        departing = ~np.isfinite(values) | ((z > onset_z) & (own > onset_z))
     i = len(steps) - 1
     while i > 0 and departing[i - 1] and steps[i - 1] == steps[i] - 1:
         i -= 1

@@ -59,6 +59,8 @@ def test_toml_file_and_overrides_change_thresholds(tmp_path) -> None:
     assert [r.z for r in exploding.rules if r.metric == "out_rms"] == [11.5]
     assert [r.level for r in cfg.condition("dead").rules if r.metric == "out_dead_frac"] == [0.7]
     assert Config().condition("exploding").persistence == 2  # defaults untouched
+    short = load_config(None, ["baseline.window=20"])
+    assert (short.baseline.window, short.baseline.min_samples) == (20, 20)
 
 
 @pytest.mark.parametrize(("table", "message"), [

@@ -15,8 +15,9 @@ Root: an alarm is *explained* when its cause is visible elsewhere: a forward-sig
 alarm whose inputs had already departed (an upstream component, by `forward_index`, with a
 forward alarm at or before its onset); a gradient alarm with any alarm downstream at or before
 its onset (gradients flow backwards). The root is the unexplained alarm with the earliest onset;
-ties go to direct evidence (drift), then to the condition's precedence, then upstream-most.
-Every other component that alarmed is *affected*.
+ties go to a non-finite value, then to direct evidence (drift), then upstream-most. The root is
+named by the most specific condition (registry precedence) its component showed within
+`ROOT_WINDOW` steps of the onset. Every other component that alarmed is *affected*.
 """
 
 from __future__ import annotations
@@ -144,8 +145,8 @@ def root_cause(located: pl.DataFrame, config: Config) -> tuple[dict[str, Any] | 
         a["explained"] = _explained(a, rows)
     candidates = [a for a in rows if not a["explained"]] or rows
     first = min(a["onset_step"] for a in candidates)
-    # A non-finite alarm outranks everything: the value itself is broken.
     tied = [a for a in candidates if a["onset_step"] == first]
+    # A non-finite value outranks everything (the value itself is broken), then drift.
     lead = min(tied, key=lambda a: (a["median"] is not None, not a["drift"], a["forward_index"]))
     # One fault shows as several conditions on its component (an LR spike: big updates, then
     # flipping ones): name it by the most specific one that began with it.

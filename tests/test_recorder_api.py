@@ -119,3 +119,38 @@ def test_two_gloo_ranks_write_their_own_partitions(tmp_path: Path) -> None:
     w = rows(tmp_path, "health", "select count(distinct weight_norm_l2), count(distinct out_rms) "
                                  "from t where component = 'module.0' and step = 4")
     assert w == [(1, 2)]
+
+
+class _SparseOut(torch.nn.Linear):
+    """A layer whose output no probe can subsample (a sparse tensor)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x).to_sparse()
+
+
+class _Dense(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.to_dense()
+
+
+def test_a_failing_probe_warns_once_and_training_is_unchanged(tmp_path: Path) -> None:
+    def run(trace: Path | None) -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(_SparseOut(8, 8), _Dense(), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        rec = watch(model, opt, trace) if trace else None
+        for _ in range(3):
+            model(torch.randn(4, 8)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+        if rec:
+            rec.close()
+        return [p.detach().clone() for p in model.parameters()]
+
+    plain = run(None)
+    with pytest.warns(RuntimeWarning, match="probe failed"):
+        watched = run(tmp_path)
+    assert all(torch.equal(a, b) for a, b in zip(plain, watched, strict=True))
+    assert rows(tmp_path, "health", "select count(*) filter (where out_rms is not null) from t "
+                                    "where component = '2'") == [(3,)]  # the ReLU was still seen
+    assert rows(tmp_path, "steps", "select count(*) from t") == [(3,)]

@@ -33,6 +33,7 @@ from .writer import TraceWriter
 _PARAM_METRICS = ("grad_norm_l2", "grad_nonfinite_count", "weight_norm_l2", "update_norm_l2",
                   "update_ratio", "update_cos", "weight_drift_l2")
 _METRIC_POS = {m: i for i, m in enumerate(schema.HEALTH_METRICS)}
+_MAX_WARNING_EVENTS = 20
 
 
 class Recorder:
@@ -70,8 +71,8 @@ class Recorder:
         self._in_step = False
         self._micro_batches = 0
         self._order = 0
-        self._probe_dropped = 0
         self._warned = False
+        self._warning_events = 0
         self._errors_seen = 0
         self._closed = False
         self._last_step_time = self._last_flush = time.time()
@@ -165,11 +166,15 @@ class Recorder:
         return not self._closed and module.training and torch.is_grad_enabled()
 
     def _root_pre_hook(self, module: nn.Module, args: Any) -> None:
-        if not torch.compiler.is_compiling() and self._recording(module):
+        if torch.compiler.is_compiling() or not self._recording(module):
+            return
+        self._micro_batches += 1
+        try:
             self._begin_step()
             if self.fwd.held:  # another micro-batch: judge the previous one by its gradients
                 self.fwd.settle(self.params.grads_suspect())
-            self._micro_batches += 1
+        except Exception as exc:
+            self._probe_failed(exc)
 
     def _make_hook(self, comp: Any) -> Any:
         def hook(module: nn.Module, args: Any, out: Any) -> None:
@@ -278,7 +283,9 @@ class Recorder:
                                    "kind": kind, "path": path, "detail": detail})
 
     def _warn_once(self, message: str) -> None:
-        self._event("warning", detail=message)
+        if self._warning_events < _MAX_WARNING_EVENTS:  # a failure repeating every step is not news
+            self._warning_events += 1
+            self._event("warning", detail=message)
         if not self._warned:
             self._warned = True
             warnings.warn(f"warninglight: {message}", RuntimeWarning, stacklevel=3)

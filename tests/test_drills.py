@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from rehearsed import trace, truth
+from warninglight.forensics import open_trace
 from warninglight.tracer import zoo
 from warninglight.tracer.drills import (
     BiasDrift,
@@ -148,3 +149,8 @@ def test_rehearsal_writes_truth_and_records_checkpoints() -> None:
     assert (t["fault"], t["component"], t["step"], t["kind"]) == ("weight_corruption", "2", 150, "abrupt")
     assert t["healthy"] is False and t["steps"] == 300
     assert truth(trace("mlp_clean"))["healthy"] is True
+    store = open_trace(path)
+    rows = store.sql("select step, detail from checkpoints order by step").fetchall()
+    store.close()
+    assert [r[0] for r in rows] == [50, 100, 150, 200, 250, 300]
+    assert all(r[1] == "rehearsal: no file was written" for r in rows)

@@ -116,10 +116,10 @@ class Recorder:
             return
         self.buffer.batch(self._target_step(), ids)
 
-    def checkpoint(self, path: str | os.PathLike[str]) -> None:
+    def checkpoint(self, path: str | os.PathLike[str], detail: str | None = None) -> None:
         """Record that a checkpoint holding the weights after `step_count` steps was saved."""
         if not self._closed:
-            self._event("checkpoint", path=os.fspath(path))
+            self._event("checkpoint", path=os.fspath(path), detail=detail)
 
     def step(self) -> None:
         """End a step by hand, when no optimizer was given to `watch`."""

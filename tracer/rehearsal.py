@@ -8,7 +8,6 @@ runs in a few seconds on a CPU.
 
 from __future__ import annotations
 
-import inspect
 import json
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -102,10 +101,7 @@ def _checkpoint(rec: Any, model: nn.Module, optimizer: torch.optim.Optimizer, st
         rec.checkpoint(str(path))
         return
     path = trace_dir / "checkpoints" / f"step-{step:06d}.pt"
-    if "detail" in inspect.signature(rec.checkpoint).parameters:
-        rec.checkpoint(str(path), detail="rehearsal: no file was written")
-    else:
-        rec.checkpoint(str(path))
+    rec.checkpoint(str(path), detail="rehearsal: no file was written")
 
 
 def rehearse(scenario: str | Scenario, trace_dir: str | Path, *, seed: int = 0,

@@ -30,9 +30,12 @@ def _analysis(trace: Path, config: Path | None, overrides: list[str] | None,
 def _root_line(root: dict[str, Any]) -> str:
     z = "" if root["magnitude"] is None else f", magnitude z={root['magnitude']:.1f}"
     seen = "" if root["observed_on"] == root["component"] else f" (observed on {root['observed_on']})"
+    if root.get("scope") == "optimizer":
+        seen = f" (led by {root['observed_on']})"
     if root["ranks_disagree"]:
         seen += f" on rank {', '.join(str(r) for r in root['ranks'])} only"
-    return (f"root: {root['component']}{seen} {root['condition']}: onset step {root['onset_step']}, "
+    name = root["component"] or "the optimizer (whole model)"
+    return (f"root: {name}{seen} {root['condition']}: onset step {root['onset_step']}, "
             f"alarm step {root['alarm_step']}{z} on {root['metric']}; {root['evidence']}")
 
 
@@ -66,8 +69,10 @@ def analysis_text(d: dict[str, Any]) -> str:
         lines += ["  " + line for line in table(d["alarms"], cols).splitlines()]
     lines += rollback_text(d)
     det = d["detectors"]
-    lines.append(f"comparators: loss spike at {det['loss_spike_step']}, gradient-norm (ZClip) spike at "
-                 f"{det['grad_norm_spike_step']}")
+    fired = {k: "never fired" if det[k] is None else f"step {det[k]}"
+             for k in ("loss_spike_step", "grad_norm_spike_step")}
+    lines.append(f"comparators: loss-spike rule {fired['loss_spike_step']}, gradient-norm (ZClip) rule "
+                 f"{fired['grad_norm_spike_step']}")
     for key, name in (("light_lead_over_loss_spike", "loss spike"),
                       ("light_lead_over_grad_norm_spike", "gradient-norm spike")):
         if det.get(key) is not None:

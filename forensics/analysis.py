@@ -69,12 +69,19 @@ def _plain(v: Any) -> Any:
 def _root_dict(root: dict[str, Any] | None, located: pl.DataFrame, ranks: int) -> dict[str, Any] | None:
     if root is None:
         return None
-    on = located.filter(pl.col("attributed_to") == root["attributed_to"])["rank"].unique().sort().to_list()
+    # an optimizer-wide root ("" = the whole model) is located where it was observed
+    where = root["attributed_to"] or root["component"]
+    on = located.filter(pl.col("attributed_to") == where)["rank"].unique().sort().to_list()
     return {"component": root["attributed_to"], "condition": root["condition"],
             "onset_step": root["onset_step"], "alarm_step": root["step"],
             "magnitude": _plain(root["magnitude"]), "metric": root["metric"],
             "observed_on": root["component"], "rank": root["rank"], "ranks": on,
-            "ranks_disagree": len(on) < ranks, "evidence": root["evidence"]}
+            "ranks_disagree": len(on) < ranks, "evidence": root["evidence"], "scope": root["scope"]}
+
+
+def param_components(components: pl.DataFrame) -> int:
+    """How many components own parameters (counted once across ranks)."""
+    return components.filter(pl.col("param_count") > 0)["component"].n_unique()
 
 
 def _step_series(trace: Trace, column: str) -> tuple[np.ndarray, np.ndarray]:
@@ -114,8 +121,9 @@ def analyze(trace_dir: str | Path, *, config: Config | str | Path | None = None,
     try:
         summary = info(trace)
         scored, alarms = classify(health_frame(trace), cfg)
-        located = locate(alarms, scored, trace.frame("components").collect(), cfg)
-        root, affected = root_cause(located, cfg)
+        components = trace.frame("components").collect()
+        located = locate(alarms, scored, components, cfg)
+        root, affected = root_cause(located, cfg, param_components(components))
         onset = root["onset_step"] if root else None
         found = comparators(trace, onset)
         last = int(summary["last_step"] or 0)

@@ -18,6 +18,12 @@ its onset (gradients flow backwards). The root is the unexplained alarm with the
 ties go to a non-finite value, then to direct evidence (drift), then upstream-most. The root is
 named by the most specific condition (registry precedence) its component showed within
 `ROOT_WINDOW` steps of the onset. Every other component that alarmed is *affected*.
+
+Optimizer-wide faults: when the updates of at least half the parameter-owning components (and
+at least three) depart at the earliest onset while their gradients and inputs have not, and no
+weights drifted, no single component is the source: the optimizer changed how it steps (a
+learning-rate spike, corrupted optimizer state). The root is then reported on the whole model
+(component `""`, scope `optimizer`), observed on the component that led.
 """
 
 from __future__ import annotations
@@ -32,6 +38,8 @@ from .baseline import z_numpy
 from .classify import COUNT_METRICS, FORWARD, GRADIENT, WEIGHTS, signal_of
 from .conditions import Config
 
+UPDATE_METRICS = frozenset({"update_norm_l2", "update_ratio", "update_cos"})
+OPTIMIZER_WIDE_SHARE = 0.5  # of parameter-owning components whose updates departed together
 DRIFT_REACH = 2  # steps: a drift run this close to the metric's onset explains it
 ROOT_WINDOW = 2  # steps: the root's condition is chosen among its alarms this close to its onset
 
@@ -135,8 +143,26 @@ def _explained(a: dict[str, Any], others: list[dict[str, Any]]) -> bool:
     return False
 
 
-def root_cause(located: pl.DataFrame, config: Config) -> tuple[dict[str, Any] | None, list[str]]:
-    """The root alarm (or None) and the other components that alarmed, earliest first."""
+def optimizer_wide(rows: list[dict[str, Any]], first: int, param_components: int) -> set[str]:
+    """Components whose updates departed at `first` ahead of their gradients and inputs, if they
+    are enough (and nothing drifted) to say the optimizer, not one component, changed; else empty."""
+    near = [a for a in rows if first <= a["onset_step"] <= first + ROOT_WINDOW]
+    if any(a["drift"] or a["median"] is None for a in near):
+        return set()  # a write outside the optimizer, or a non-finite value, has a place
+    led = {a["attributed_to"]: a["onset_step"] for a in near if a["metric"] in UPDATE_METRICS}
+    for a in rows:  # a gradient or input that moved no later than the update drove it
+        if a["signal"] != WEIGHTS and a["onset_step"] <= led.get(a["attributed_to"], -1):
+            led.pop(a["attributed_to"])
+    enough = len(led) >= max(3, OPTIMIZER_WIDE_SHARE * param_components)
+    return set(led) if param_components and enough else set()
+
+
+def root_cause(located: pl.DataFrame, config: Config,
+               param_components: int = 0) -> tuple[dict[str, Any] | None, list[str]]:
+    """The root alarm (or None) and the other components that alarmed, earliest first.
+
+    `param_components`: how many components own parameters (0: never call a fault optimizer-wide).
+    """
     if located.is_empty():
         return None, []
     precedence = {c.name: c.precedence for c in config.conditions}
@@ -154,7 +180,14 @@ def root_cause(located: pl.DataFrame, config: Config) -> tuple[dict[str, Any] | 
             and first <= a["onset_step"] <= first + ROOT_WINDOW]
     root = min(same, key=lambda a: (a["median"] is not None, precedence.get(a["condition"], 99),
                                     a["onset_step"], -(abs(a["magnitude"] or 0.0))))
-    root = {**root, "onset_step": first, "drift": lead["drift"], "evidence": _evidence(lead, tied)}
+    root = {**root, "onset_step": first, "drift": lead["drift"], "evidence": _evidence(lead, tied),
+            "scope": "component"}
+    wide = optimizer_wide(rows, first, param_components)
+    if wide:
+        root.update(attributed_to="", scope="optimizer", evidence=(
+            f"optimizer-wide: the updates of {len(wide)} of {param_components} parameter-owning "
+            "components departed together while their gradients had not, and no weights drifted: "
+            "the optimizer's step changed (learning rate, optimizer state), not one component"))
     affected: list[str] = []
     for a in sorted(rows, key=lambda a: (a["onset_step"], a["forward_index"])):
         if a["attributed_to"] != root["attributed_to"] and a["attributed_to"] not in affected:

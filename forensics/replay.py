@@ -15,7 +15,7 @@ from typing import Any
 
 import polars as pl
 
-from .analysis import comparators
+from .analysis import comparators, param_components
 from .classify import alarms, hits, score
 from .conditions import Config, load_config
 from .localise import locate, root_cause
@@ -73,7 +73,7 @@ def replay(trace_dir: str | Path, *, config: Config | str | Path | None = None, 
         components = trace.frame("components").collect()
         scored, found = stream(frame, cfg, chunk)
         located = locate(alarms(found, cfg), scored, components, cfg)
-        root, _ = root_cause(located, cfg)
+        root, _ = root_cause(located, cfg, param_components(components))
         compared = comparators(trace, root["onset_step"] if root else None)
     finally:
         trace.close()

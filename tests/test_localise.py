@@ -69,3 +69,13 @@ def test_a_fault_on_one_rank_names_that_rank() -> None:
     assert (d["root"]["component"], d["root"]["rank"], d["root"]["onset_step"]) == ("2", 1, 150)
     assert d["root"]["ranks"] == [1] and d["root"]["ranks_disagree"] is True
     assert {a["rank"] for a in d["alarms"]} == {1}
+
+
+def test_lr_spike_is_optimizer_wide_but_a_one_layer_fault_is_not() -> None:
+    d = analysed("mlp_lr_spike").to_dict()
+    assert (d["root"]["component"], d["root"]["scope"]) == ("", "optimizer")
+    assert d["root"]["onset_step"] == 150 and d["root"]["metric"].startswith("update_")
+    assert "optimizer-wide" in d["root"]["evidence"]
+    # The same many-component disturbance from corrupted data starts in the gradients: not the optimizer.
+    for scenario in ("mlp_corrupt_batches", "mlp_weight_corruption", "mlp_nan"):
+        assert analysed(scenario).to_dict()["root"]["scope"] == "component", scenario

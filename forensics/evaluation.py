@@ -91,7 +91,7 @@ def _static(static: Sequence[StaticAlarm], injected: int | None,
         return None, None, None
     # a fixed rule names the root only if the truth component is the one component firing first
     first = {a.component for a in static if a.step == firing.step}
-    return firing.step, firing.rule, (None if not truth_component else first == {truth_component})
+    return firing.step, firing.rule, (None if truth_component is None else first == {truth_component})
 
 
 def _rule_steps(result: Mapping[str, Any], comparators: Comparators | None,
@@ -116,7 +116,7 @@ def score(scenario: str, seed: int, truth: Mapping[str, Any], result: Mapping[st
     clean = fault in (CLEAN, "none")
     kind = CLEAN if clean else str(truth.get("kind", "abrupt"))
     injected = None if clean else int(truth["step"])
-    want = None if clean else truth.get("component")  # "" = a global drill: no single root to name
+    want = None if clean else truth.get("component")  # "" = a drill on the whole model (e.g. every LR)
     root = result.get("root") or {}
     named = root.get("component") is not None
     rb = result.get("rollback") or {}
@@ -130,7 +130,7 @@ def score(scenario: str, seed: int, truth: Mapping[str, Any], result: Mapping[st
         scenario=scenario, seed=seed, fault=CLEAN if clean else fault, kind=kind,
         truth_component=want, injected=injected,
         fault_verdict=named, root_component=root.get("component"), root_condition=root.get("condition"),
-        root_correct=None if not want else (named and root.get("component") == want),
+        root_correct=None if want is None else (named and root.get("component") == want),
         onset_error=onset_error,
         onset_ok=None if clean else (onset_error is not None and onset_error <= ONSET_TOLERANCE.get(kind, 2)),
         latency=None if clean else _diff(alarm, injected),

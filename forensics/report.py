@@ -165,7 +165,10 @@ def summary_line(result: Mapping[str, Any]) -> str:
         return f"{str(result.get('verdict', 'clean')).upper()}: no component left its baseline; no rollback needed."
     rb = result.get("rollback") or {}
     naive = rb.get("naive") or {}
-    line = (f"ALARM {root['component'] or '(root)'}: {root.get('condition')} "
+    where = root["component"] or "(whole model)"
+    if root.get("scope") == "optimizer":
+        where = "optimizer-wide (every component's update)"
+    line = (f"ALARM {where}: {root.get('condition')} "
             f"(|z| {_fmt(root.get('magnitude'))} on {root.get('metric')}), "
             f"onset step {root.get('onset_step')}, alarm step {root.get('alarm_step')}")
     first = (result.get("detectors") or {}).get("first_alarm_step")

@@ -98,9 +98,10 @@ def test_clean_run_counts_alarms_not_accuracy() -> None:
     assert (r.kind, r.fault_verdict, r.root_correct, r.alarms) == ("clean", False, None, 3)
 
 
-def test_global_fault_has_no_root_to_grade() -> None:
+def test_whole_model_fault_is_right_only_when_the_whole_model_is_named() -> None:
     truth = {**TRUTH_ABRUPT, "fault": "lr_spike", "component": ""}
-    assert evaluation.score("s", 0, truth, result(), [], 100).root_correct is None
+    assert evaluation.score("s", 0, truth, result(component="2"), [], 100).root_correct is False
+    assert evaluation.score("s", 0, truth, result(component=""), [], 100).root_correct is True
 
 
 def test_tables_aggregate_and_state_targets() -> None:

@@ -76,6 +76,8 @@ def test_summary_line_is_actionable() -> None:
     assert report.summary_line(result).endswith(
         "the loss-only choice (step 0, clean) would discard 212: 161 steps saved.")
     assert report.summary_line({"verdict": "healthy", "root": None}).startswith("HEALTHY: no component")
+    optimizer = {**result, "root": {**result["root"], "component": "", "scope": "optimizer"}}
+    assert report.summary_line(optimizer).startswith("ALARM optimizer-wide (every component's update): exploding")
     result["detectors"] = {"first_alarm_step": 149}
     assert "alarm step 151 (the light first lit at step 149) — roll back" in report.summary_line(result)
 

@@ -25,6 +25,7 @@ TRACES = (
     "cnn_bitflip",             # memory corruption: exponent bit flips in 0.2% of a conv layer's weights
     "mlp_dying_layer",         # a layer dies gradually: its bias sinks for 100 steps, its ReLU goes dead
     "cnn_dying_layer",         # the same on a conv layer
+    "gpt_dying_layer",         # the same on a GPT MLP layer
     "gpt_lr_spike",            # the optimiser's learning rate jumps ×20 for every parameter
     "gpt_nan",                 # NaN from one module's forward output
     "cnn_corrupt_batches",     # a window of 20 corrupted input batches

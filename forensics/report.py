@@ -136,7 +136,7 @@ def figures(data: ReportData) -> dict[str, Figure]:
     root = data.result.get("root") or {}
     if data.root_band is not None and len(data.root_band):
         observed = root.get("observed_on") or root["component"]
-        name = root["component"] if observed == root["component"] else f"{root['component']} (seen on {observed})"
+        name = root_name(root) if observed == root["component"] else f"{root_name(root)}, seen on {observed}"
         figs["root_metric"] = plots.baseline_band(data.root_band, name, root["metric"],
                                                   [x for x in m if x.label in ("injected", "onset", "first alarm", "alarm")])
     figs["loss"] = plots.loss_and_grad(data.steps, m, never_fired(data))
@@ -158,6 +158,13 @@ def _fmt(v: Any) -> str:
     return str(v)
 
 
+def root_name(root: Mapping[str, Any]) -> str:
+    """How the report names the root: its module path, or what `""` (the whole model) means."""
+    if root.get("scope") == "optimizer":
+        return "optimizer-wide (every component's update)"
+    return root.get("component") or "(whole model)"
+
+
 def summary_line(result: Mapping[str, Any]) -> str:
     """The verdict as one line an operator can act on: what, where, since when, and where to go back to."""
     root = result.get("root") or {}
@@ -165,10 +172,7 @@ def summary_line(result: Mapping[str, Any]) -> str:
         return f"{str(result.get('verdict', 'clean')).upper()}: no component left its baseline; no rollback needed."
     rb = result.get("rollback") or {}
     naive = rb.get("naive") or {}
-    where = root["component"] or "(whole model)"
-    if root.get("scope") == "optimizer":
-        where = "optimizer-wide (every component's update)"
-    line = (f"ALARM {where}: {root.get('condition')} "
+    line = (f"ALARM {root_name(root)}: {root.get('condition')} "
             f"(|z| {_fmt(root.get('magnitude'))} on {root.get('metric')}), "
             f"onset step {root.get('onset_step')}, alarm step {root.get('alarm_step')}")
     first = (result.get("detectors") or {}).get("first_alarm_step")

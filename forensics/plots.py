@@ -190,7 +190,9 @@ def condition_map(alarms: pl.DataFrame, order: Sequence[str], last_step: int,
     conditions = sorted(set(alarms["condition"].to_list())) if len(alarms) else []
     index = {c: i for i, c in enumerate(order)}
     grid = np.full((len(order), last_step), np.nan)
-    for row in alarms.iter_rows(named=True):
+    # unclassified first, so a named condition on the same component and steps is drawn over it
+    ordered = alarms.sort(pl.col("condition") != "unclassified")
+    for row in ordered.iter_rows(named=True):
         if row["component"] in index and row["onset_step"] is not None:
             end = row.get("last_step") or last_step  # the episode's last alarming step, if known
             grid[index[row["component"]], int(row["onset_step"]) - 1:int(end)] = conditions.index(row["condition"])

@@ -1,0 +1,84 @@
+"""Where the recorder's time goes: wall time per step inside each of its entry points.
+
+Wraps the recorder's hooks and probes with timers (so the figures include the timers' own small
+cost), trains the overhead benchmark's GPT for a few steps with and without the recorder, and
+prints milliseconds per step for each part. Nested parts are printed indented under their caller.
+Run: `python bench/overhead_breakdown.py [--steps N] [--threads T]`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import functools
+import tempfile
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from overhead import gpt_case
+from warninglight.tracer import probes, recorder, watch
+
+# (class, method, indent): what a step's recorder work is made of; indented = part of the line above
+PARTS = ((recorder.Recorder, "_root_pre_hook", 0), (probes.ParamProbe, "begin", 1),
+         (probes.ForwardProbe, "observe", 0),
+         (recorder.Recorder, "_pre_step", 0), (probes.ParamProbe, "grads", 1),
+         (recorder.Recorder, "_post_step", 0), (probes.ParamProbe, "end", 1),
+         (probes.ForwardProbe, "compute", 1), (recorder.Recorder, "log", 0))
+
+
+def _timed(totals: dict[str, float], name: str, f: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(f)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return f(*args, **kwargs)
+        finally:
+            totals[name] += time.perf_counter() - t0
+    return wrapper
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=30, help="timed steps each way")
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: leave as is)")
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    totals: dict[str, float] = collections.defaultdict(float)
+    for cls, name, _ in PARTS:
+        setattr(cls, name, _timed(totals, f"{cls.__name__}.{name}", getattr(cls, name)))
+    torch.manual_seed(0)
+    model, loss_fn = gpt_case(8, n_layer=4, n_embd=256, block=128)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+    def train(steps: int, rec: Any = None) -> float:
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            loss = loss_fn()
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            if rec is not None:
+                rec.log(loss=loss)
+        return (time.perf_counter() - t0) / steps
+
+    train(3)
+    with tempfile.TemporaryDirectory() as tmp:
+        rec = watch(model, opt, tmp, flush_every_steps=50)
+        train(3, rec)
+        totals.clear()
+        with_rec = train(args.steps, rec)
+        rec.close()
+    without = train(args.steps)
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, TinyGPT 4x256 seq 128 batch 8")
+    print(f"step: {without * 1e3:.1f} ms without, {with_rec * 1e3:.1f} ms with the recorder "
+          f"(ratio {with_rec / without:.3f}, one pass each way: noisier than bench/overhead.py)")
+    for cls, name, indent in PARTS:
+        key = f"{cls.__name__}.{name}"
+        print(f"{'    ' * indent}{key:<28s} {totals[key] / args.steps * 1e3:6.2f} ms/step")
+
+
+if __name__ == "__main__":
+    main()

@@ -36,7 +36,9 @@ def bad_input() -> Iterator[None]:
     except (TraceError, ConfigError, CheckpointError) as exc:
         raise fail(str(exc)) from None
     except duckdb.Error as exc:
-        raise fail(str(exc).splitlines()[0]) from None
+        raise fail(f"{str(exc).splitlines()[0]} — the views are health, steps, scalars, components, "
+                   "events, checkpoints (and *_all for every incarnation); try "
+                   "'DESCRIBE health'") from None
 
 
 def config_from(path: Path | None, overrides: list[str] | None) -> Config:

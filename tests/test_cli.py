@@ -114,6 +114,7 @@ def test_query_formats_and_bad_sql() -> None:
         {"component": "0", "n": 300}, {"component": "6", "n": 300}]
     assert run("query", t, sql).stdout.splitlines() == ["component  n", "0          300", "6          300"]
     assert_one_line_error(run("query", t, "SELEC 1"), "syntax error")
+    assert_one_line_error(run("query", t, "SELECT * FROM nonesuch"), "DESCRIBE health")
     assert_one_line_error(run("query", t, "SELECT nope FROM health"), "nope")
 
 

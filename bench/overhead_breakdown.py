@@ -17,7 +17,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from overhead import gpt_case
+from overhead import gpt_case, run_block
 from warninglight.tracer import probes, recorder, watch
 
 # (class, method, indent): what a step's recorder work is made of; indented = part of the line above
@@ -54,15 +54,7 @@ def main() -> None:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
 
     def train(steps: int, rec: Any = None) -> float:
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            loss = loss_fn()
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            if rec is not None:
-                rec.log(loss=loss)
-        return (time.perf_counter() - t0) / steps
+        return run_block(loss_fn, opt, steps, rec)[0]
 
     train(3)
     with tempfile.TemporaryDirectory() as tmp:

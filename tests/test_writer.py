@@ -16,6 +16,8 @@ import duckdb
 import pytest
 import torch
 import torch.nn.functional as F
+from typer.testing import CliRunner
+from warninglight.cli.main import app
 from warninglight.tracer import schema, watch, zoo
 from warninglight.tracer.writer import next_incarnation
 
@@ -83,6 +85,11 @@ def test_sigkill_leaves_a_readable_trace_up_to_the_last_closed_segment(tmp_path:
     manifest = json.loads(schema.manifest_path(trace, 0).read_text())
     assert manifest["incarnations"][0]["status"] == "running"  # it never got to say goodbye
     assert manifest["incarnations"][0]["last_step"] == last
+    # ...and the CLI reads it as it is: no repair step, no error
+    info = CliRunner().invoke(app, ["info", str(trace)])
+    assert info.exit_code == 0 and f"last step: {last}" in info.stdout
+    got = CliRunner().invoke(app, ["query", str(trace), "select count(*) as n from steps", "--format", "csv"])
+    assert (got.exit_code, got.stdout) == (0, f"n\n{last}\n")
 
 
 def test_sigterm_loses_nothing(tmp_path: Path) -> None:

@@ -221,6 +221,8 @@ def apply(config: Config, table: dict[str, Any]) -> Config:
     conditions = {c.name: c for c in config.conditions}
     for key, value in table.items():
         if key == "baseline":  # all at once: window and min_samples are checked together
+            if not isinstance(value, dict):
+                raise ConfigError(f"baseline must be a table like [baseline] window = 64, got {value!r}")
             for k in value:
                 if not hasattr(baseline, k):
                     raise ConfigError(f"baseline.{k} is not a setting; use window, lag, min_samples, onset_z or episode_gap")

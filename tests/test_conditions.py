@@ -70,6 +70,7 @@ def test_toml_file_and_overrides_change_thresholds(tmp_path) -> None:
     ({"dead": {"persistence": 0}}, "dead.persistence must be >= 1"),
     ({"baseline": {"window": "many"}}, "baseline.window must be a number"),
     ({"baseline": {"min_samples": 500}}, "must not exceed baseline.window"),
+    ({"baseline": 3}, "baseline must be a table like [baseline]"),
 ])
 def test_bad_settings_are_named(table: dict, message: str) -> None:
     with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace("]", r"\]")):

@@ -178,11 +178,13 @@ def _coerce(key: str, value: Any, current: Any) -> Any:
     want = int if isinstance(current, int) and not isinstance(current, bool) else float
     if isinstance(value, str):
         try:
-            value = want(value)
+            value = float(value)
         except ValueError as exc:
             raise ConfigError(f"{key} must be a number, got {value!r}") from exc
     if not isinstance(value, int | float) or isinstance(value, bool):
         raise ConfigError(f"{key} must be a number, got {value!r}")
+    if want is int and not float(value).is_integer():  # int(1.7) would silently become 1
+        raise ConfigError(f"{key} must be a whole number, got {value!r}")
     return want(value)
 
 

@@ -59,6 +59,8 @@ def test_toml_file_and_overrides_change_thresholds(tmp_path) -> None:
     assert [r.z for r in exploding.rules if r.metric == "out_rms"] == [11.5]
     assert [r.level for r in cfg.condition("dead").rules if r.metric == "out_dead_frac"] == [0.7]
     assert Config().condition("exploding").persistence == 2  # defaults untouched
+    with pytest.raises(ConfigError, match="exploding.persistence must be a whole number, got 1.5"):
+        load_config(None, ["exploding.persistence=1.5"])
     short = load_config(None, ["baseline.window=20"])
     assert (short.baseline.window, short.baseline.min_samples) == (20, 20)
 
@@ -71,6 +73,7 @@ def test_toml_file_and_overrides_change_thresholds(tmp_path) -> None:
     ({"baseline": {"window": "many"}}, "baseline.window must be a number"),
     ({"baseline": {"min_samples": 500}}, "must not exceed baseline.window"),
     ({"baseline": 3}, "baseline must be a table like [baseline]"),
+    ({"baseline": {"lag": 1.7}}, "baseline.lag must be a whole number, got 1.7"),
 ])
 def test_bad_settings_are_named(table: dict, message: str) -> None:
     with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace("]", r"\]")):

@@ -26,8 +26,16 @@ def report_cmd(
     """Write a report of a trace: health heatmap, root metric, loss with every detector, rollback, alarms."""
     from warninglight.forensics import report
 
+    if fmt is Format.html and out.is_dir():
+        raise fail(f"--out {out} is a folder; pass an .html file, e.g. -o {out / 'report.html'}, "
+                   "or use --format png to write the figures into it")
+    if fmt is Format.png and out.exists() and not out.is_dir():
+        raise fail(f"--out {out} is a file; --format png writes into a folder, e.g. -o {out.with_suffix('')}_figures")
     with bad_input():
-        paths = report.write_pngs(trace, out) if fmt is Format.png else [report.write_html(trace, out)]
+        try:
+            paths = report.write_pngs(trace, out) if fmt is Format.png else [report.write_html(trace, out)]
+        except OSError as exc:
+            raise fail(f"cannot write the report to {out}: {exc.strerror or exc} — pass a writable -o path") from None
     for path in paths:
         typer.echo(str(path))
 

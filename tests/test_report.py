@@ -100,3 +100,16 @@ def test_nonfinite_values_are_marked_not_dropped() -> None:
     # a missing gradient norm (null: not recorded) is not a non-finite value
     assert not any("NaN/Inf" in t for t in fig.axes[1].get_legend_handles_labels()[1])
     plots.png_bytes(fig)
+
+
+@pytest.mark.parametrize(("fmt", "make", "fragment"), [
+    ("html", lambda p: p.mkdir(), "is a folder; pass an .html file"),
+    ("png", lambda p: p.write_text("x"), "is a file; --format png writes into a folder"),
+])
+def test_cli_out_of_the_wrong_kind_is_one_line(fault_trace: Path, tmp_path: Path, fmt: str, make, fragment: str) -> None:
+    out = tmp_path / "out"
+    make(out)
+    res = CliRunner().invoke(app, ["report", str(fault_trace), "--format", fmt, "-o", str(out)])
+    assert res.exit_code == 2, res.output
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and fragment in lines[0] and str(out) in lines[0], res.stderr

@@ -6,7 +6,7 @@ from enum import StrEnum
 from typing import Annotated
 
 import typer
-from warninglight.cli.common import TraceArg, bad_input, table
+from warninglight.cli.common import TraceArg, bad_input, fail, table
 from warninglight.cli.main import app
 from warninglight.forensics import open_trace
 from warninglight.forensics.store import info
@@ -43,7 +43,11 @@ def query_cmd(
     with bad_input():
         t = open_trace(trace)
         try:
-            frame = t.sql(sql).pl()
+            relation = t.sql(sql)
+            if relation is None:  # empty SQL, a comment, or a statement that makes no rows
+                raise fail(f"query {sql!r} returns no result to print — give a SELECT, "
+                           "e.g. 'SELECT * FROM health LIMIT 5'")
+            frame = relation.pl()
         finally:
             t.close()
     if fmt == Format.csv:

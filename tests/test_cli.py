@@ -116,6 +116,8 @@ def test_query_formats_and_bad_sql() -> None:
     assert_one_line_error(run("query", t, "SELEC 1"), "syntax error")
     assert_one_line_error(run("query", t, "SELECT * FROM nonesuch"), "DESCRIBE health")
     assert_one_line_error(run("query", t, "SELECT nope FROM health"), "nope")
+    for no_rows in ("", "/* just a comment */"):
+        assert_one_line_error(run("query", t, no_rows), "returns no result to print", "give a SELECT")
 
 
 def test_info_replay_rollback_conditions() -> None:

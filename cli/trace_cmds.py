@@ -51,6 +51,10 @@ def query_cmd(
         finally:
             t.close()
     if fmt == Format.csv:
+        nested = [name for name, dtype in frame.schema.items() if dtype.is_nested()]
+        if nested:
+            raise fail(f"CSV cannot hold the list/struct column(s) {', '.join(nested)} — use "
+                       "--format json or table, or unnest them in the SQL")
         typer.echo(frame.write_csv(), nl=False)
     elif fmt == Format.json:
         typer.echo(frame.write_json())

@@ -118,6 +118,8 @@ def test_query_formats_and_bad_sql() -> None:
     assert_one_line_error(run("query", t, "SELECT nope FROM health"), "nope")
     for no_rows in ("", "/* just a comment */"):
         assert_one_line_error(run("query", t, no_rows), "returns no result to print", "give a SELECT")
+    assert_one_line_error(run("query", t, "SELECT [1, 2] AS ids", "--format", "csv"),
+                          "CSV cannot hold", "ids", "--format json")
 
 
 def test_info_replay_rollback_conditions() -> None:

@@ -75,6 +75,9 @@ def test_bad_options_are_named_errors(tmp_path: Path, kwargs: dict, match: str) 
         watch(zoo.mlp(), None, tmp_path, **kwargs)
     with pytest.raises(ValueError, match="trace directory"):
         watch(zoo.mlp())
+    model = zoo.mlp()
+    with pytest.raises(ValueError, match="the optimizer comes second"):
+        watch(model, tmp_path, torch.optim.SGD(model.parameters(), lr=0.1))
 
 
 def test_closing_restores_the_previous_sigterm_handler(tmp_path: Path) -> None:

@@ -365,6 +365,9 @@ def watch(model: nn.Module, optimizer: torch.optim.Optimizer | str | os.PathLike
     is stored in the manifest's config.
     """
     if isinstance(optimizer, (str, os.PathLike)):  # watch(model, "runs/x") without an optimizer
+        if path is not None:  # watch(model, "runs/x", opt) would record no steps at all
+            raise ValueError(f"watch(model, {os.fspath(optimizer)!r}, {type(path).__name__}): the "
+                             "optimizer comes second, e.g. watch(model, optimizer, 'runs/exp1')")
         optimizer, path = None, optimizer
     if path is None:
         raise ValueError("watch() needs a trace directory, e.g. watch(model, optimizer, 'runs/exp1')")

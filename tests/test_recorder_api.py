@@ -157,3 +157,11 @@ def test_a_failing_probe_warns_once_and_training_is_unchanged(tmp_path: Path) ->
     assert rows(tmp_path, "health", "select count(*) filter (where out_rms is not null) from t "
                                     "where component = '2'") == [(3,)]  # the ReLU was still seen
     assert rows(tmp_path, "steps", "select count(*) from t") == [(3,)]
+
+
+def test_training_in_eval_mode_says_so(tmp_path: Path) -> None:
+    model = zoo.mlp().eval()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with watch(model, opt, tmp_path), pytest.warns(RuntimeWarning, match=r"eval\(\) mode.*model.train\(\)"):
+        model(torch.randn(8, 32)).sum().backward()
+        opt.step()

@@ -263,10 +263,12 @@ class Recorder:
         self._static_valid = self._structural_validity()
         unseen = [c.name for c in self.components if c.forward_index is None]
         if unseen:
+            why = ("the model is in eval() mode: outputs are recorded only in train() mode, so "
+                   "call model.train() before training" if not self.model.training else
+                   "unused modules, or a torch.compile'd model: watch(..., hooks_under_compile="
+                   "'eager') records it at the cost of a graph break per component")
             msg = (f"forward hooks never fired in the first step for {len(unseen)} of "
-                   f"{len(self.components)} components (unused modules, or a torch.compile'd "
-                   "model: watch(..., hooks_under_compile='eager') records it at the cost of a "
-                   f"graph break per component): {', '.join(unseen[:20])}")
+                   f"{len(self.components)} components ({why}): {', '.join(unseen[:20])}")
             if len(unseen) * 2 > len(self.components):
                 self._warn_once(msg)  # also records the event
             else:

@@ -205,6 +205,13 @@ COMPONENT_KEYS = ("rank", "component", "kind", "role", "bound", "parent_param", 
 
 def health_frame(trace: Trace) -> pl.LazyFrame:
     """Effective-timeline health rows joined with each component's role, bound, parent and order."""
+    if trace.one("SELECT count(*) FROM health")[0] == 0:  # empty segments: closed before a step
+        steps = trace.one("SELECT count(*) FROM steps")[0]
+        why = (f"it recorded {steps} steps but no component (the model has no submodules or "
+               "parameters to watch)" if steps else
+               "the run recorded no complete steps (it closed before its first optimizer step)")
+        raise EmptyTraceError(f"no health rows in {trace.root}: {why} — nothing to analyse; "
+                              "`warninglight info` shows what it holds")
     comps = trace.frame("components")
     comps = comps.select(*[c for c in COMPONENT_KEYS if c in comps.collect_schema().names()])
     return trace.frame("health").join(comps, on=["rank", "component"], how="left")

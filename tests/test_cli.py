@@ -145,3 +145,11 @@ def test_every_command_and_option_has_help() -> None:
             assert getattr(param, "help", None), f"{name} {param.name} has no help text"
     top = run("--help").stdout
     assert all(name in top for name in group.commands)
+
+
+@pytest.mark.parametrize("command", ["analyze", "replay", "rollback"])
+def test_a_trace_closed_before_its_first_step_is_one_line(command: str, tmp_path: Path) -> None:
+    from warninglight.tracer import watch, zoo
+
+    watch(zoo.mlp(), tmp_path / "t").close()  # empty segments, no steps: not "healthy"
+    assert_one_line_error(run(command, tmp_path / "t"), "no health rows", "recorded no complete steps")

@@ -165,3 +165,20 @@ def test_training_in_eval_mode_says_so(tmp_path: Path) -> None:
     with watch(model, opt, tmp_path), pytest.warns(RuntimeWarning, match=r"eval\(\) mode.*model.train\(\)"):
         model(torch.randn(8, 32)).sum().backward()
         opt.step()
+
+
+def test_a_bad_logged_value_or_batch_id_is_dropped_not_the_segment(tmp_path: Path) -> None:
+    model = zoo.mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.warns(RuntimeWarning, match=r"rec.log\(lr=...\) ignored.*list"), \
+            watch(model, opt, tmp_path) as rec:
+        for _ in range(3):
+            loss = model(torch.randn(8, 32)).pow(2).mean()
+            loss.backward()
+            opt.step()
+            rec.log(loss=loss, lr=[0.1])  # a scheduler's get_last_lr() is a list
+            rec.batch(7)                  # one batch index
+            rec.batch(["a"])              # not an int: ignored
+    assert rows(tmp_path, "steps", "select step, batch_ids from t order by step") == [
+        (1, [7]), (2, [7]), (3, [7])]
+    assert len(rows(tmp_path, "health", "select * from t where component = '0'")) == 3

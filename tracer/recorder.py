@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import atexit
 import json
+import numbers
 import os
 import signal
 import threading
@@ -108,12 +109,24 @@ class Recorder:
         """Step-level scalars (`loss=...`, anything else goes to `scalars`); tensors are not synced."""
         if self._closed:
             return
+        # checked now: a value that float() rejects would fail the whole segment at flush time
+        bad = [k for k, v in values.items() if not _is_scalar(v)]
+        for k in bad:
+            self._warn_once(f"rec.log({k}=...) ignored: expected a number or tensor, got "
+                            f"{type(values.pop(k)).__name__}")
         self.buffer.log(self._target_step(), values)
 
     def batch(self, ids: Any) -> None:
-        """The sample ids (or batch indices) this step consumed: a list or tensor of ints."""
+        """The sample ids (or batch indices) this step consumed: an int, or a list or tensor of ints."""
         if self._closed:
             return
+        if not isinstance(ids, torch.Tensor):  # checked now, not at flush: one bad id lost the segment
+            try:
+                ids = [int(ids)] if isinstance(ids, numbers.Integral) else [int(i) for i in ids]
+            except (TypeError, ValueError) as exc:
+                self._warn_once(f"rec.batch(...) ignored: expected a list or tensor of int sample "
+                                f"ids, got {type(ids).__name__} ({exc})")
+                return
         self.buffer.batch(self._target_step(), ids)
 
     def checkpoint(self, path: str | os.PathLike[str], detail: str | None = None) -> None:
@@ -343,6 +356,16 @@ class Recorder:
 
     def _at_exit(self) -> None:
         self.close("normal")
+
+
+def _is_scalar(value: Any) -> bool:
+    if value is None or isinstance(value, torch.Tensor):
+        return True
+    try:
+        float(value)
+    except (TypeError, ValueError):
+        return False
+    return True
 
 
 def _rank_and_world(rank: int | None, world_size: int | None) -> tuple[int, int]:

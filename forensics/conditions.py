@@ -193,9 +193,12 @@ def _apply_rule(cond: Condition, metric: str, values: dict[str, Any]) -> Conditi
     if not known:
         raise ConfigError(f"condition {cond.name} has no rule on {metric!r}; its rules read "
                           f"{', '.join(sorted({r.metric for r in cond.rules}))}")
+    # a metric with a threshold rule beside its non-finite one (exploding.grad_norm_l2): the
+    # override is for the threshold; a NaN must still alarm at once
+    targets = {id(r) for r in ([r for r in known if r.direction != NONFINITE] or known)}
     rules = []
     for r in cond.rules:
-        if r.metric == metric:
+        if id(r) in targets:
             for k, v in values.items():
                 if k not in ("z", "fold", "delta", "level", "peers_fold", "persistence"):
                     raise ConfigError(f"{cond.name}.{metric}.{k} is not a threshold; use z, fold, delta, level, peers_fold or persistence")

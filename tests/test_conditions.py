@@ -61,6 +61,9 @@ def test_toml_file_and_overrides_change_thresholds(tmp_path) -> None:
     assert Config().condition("exploding").persistence == 2  # defaults untouched
     with pytest.raises(ConfigError, match="exploding.persistence must be a whole number, got 1.5"):
         load_config(None, ["exploding.persistence=1.5"])
+    nan_first = load_config(None, ["exploding.grad_norm_l2.persistence=3"]).condition("exploding")
+    assert [(r.direction, r.persistence) for r in nan_first.rules if r.metric == "grad_norm_l2"] == [
+        ("nonfinite", 1), ("up", 3)]  # a NaN gradient still alarms at once
     short = load_config(None, ["baseline.window=20"])
     assert (short.baseline.window, short.baseline.min_samples) == (20, 20)
 

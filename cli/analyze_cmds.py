@@ -94,6 +94,13 @@ def analyze_cmd(
     """Is this run failing? Which component, since when, how badly, and how far to roll back."""
     result = _analysis(trace, config, overrides, checkpoints, every).to_dict()
     typer.echo(json.dumps(result, indent=2) if as_json else analysis_text(result))
+    baseline = config_from(config, overrides).baseline
+    need = baseline.min_samples + baseline.lag  # the first recorded step a baseline can judge
+    steps = result["trace_info"]["steps"]
+    if not as_json and result["verdict"] == "healthy" and steps < need:
+        typer.echo(f"note: only {steps} steps recorded; a component is first judged against its "
+                   f"baseline at its recorded step {need} (baseline.min_samples + baseline.lag), "
+                   "so until then only non-finite values can raise an alarm")
     if exit_code and result["verdict"] == "fault":
         raise typer.Exit(FAULT)
 

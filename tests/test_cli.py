@@ -153,3 +153,21 @@ def test_a_trace_closed_before_its_first_step_is_one_line(command: str, tmp_path
 
     watch(zoo.mlp(), tmp_path / "t").close()  # empty segments, no steps: not "healthy"
     assert_one_line_error(run(command, tmp_path / "t"), "no health rows", "recorded no complete steps")
+
+
+def test_a_healthy_verdict_on_a_trace_too_short_to_judge_says_so(tmp_path: Path) -> None:
+    import torch
+    from warninglight.tracer import watch, zoo
+
+    model = zoo.mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with watch(model, opt, tmp_path / "t"):
+        for _ in range(5):
+            model(torch.randn(8, 32)).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+    r = run("analyze", tmp_path / "t")
+    assert r.exit_code == 0 and r.stdout.startswith("verdict: healthy\n")
+    assert r.stdout.splitlines()[-1].startswith(
+        "note: only 5 steps recorded; a component is first judged against its baseline at its recorded step 67 ")
+    assert "note:" not in run("analyze", trace("mlp_clean")).stdout

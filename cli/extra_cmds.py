@@ -80,6 +80,8 @@ def eval_cmd(
         for name, sc in SCENARIOS.items():
             typer.echo(f"{name}\t{sc.model}\t{sc.steps} steps")
         return
+    if json_out is not None and not json_out.parent.is_dir():  # checked before minutes of training
+        raise fail(f"--json {json_out}: folder {json_out.parent} does not exist — create it or pass another path")
     names = scenarios or list(SCENARIOS)
     unknown = [n for n in names if n not in SCENARIOS]
     if unknown:

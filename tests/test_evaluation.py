@@ -151,3 +151,15 @@ def test_eval_command_runs_real_scenarios(tmp_path) -> None:
     assert "| mlp_nan | 1 |" in res.output and "| mlp_clean | 1 |" in res.output
     # NaN in one module's output is exactly what the fixed NaN/Inf rule is for
     assert runs[0]["static_rule"] == "exploding_tensor" and runs[0]["static_step"] == 150
+
+
+def test_eval_json_into_a_missing_folder_fails_before_training(tmp_path) -> None:
+    from typer.testing import CliRunner
+    from warninglight.cli.main import app
+
+    out = tmp_path / "nope" / "runs.json"
+    res = CliRunner().invoke(app, ["eval", "mlp_clean", "--seeds", "1", "--json", str(out),
+                                   "--workdir", str(tmp_path / "w")])
+    assert res.exit_code == 2, res.output
+    assert res.stderr.strip() == f"error: --json {out}: folder {out.parent} does not exist — create it or pass another path"
+    assert not (tmp_path / "w").exists()  # nothing was trained

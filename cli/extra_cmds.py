@@ -50,6 +50,9 @@ def demo_cmd(
     from warninglight.forensics import demo
     from warninglight.tracer.rehearsal import ScenarioError
 
+    if out.exists() and not out.is_dir():
+        raise fail(f"--out {out} is a file; the demo writes a folder (trace, checkpoints, report.html), "
+                   "e.g. --out runs/demo")
     try:
         result = demo.run_demo(out, scenario, seed)
     except (demo.DemoError, ScenarioError) as e:

@@ -42,3 +42,12 @@ def test_demo_cli_unknown_scenario_is_one_line(tmp_path: Path) -> None:
     res = CliRunner().invoke(app, ["demo", "--out", str(tmp_path), "--scenario", "nope"])
     assert res.exit_code == 2
     assert "unknown scenario 'nope'" in res.output and "Traceback" not in res.output
+
+
+def test_demo_cli_out_naming_a_file_is_one_line(tmp_path: Path) -> None:
+    out = tmp_path / "notes.txt"
+    out.write_text("mine")
+    res = CliRunner().invoke(app, ["demo", "--out", str(out)])
+    assert res.exit_code == 2, res.output
+    assert res.stderr.strip().startswith(f"error: --out {out} is a file; the demo writes a folder")
+    assert out.read_text() == "mine"

@@ -106,6 +106,9 @@ def comparators(trace: Trace, onset: int | None) -> dict[str, Any]:
 
 def _checkpoints(trace: Trace, checkpoints_glob: str | None, checkpoint_every: int | None,
                  last_step: int) -> tuple[list[rb.Checkpoint], str]:
+    if checkpoints_glob and checkpoint_every:
+        raise rb.CheckpointError(f"--checkpoints {checkpoints_glob!r} and --checkpoint-every {checkpoint_every} "
+                                 "both say where the checkpoints are; pass one of them")
     if checkpoints_glob:
         return rb.from_glob(checkpoints_glob), "glob"
     if checkpoint_every:

@@ -74,3 +74,5 @@ def test_bad_checkpoint_options_are_named(tmp_path) -> None:
         from_glob(str(tmp_path / "*.pt"))
     with pytest.raises(CheckpointError, match="--checkpoint-every must be >= 1"):
         every(0, 100)
+    with pytest.raises(CheckpointError, match="pass one of them"):  # the glob used to win silently
+        analyze(trace("mlp_weight_corruption"), checkpoints_glob=str(tmp_path / "*.pt"), checkpoint_every=50)

@@ -182,3 +182,33 @@ def test_a_bad_logged_value_or_batch_id_is_dropped_not_the_segment(tmp_path: Pat
     assert rows(tmp_path, "steps", "select step, batch_ids from t order by step") == [
         (1, [7]), (2, [7]), (3, [7])]
     assert len(rows(tmp_path, "health", "select * from t where component = '0'")) == 3
+
+
+def test_a_segment_that_cannot_be_built_is_counted_as_dropped(tmp_path: Path,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    from warninglight.tracer import steprows
+
+    real = steprows.StepBuffer._scalar_rows
+    calls = {"n": 0}
+
+    def fail_second_segment(self: steprows.StepBuffer, steps: list[int]) -> dict:
+        calls["n"] += 1
+        if calls["n"] == 2:  # an unexpected internal error while turning steps into rows
+            raise RuntimeError("simulated row-building bug")
+        return real(self, steps)
+
+    monkeypatch.setattr(steprows.StepBuffer, "_scalar_rows", fail_second_segment)
+    torch.manual_seed(0)
+    model = zoo.mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    data = zoo.batches(*zoo.teacher_classification(256), 32)
+    with (pytest.warns(RuntimeWarning, match="simulated row-building bug"),
+          watch(model, opt, tmp_path, flush_every_steps=3) as rec):
+        for _ in range(12):
+            _, x, y = next(data)
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+    written = rows(tmp_path, "steps", "select count(*) from t")[0][0]
+    assert 0 < written < 12
+    assert rec.dropped_steps == 12 - written  # every lost step is counted, none silently

@@ -322,12 +322,15 @@ class Recorder:
 
     def _flush(self, final: bool) -> None:
         """Hand the finished steps (all of them when `final`) to the writer as one segment."""
+        pending = len(self.buffer.records) if final else max(0, len(self.buffer.records) - 1)
         try:
             self._last_flush = time.time()
             self.params.refresh()
             self.writer.submit(self.buffer.take_segment(final))
-        except Exception as exc:
+        except Exception as exc:  # the steps taken out of the buffer are gone: say how many
             self._probe_failed(exc)
+            self.writer.record_failure(f"segment of {pending} steps not written: "
+                                       f"{type(exc).__name__}: {exc}", pending)
 
     # --- process life -----------------------------------------------------------------------
 

@@ -3,29 +3,25 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 from typing import Annotated, Any
 
 import typer
-from warninglight.cli.common import ConfigOpt, SetOpt, TraceArg, bad_input, config_from, table
+from warninglight.cli.common import (
+    CheckpointsOpt,
+    ConfigOpt,
+    EveryOpt,
+    SetOpt,
+    TraceArg,
+    analysis_from,
+    bad_input,
+    config_from,
+    table,
+)
 from warninglight.cli.main import app
-from warninglight.forensics import Analysis, analyze, replay
+from warninglight.forensics import replay
 from warninglight.forensics.conditions import registry_rows
 
 FAULT = 1  # --exit-code: a fault was found
-
-CheckpointsOpt = Annotated[str | None, typer.Option(
-    "--checkpoints", help="A glob of checkpoint files (quote it); the step is the last number in each name.")]
-EveryOpt = Annotated[int | None, typer.Option(
-    "--checkpoint-every", min=1, help="Assume a checkpoint every N steps instead of the recorded ones.")]
-
-
-def _analysis(trace: Path, config: Path | None, overrides: list[str] | None,
-              checkpoints: str | None, every: int | None) -> Analysis:
-    cfg = config_from(config, overrides)
-    with bad_input():
-        return analyze(trace, config=cfg, checkpoints_glob=checkpoints, checkpoint_every=every)
-
 
 def _root_line(root: dict[str, Any]) -> str:
     z = "" if root["magnitude"] is None else f", magnitude z={root['magnitude']:.1f}"
@@ -92,7 +88,7 @@ def analyze_cmd(
     every: EveryOpt = None,
 ) -> None:
     """Is this run failing? Which component, since when, how badly, and how far to roll back."""
-    result = _analysis(trace, config, overrides, checkpoints, every).to_dict()
+    result = analysis_from(trace, config, overrides, checkpoints, every).to_dict()
     typer.echo(json.dumps(result, indent=2) if as_json else analysis_text(result))
     baseline = config_from(config, overrides).baseline
     need = baseline.min_samples + baseline.lag  # the first recorded step a baseline can judge
@@ -115,7 +111,7 @@ def rollback_cmd(
     every: EveryOpt = None,
 ) -> None:
     """The smallest rollback that removes the fault, beside what a loss-curve-only operator would do."""
-    result = _analysis(trace, config, overrides, checkpoints, every).to_dict()
+    result = analysis_from(trace, config, overrides, checkpoints, every).to_dict()
     typer.echo(json.dumps(result["rollback"], indent=2) if as_json else "\n".join(rollback_text(result)))
 
 

@@ -9,7 +9,15 @@ from typing import Annotated, Any
 
 import duckdb
 import typer
-from warninglight.forensics import CheckpointError, Config, ConfigError, TraceError, load_config
+from warninglight.forensics import (
+    Analysis,
+    CheckpointError,
+    Config,
+    ConfigError,
+    TraceError,
+    analyze,
+    load_config,
+)
 
 BAD_INPUT = 2  # exit code for input we cannot use (not a trace, bad SQL, bad option)
 
@@ -20,6 +28,10 @@ SetOpt = Annotated[list[str] | None, typer.Option(
     "--set", help="Override one threshold, e.g. --set exploding.out_rms.z=10 (repeatable).")]
 # Not `exists=True`: the store's own check gives a one-line error naming the path and the fix.
 TraceArg = Annotated[Path, typer.Argument(help="The trace directory given to watch(...).")]
+CheckpointsOpt = Annotated[str | None, typer.Option(
+    "--checkpoints", help="A glob of checkpoint files (quote it); the step is the last number in each name.")]
+EveryOpt = Annotated[int | None, typer.Option(
+    "--checkpoint-every", min=1, help="Assume a checkpoint every N steps instead of the recorded ones.")]
 
 
 def fail(message: str, code: int = BAD_INPUT) -> typer.Exit:
@@ -60,3 +72,11 @@ def table(rows: Sequence[dict[str, Any]], columns: Sequence[str]) -> str:
     lines = ["  ".join(c.ljust(w) for c, w in zip(columns, widths, strict=True)).rstrip()]
     lines += ["  ".join(v.ljust(w) for v, w in zip(row, widths, strict=True)).rstrip() for row in cells]
     return "\n".join(lines)
+
+
+def analysis_from(trace: Path, config: Path | None, overrides: list[str] | None,
+                  checkpoints: str | None, every: int | None) -> Analysis:
+    """The analysis a command prints, with the thresholds and checkpoints the user chose."""
+    cfg = config_from(config, overrides)
+    with bad_input():
+        return analyze(trace, config=cfg, checkpoints_glob=checkpoints, checkpoint_every=every)

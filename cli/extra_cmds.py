@@ -8,7 +8,16 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from warninglight.cli.common import TraceArg, bad_input, fail
+from warninglight.cli.common import (
+    CheckpointsOpt,
+    ConfigOpt,
+    EveryOpt,
+    SetOpt,
+    TraceArg,
+    analysis_from,
+    bad_input,
+    fail,
+)
 from warninglight.cli.main import app
 
 
@@ -22,8 +31,15 @@ def report_cmd(
     trace: TraceArg,
     out: Annotated[Path, typer.Option("-o", "--out", help="Where to write: an .html file, or a folder for --format png.")] = Path("report.html"),
     fmt: Annotated[Format, typer.Option("--format", help="html: one self-contained file; png: the figures alone, into a folder.")] = Format.html,
+    config: ConfigOpt = None,
+    overrides: SetOpt = None,
+    checkpoints: CheckpointsOpt = None,
+    every: EveryOpt = None,
 ) -> None:
-    """Write a report of a trace: health heatmap, root metric, loss with every detector, rollback, alarms."""
+    """Write a report of a trace: health heatmap, root metric, loss with every detector, rollback, alarms.
+
+    It reports the same analysis `warninglight analyze` prints with the same options.
+    """
     from warninglight.forensics import report
 
     if fmt is Format.html and out.is_dir():
@@ -31,9 +47,11 @@ def report_cmd(
                    "or use --format png to write the figures into it")
     if fmt is Format.png and out.exists() and not out.is_dir():
         raise fail(f"--out {out} is a file; --format png writes into a folder, e.g. -o {out.with_suffix('')}_figures")
+    analysis = analysis_from(trace, config, overrides, checkpoints, every)
     with bad_input():
         try:
-            paths = report.write_pngs(trace, out) if fmt is Format.png else [report.write_html(trace, out)]
+            paths = (report.write_pngs(trace, out, analysis) if fmt is Format.png
+                     else [report.write_html(trace, out, analysis)])
         except OSError as exc:
             raise fail(f"cannot write the report to {out}: {exc.strerror or exc} — pass a writable -o path") from None
     for path in paths:

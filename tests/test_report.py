@@ -113,3 +113,16 @@ def test_cli_out_of_the_wrong_kind_is_one_line(fault_trace: Path, tmp_path: Path
     assert res.exit_code == 2, res.output
     lines = res.stderr.strip().splitlines()
     assert len(lines) == 1 and fragment in lines[0] and str(out) in lines[0], res.stderr
+
+
+def test_report_takes_the_same_options_as_analyze(fault_trace: Path, tmp_path: Path) -> None:
+    from warninglight.forensics import analyze
+
+    out = tmp_path / "r.html"
+    res = CliRunner().invoke(app, ["report", str(fault_trace), "-o", str(out), "--checkpoint-every", "70"])
+    assert res.exit_code == 0, res.output
+    expected = analyze(fault_trace, checkpoint_every=70).to_dict()
+    assert expected["rollback"]["checkpoint_step"] == 140  # the latest multiple of 70 before step 150
+    assert report.summary_line(expected) in out.read_text().replace("&#x27;", "'")
+    bad = CliRunner().invoke(app, ["report", str(fault_trace), "-o", str(out), "--set", "nope.x=1"])
+    assert bad.exit_code == 2 and "Traceback" not in bad.output

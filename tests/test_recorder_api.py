@@ -66,6 +66,17 @@ def test_options_reach_the_trace(tmp_path: Path) -> None:
     assert rows(tmp_path, "health", "select distinct step, rank from t") == [(101, 3)]
 
 
+def test_a_misspelt_option_is_stored_but_named(tmp_path: Path) -> None:
+    model = zoo.mlp()
+    with pytest.warns(UserWarning, match="did you mean sample_size="):
+        rec = watch(model, path=tmp_path, sampel_size=8)
+    rec.close()
+    assert json.loads(schema.manifest_path(tmp_path, 0).read_text())["config"]["sampel_size"] == 8
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a config key unlike any option says nothing
+        watch(model, path=tmp_path / "b", lr_schedule="cosine").close()
+
+
 @pytest.mark.parametrize("kwargs, match", [
     ({"heads": ["nope"]}, "heads=.*nope"),
     ({"flush_every_steps": 0}, "flush_every_steps"),

@@ -10,6 +10,7 @@ records the steps completed so far (the checkpoint holds the weights after that 
 from __future__ import annotations
 
 import atexit
+import difflib
 import json
 import numbers
 import os
@@ -399,11 +400,15 @@ def watch(model: nn.Module, optimizer: torch.optim.Optimizer | str | os.PathLike
         optimizer, path = None, optimizer
     if path is None:
         raise ValueError("watch() needs a trace directory, e.g. watch(model, optimizer, 'runs/exp1')")
-    known = {"rank", "world_size", "heads", "sample_size", "sketch_size", "flush_every_steps",
-             "hooks_under_compile",
-             "flush_every_s", "start_step", "run_id"}
+    known = ("rank", "world_size", "heads", "sample_size", "sketch_size", "flush_every_steps",
+             "flush_every_s", "start_step", "run_id", "hooks_under_compile")
     kwargs = {k: v for k, v in options.items() if k in known}
     config = {k: v for k, v in options.items() if k not in known}
+    for key in config:  # a misspelt option would otherwise be stored silently as run config
+        close = difflib.get_close_matches(key, known, n=1, cutoff=0.8)
+        if close:
+            warnings.warn(f"warninglight: watch({key}=...) is not an option and is stored as run "
+                          f"config; did you mean {close[0]}=?", UserWarning, stacklevel=2)
     return Recorder(model, optimizer, path, config=config, **kwargs)
 
 

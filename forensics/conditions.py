@@ -310,7 +310,10 @@ def markdown(config: Config | None = None) -> str:
             "A TOML file (`--config FILE`) or `--set KEY=VALUE` options:", "", "```toml",
             "[baseline]", f"window = {b.window}", "", "[exploding]", "persistence = 3", "",
             "[exploding.out_rms]   # a rule, named by its metric", "z = 10.0", "fold = 4.0", "```", "",
-            "`--set exploding.out_rms.z=10 --set baseline.window=128`", ""]
+            "`--set exploding.out_rms.z=10 --set baseline.window=128`", "",
+            "Where a metric has both a non-finite rule and a threshold rule under one condition "
+            "(`exploding.grad_norm_l2`), an override of that rule changes the threshold rule: "
+            "non-finite values always alarm at once.", ""]
     return "\n".join(out)
 
 

@@ -19,6 +19,7 @@ from warninglight.cli.common import (
 )
 from warninglight.cli.main import app
 from warninglight.forensics import replay
+from warninglight.forensics.analysis import root_name
 from warninglight.forensics.conditions import registry_rows
 
 FAULT = 1  # --exit-code: a fault was found
@@ -30,8 +31,7 @@ def _root_line(root: dict[str, Any]) -> str:
         seen = f" (led by {root['observed_on']})"
     if root["ranks_disagree"]:
         seen += f" on rank {', '.join(str(r) for r in root['ranks'])} only"
-    name = root["component"] or "the optimizer (whole model)"
-    return (f"root: {name}{seen} {root['condition']}: onset step {root['onset_step']}, "
+    return (f"root: {root_name(root)}{seen} {root['condition']}: onset step {root['onset_step']}, "
             f"alarm step {root['alarm_step']}{z} on {root['metric']}; {root['evidence']}")
 
 

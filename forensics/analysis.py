@@ -7,6 +7,7 @@ metric with its baseline band, for plots.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -58,6 +59,13 @@ class Analysis:
         if f"{metric}__med" not in rows.columns:
             raise KeyError(f"no metric {metric!r} in {self.trace_dir}; try out_rms, grad_norm_l2, update_ratio")
         return band(rows, metric, width_z)
+
+
+def root_name(root: Mapping[str, Any]) -> str:
+    """How a root is named to a person: its module path, or what `""` (the whole model) means."""
+    if root.get("scope") == "optimizer":
+        return "optimizer-wide (every component's update)"
+    return root.get("component") or "(whole model)"
 
 
 def _plain(v: Any) -> Any:

@@ -18,6 +18,7 @@ from typing import Any
 import polars as pl
 from matplotlib.figure import Figure
 from warninglight.forensics import plots
+from warninglight.forensics.analysis import root_name
 from warninglight.forensics.static_rules import StaticAlarm, static_alarms
 
 
@@ -156,13 +157,6 @@ def _fmt(v: Any) -> str:
     if isinstance(v, list | tuple):
         return "–".join(_fmt(x) for x in v) if len(v) <= 2 else f"{len(v)} items"
     return str(v)
-
-
-def root_name(root: Mapping[str, Any]) -> str:
-    """How the report names the root: its module path, or what `""` (the whole model) means."""
-    if root.get("scope") == "optimizer":
-        return "optimizer-wide (every component's update)"
-    return root.get("component") or "(whole model)"
 
 
 def summary_line(result: Mapping[str, Any]) -> str:

@@ -263,13 +263,14 @@ class ParamProbe:
         parts = [f if idx is None else f[idx] for f, idx in zip(self._flat, self.sketch_idx, strict=True)]
         return torch.cat(parts).float()
 
-    def _comp_norms(self, tensors: list[torch.Tensor], comp: torch.Tensor) -> torch.Tensor:
+    def _comp_norms(self, tensors: list[torch.Tensor], comp: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(per-component L2 norms, per-tensor L2 norms): one fused pass over `tensors`."""
         norms = torch.stack(torch._foreach_norm(tensors)).float()
         sq = torch.zeros(self.n, device=self.device).index_add_(0, comp, norms * norms)
-        return sq.sqrt()
+        return sq.sqrt(), norms
 
     def _weights(self) -> tuple[torch.Tensor, torch.Tensor]:
-        return self._sketch(), self._comp_norms(self._flat, self.param_comp)
+        return self._sketch(), self._comp_norms(self._flat, self.param_comp)[0]
 
     def begin(self) -> None:
         """First training forward of a step: remember the weights as the step found them."""
@@ -299,15 +300,14 @@ class ParamProbe:
         if not grads:
             self.grad_cols, self.total_grad_norm = {}, None
             return
-        norms = torch.stack(torch._foreach_norm(grads)).float()
+        comp_norms, norms = self._comp_norms(grads, comp)
         self.total_grad_norm = norms.double().square().sum().sqrt()
-        sq = torch.zeros(self.n, device=self.device).index_add_(0, comp, norms * norms)
         bad = torch.zeros(self.n, dtype=torch.long, device=self.device)
         if self.device.type != "cpu" or not bool(torch.isfinite(self.total_grad_norm)):
             # on CPU reading the total is free, so the per-tensor counts run only when needed
             counts = torch.stack([g.numel() - torch.isfinite(g).sum() for g in grads])
             bad.index_add_(0, comp, counts)
-        self.grad_cols = {"grad_norm_l2": sq.sqrt(), "grad_nonfinite_count": bad.double()}
+        self.grad_cols = {"grad_norm_l2": comp_norms, "grad_nonfinite_count": bad.double()}
 
     def end(self) -> tuple[dict[str, torch.Tensor], np.ndarray]:
         """optimizer.step post-hook: weight, update and drift columns, and their validity."""

@@ -248,7 +248,8 @@ class Recorder:
         self.fwd.settle(True)  # outputs still held: no gradients were seen this step
         pcols, pvalid = self.params.end()
         cols = {**self.fwd.compute(self.device), **pcols}
-        stats = torch.stack([cols[m].double() for m in schema.HEALTH_METRICS], 1)
+        # one op: stack promotes the float32 columns to the float64 of the counts
+        stats = torch.stack([cols[m] for m in schema.HEALTH_METRICS], 1).double()
         valid = self._static_valid.copy()
         fired = self.fwd.sampled
         for m in ("out_mean", "out_rms", "out_absmax", "out_zero_frac", "out_sat_frac",

@@ -16,7 +16,8 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
-from warninglight.tracer import watch, zoo
+from warninglight.lab import zoo
+from warninglight.tracer import watch
 
 
 def gpt_case(batch: int, n_layer: int, n_embd: int, block: int) -> tuple[torch.nn.Module, Callable[[], torch.Tensor]]:

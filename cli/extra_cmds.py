@@ -65,8 +65,8 @@ def demo_cmd(
     seed: Annotated[int, typer.Option(help="Seed of the model, data and drill.")] = 0,
 ) -> None:
     """Train a small GPT on CPU with an injected fault, record it, find it, and write the report."""
-    from warninglight.forensics import demo
-    from warninglight.tracer.rehearsal import ScenarioError
+    from warninglight.lab import demo
+    from warninglight.lab.rehearsal import ScenarioError
 
     if out.exists() and not out.is_dir():
         raise fail(f"--out {out} is a file; the demo writes a folder (trace, checkpoints, report.html), "
@@ -94,8 +94,8 @@ def eval_cmd(
                                         help="Also run a drill-free copy of every training set-up no clean scenario covers.")] = True,
 ) -> None:
     """Run scenarios over seeds and print detection accuracy, onset error, lead over other detectors, rollback."""
-    from warninglight.forensics import evaluation
-    from warninglight.tracer.rehearsal import SCENARIOS
+    from warninglight.lab import evaluation
+    from warninglight.lab.rehearsal import SCENARIOS
 
     if list_:
         for name, sc in SCENARIOS.items():

@@ -1,6 +1,6 @@
 """Rebuild every committed sample trace: `python sample_traces/generate.py` (about a minute on a CPU).
 
-Each trace is a real small training run (`warninglight.tracer.rehearsal.rehearse`, seed 0) with
+Each trace is a real small training run (`warninglight.lab.rehearsal.rehearse`, seed 0) with
 one fault drill or none, recorded by `watch`, with a checkpoint event every 100 steps (no
 checkpoint files are written: the events say where they would be) and the batch ids of each step.
 Runs are deterministic (fixed seeds, one CPU thread); only wall-clock columns differ between builds.
@@ -52,7 +52,7 @@ def size_bytes(path: Path) -> int:
 
 def build(names: list[str], out: Path) -> list[dict[str, object]]:
     """Rehearse each scenario into `out/<name>`; return one summary row per trace."""
-    from warninglight.tracer.rehearsal import SCENARIOS, rehearse
+    from warninglight.lab.rehearsal import SCENARIOS, rehearse
 
     torch.set_num_threads(1)  # same reduction order on every machine
     # Run from out's parent with relative paths, so the checkpoint events name

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 from warninglight.forensics import Analysis, analyze
-from warninglight.tracer.rehearsal import rehearse
+from warninglight.lab.rehearsal import rehearse
 
 ROOT = Path(tempfile.mkdtemp(prefix="wl-rehearsed-"))
 atexit.register(shutil.rmtree, ROOT, ignore_errors=True)

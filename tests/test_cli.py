@@ -149,7 +149,8 @@ def test_every_command_and_option_has_help() -> None:
 
 @pytest.mark.parametrize("command", ["analyze", "replay", "rollback"])
 def test_a_trace_closed_before_its_first_step_is_one_line(command: str, tmp_path: Path) -> None:
-    from warninglight.tracer import watch, zoo
+    from warninglight.lab import zoo
+    from warninglight.tracer import watch
 
     watch(zoo.mlp(), tmp_path / "t").close()  # empty segments, no steps: not "healthy"
     assert_one_line_error(run(command, tmp_path / "t"), "no health rows", "recorded no complete steps")
@@ -157,7 +158,8 @@ def test_a_trace_closed_before_its_first_step_is_one_line(command: str, tmp_path
 
 def test_a_healthy_verdict_on_a_trace_too_short_to_judge_says_so(tmp_path: Path) -> None:
     import torch
-    from warninglight.tracer import watch, zoo
+    from warninglight.lab import zoo
+    from warninglight.tracer import watch
 
     model = zoo.mlp()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)

@@ -8,7 +8,7 @@ import pytest
 import torch
 from typer.testing import CliRunner
 from warninglight.cli.main import app
-from warninglight.forensics import demo
+from warninglight.lab import demo
 
 
 def test_demo_writes_trace_checkpoints_and_report(tmp_path: Path) -> None:

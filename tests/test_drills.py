@@ -6,8 +6,8 @@ import pytest
 import torch
 from rehearsed import trace, truth
 from warninglight.forensics import open_trace
-from warninglight.tracer import zoo
-from warninglight.tracer.drills import (
+from warninglight.lab import zoo
+from warninglight.lab.drills import (
     BiasDrift,
     CorruptBatches,
     DrillError,
@@ -20,7 +20,7 @@ from warninglight.tracer.drills import (
     WeightCorruption,
     WeightShrink,
 )
-from warninglight.tracer.rehearsal import SCENARIOS, ScenarioError, rehearse
+from warninglight.lab.rehearsal import SCENARIOS, ScenarioError, rehearse
 
 
 def model_and_opt(lr: float = 0.1):

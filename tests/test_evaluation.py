@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import pytest
-from warninglight.forensics import evaluation
 from warninglight.forensics.static_rules import StaticAlarm
+from warninglight.lab import evaluation
 
 TRUTH_ABRUPT = {"fault": "weight_corruption", "component": "2", "step": 150, "kind": "abrupt", "healthy": False}
 TRUTH_GRADUAL = {"fault": "bias_drift", "component": "2", "step": 150, "kind": "gradual", "healthy": False}
@@ -75,7 +75,7 @@ def test_alarm_before_the_fault_is_flagged() -> None:
 
 
 def test_clean_twins_cover_set_ups_without_a_clean_scenario() -> None:
-    from warninglight.tracer.rehearsal import SCENARIOS
+    from warninglight.lab.rehearsal import SCENARIOS
 
     twins = evaluation.clean_twins(list(SCENARIOS))
     assert twins and all(t.name.endswith("~clean") and t.drills() == [] for t in twins)

@@ -59,7 +59,7 @@ def test_drift_run_start_walks_back_over_consecutive_drift() -> None:
 def test_a_fault_on_one_rank_names_that_rank() -> None:
     from rehearsed import ROOT
     from warninglight.forensics import analyze
-    from warninglight.tracer.rehearsal import rehearse
+    from warninglight.lab.rehearsal import rehearse
 
     out = ROOT / "two-ranks"
     rehearse("mlp_clean", out, steps=220, rank=0, world_size=2)

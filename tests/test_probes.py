@@ -9,7 +9,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
-from warninglight.tracer import schema, watch, zoo
+from warninglight.lab import zoo
+from warninglight.tracer import schema, watch
 
 
 def health(trace: Path, metric: str) -> dict[tuple[int, str], float | None]:

@@ -11,7 +11,8 @@ import duckdb
 import pytest
 import torch
 import torch.nn.functional as F
-from warninglight.tracer import schema, watch, zoo
+from warninglight.lab import zoo
+from warninglight.tracer import schema, watch
 
 Loss = Callable[[torch.nn.Module, tuple[torch.Tensor, ...]], torch.Tensor]
 

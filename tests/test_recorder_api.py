@@ -14,7 +14,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
-from warninglight.tracer import Recorder, schema, watch, zoo
+from warninglight.lab import zoo
+from warninglight.tracer import Recorder, schema, watch
 
 
 def rows(trace: Path, table: str, sql: str) -> list[tuple]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from rehearsed import ROOT, analysed, trace
 from warninglight.forensics import analyze, open_trace, replay
-from warninglight.tracer.rehearsal import rehearse
+from warninglight.lab.rehearsal import rehearse
 
 KEYS = ["rank", "component", "condition", "step", "onset_step", "attributed_to", "metric"]
 

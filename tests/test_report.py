@@ -18,7 +18,7 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 @pytest.fixture(scope="module")
 def fault_trace(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A real MLP run with one layer's weights corrupted at step 150 (200 steps, a few seconds)."""
-    from warninglight.tracer.rehearsal import rehearse
+    from warninglight.lab.rehearsal import rehearse
 
     torch.set_num_threads(1)
     trace = tmp_path_factory.mktemp("report") / "trace"

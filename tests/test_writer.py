@@ -18,13 +18,15 @@ import torch
 import torch.nn.functional as F
 from typer.testing import CliRunner
 from warninglight.cli.main import app
-from warninglight.tracer import schema, watch, zoo
+from warninglight.lab import zoo
+from warninglight.tracer import schema, watch
 from warninglight.tracer.writer import next_incarnation
 
 # A training script that prints each completed step; `MODE` picks how it ends.
 CHILD = textwrap.dedent("""
     import sys, time, torch, torch.nn.functional as F
-    from warninglight.tracer import watch, zoo
+    from warninglight.tracer import watch
+    from warninglight.lab import zoo
     torch.set_num_threads(1)
     mode, path = sys.argv[1], sys.argv[2]
     torch.manual_seed(0)
@@ -180,10 +182,10 @@ def test_an_unwritable_path_from_the_start_never_raises(tmp_path: Path) -> None:
 
 
 def test_trace_format_doc_is_generated_from_the_schema() -> None:
-    from warninglight.tracer import formatdoc
+    from warninglight.lab import formatdoc
 
     doc = (Path(__file__).parent.parent / "docs" / "trace-format.md").read_text()
-    assert doc == formatdoc.render(), "regenerate: python -m warninglight.tracer.formatdoc > docs/trace-format.md"
+    assert doc == formatdoc.render(), "regenerate: python -m warninglight.lab.formatdoc > docs/trace-format.md"
     for table, columns in schema.COLUMNS.items():
         assert all(f"| `{c.name}` |" in doc for c in columns), table
     assert all(f"| `{k}` |" in doc for k in schema.MANIFEST_KEYS + schema.INCARNATION_KEYS)

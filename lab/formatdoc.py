@@ -1,6 +1,6 @@
 """Render docs/trace-format.md from the schema, so the document cannot drift from the code.
 
-Run `python -m warninglight.tracer.formatdoc > docs/trace-format.md`; a test checks they agree.
+Run `python -m warninglight.lab.formatdoc > docs/trace-format.md`; a test checks they agree.
 """
 
 from __future__ import annotations
@@ -8,8 +8,7 @@ from __future__ import annotations
 import textwrap
 
 import pyarrow as pa
-
-from . import schema
+from warninglight.tracer import schema
 
 MANIFEST_DOCS: dict[str, str] = {
     "format_version": f"trace format version (this document: {schema.FORMAT_VERSION})",
@@ -114,7 +113,7 @@ def _layout() -> list[str]:
 def render() -> str:
     """The whole of docs/trace-format.md."""
     out = [f"# Trace format v{schema.FORMAT_VERSION}", "",
-           "Generated from `tracer/schema.py` by `python -m warninglight.tracer.formatdoc`; "
+           "Generated from `tracer/schema.py` by `python -m warninglight.lab.formatdoc`; "
            "do not edit by hand.", "", "```text", *_layout(), "```", "",
            "`rank` and `incarnation` are hive partitions (directory names), read as columns by "
            "DuckDB `read_parquet(..., hive_partitioning=true)` and Polars `hive_partitioning=True`. "

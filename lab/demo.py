@@ -65,7 +65,7 @@ def run_demo(out: Path | str, scenario: str = DEMO_SCENARIO, seed: int = 0,
 
 def _run(out: Path, scenario: str, seed: int, steps: int | None) -> DemoResult:
     from warninglight.forensics import analyze, report
-    from warninglight.tracer.rehearsal import rehearse
+    from warninglight.lab.rehearsal import rehearse
 
     trace, ckpt = out / "trace", out / "checkpoints"
     _fresh(trace)

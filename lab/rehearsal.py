@@ -116,7 +116,7 @@ def rehearse(scenario: str | Scenario, trace_dir: str | Path, *, seed: int = 0,
     a run: the trace gets a new incarnation that continues at step `start_step + 1`. `rank` and
     `world_size` record the run as one rank of a data-parallel job (each rank trains on its own).
     """
-    from . import watch  # imported here: drills and scenarios are usable without the recorder
+    from warninglight.tracer import watch  # imported here: drills and scenarios need no recorder
 
     sc = SCENARIOS[scenario] if isinstance(scenario, str) else scenario
     n_steps = steps if steps is not None else sc.steps

@@ -151,7 +151,7 @@ def run_one(scenario: Any, seed: int, workdir: Path, steps: int | None = None) -
     """Rehearse one scenario (a name or a `Scenario`) with one seed into `workdir`, analyse, score."""
     from warninglight.forensics import analyze
     from warninglight.forensics.static_rules import static_alarms
-    from warninglight.tracer.rehearsal import rehearse
+    from warninglight.lab.rehearsal import rehearse
 
     name = scenario if isinstance(scenario, str) else scenario.name
     trace = workdir / f"{name}-seed{seed}"
@@ -190,7 +190,7 @@ def clean_twins(names: Sequence[str]) -> list[Any]:
     """
     from dataclasses import replace
 
-    from warninglight.tracer.rehearsal import SCENARIOS
+    from warninglight.lab.rehearsal import SCENARIOS
 
     def setup(sc: Any) -> tuple[Any, ...]:
         return (sc.model, sc.steps, sc.optimizer, sc.lr, sc.momentum, sc.activation, sc.batch_size)

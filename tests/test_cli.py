@@ -55,7 +55,7 @@ def broken(tmp_path: Path):
 @pytest.mark.parametrize(("kind", "fragments"), [
     ("not_a_trace", ["is this a trace directory?", "expected files like health/rank=0"]),
     ("empty", ["no health segments under", "recorded no complete steps"]),
-    ("corrupt", ["is not readable Parquet", "part-000000.parquet", "move it out"]),
+    ("corrupt", ["is not readable Parquet", "part-000000", "move it out"]),
     ("version", ["format_version 7", "rank=0.json", "upgrade warninglight"]),
 ])
 def test_bad_input_is_one_line_exit_2(command: str, kind: str, fragments: list[str], broken, tmp_path) -> None:

@@ -64,7 +64,7 @@ def test_not_a_trace_directory(tmp_path: Path) -> None:
     with pytest.raises(NotATraceError, match="is this a trace directory") as e:
         open_trace(tmp_path)
     assert str(tmp_path / "health") in str(e.value)
-    assert "health/rank=0/incarnation=1/part-000000.parquet" in str(e.value)
+    assert "health/rank=0/incarnation=1/part-000000" in str(e.value)
     with pytest.raises(NotATraceError, match="is not a directory"):
         open_trace(tmp_path / "missing")
 

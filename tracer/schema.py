@@ -4,16 +4,20 @@ A trace is a directory::
 
     TRACE/
       manifest/rank=0.json                                    one per rank, rewritten atomically
-      components/rank=0/incarnation=1/part-000000.parquet     one row per component
-      health/rank=0/incarnation=1/part-000000.parquet         one row per (step, component)
-      steps/rank=0/incarnation=1/part-000000.parquet          one row per optimizer step
-      scalars/rank=0/incarnation=1/part-000000.parquet        one row per (step, logged name)
-      events/rank=0/incarnation=1/part-000000.parquet         start, stop, checkpoint, ...
+      components/rank=0/incarnation=1/part-000000-s1-10.parquet   one row per component
+      health/rank=0/incarnation=1/part-000000-s1-10.parquet       one row per (step, component)
+      steps/rank=0/incarnation=1/part-000000-s1-10.parquet        one row per optimizer step
+      scalars/rank=0/incarnation=1/part-000000-s1-10.parquet      one row per (step, logged name)
+      events/rank=0/incarnation=1/part-000000-s1-10.parquet       start, stop, checkpoint, ...
 
 `rank` and `incarnation` are hive partitions: they live in the path, not in the files, and
 DuckDB (`hive_partitioning=true`) and Polars (`hive_partitioning=True`) turn them into columns.
 Segments are written complete under a temporary name and then renamed, so a reader never sees a
-half-written Parquet file and a killed process loses at most the segment it had not closed.
+half-written Parquet file and a killed process loses at most the segment it had not closed. A
+segment's file name carries its number and the first and last optimizer step it holds
+(`-s<first>-<last>`), so a reader can pick the files of a step window without opening any; a
+segment that holds no step (a run closed before its first step) has no step range in its name,
+and neither do the segments of format version 1.
 
 Steps count optimizer steps from 1: the row of step s describes the s-th optimizer step (its
 forward/backward passes, its gradients, its update). A checkpoint recorded at step s holds the
@@ -28,14 +32,17 @@ from pathlib import Path
 
 import pyarrow as pa
 
-FORMAT_VERSION = 1
-SUPPORTED_FORMAT_VERSIONS = frozenset({1})
+FORMAT_VERSION = 2
+SUPPORTED_FORMAT_VERSIONS = frozenset({1, 2})
 
 MANIFEST_DIR = "manifest"
 TABLES = ("components", "health", "steps", "scalars", "events")
 SEGMENT_SUFFIX = ".parquet"
 TMP_SUFFIX = ".tmp"
-_SEGMENT_NAME = re.compile(r"^part-(\d{6})\.parquet$")
+_SEGMENT_NAME = re.compile(r"^part-(\d{6,})(?:-s(\d+)-(\d+))?\.parquet$")
+
+# Keyword arguments of `pyarrow.parquet.write_table` for every segment the recorder writes.
+PARQUET_WRITE_OPTIONS: dict[str, object] = {"compression": "zstd"}
 
 
 @dataclass(frozen=True)
@@ -147,9 +154,11 @@ def segment_dir(root: Path, table: str, rank: int, incarnation: int) -> Path:
     return Path(root) / table / f"rank={rank}" / f"incarnation={incarnation}"
 
 
-def segment_path(root: Path, table: str, rank: int, incarnation: int, seq: int) -> Path:
-    """The path of segment number `seq` (0, 1, ...) of one table."""
-    return segment_dir(root, table, rank, incarnation) / f"part-{seq:06d}{SEGMENT_SUFFIX}"
+def segment_path(root: Path, table: str, rank: int, incarnation: int, seq: int,
+                 steps: tuple[int, int] | None = None) -> Path:
+    """The path of segment number `seq` (0, 1, ...) of one table; `steps` = (first, last) it holds."""
+    span = "" if steps is None else f"-s{steps[0]}-{steps[1]}"
+    return segment_dir(root, table, rank, incarnation) / f"part-{seq:06d}{span}{SEGMENT_SUFFIX}"
 
 
 def segment_glob(root: Path, table: str) -> str:
@@ -160,3 +169,11 @@ def segment_glob(root: Path, table: str) -> str:
 def is_segment_name(name: str) -> bool:
     """True for a closed segment's file name (temporary files are not segments)."""
     return _SEGMENT_NAME.match(name) is not None
+
+
+def segment_steps(name: str) -> tuple[int, int] | None:
+    """(first, last) step a segment holds, from its file name; None if the name carries none."""
+    m = _SEGMENT_NAME.match(name)
+    if m is None or m.group(2) is None:
+        return None
+    return int(m.group(2)), int(m.group(3))

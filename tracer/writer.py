@@ -168,10 +168,11 @@ class TraceWriter:
     def _write_segment(self, seg: Segment) -> None:
         seq = self._seq
         self._seq += 1  # a failed segment's number is not reused: names stay unique
+        span = (int(seg.steps[0]), int(seg.steps[-1])) if len(seg.steps) else None
         tables = dict(seg.tables)
         for name, cols in tables.items():
-            self._write_table(name, pa.Table.from_pydict(cols, schema=schema.SCHEMAS[name]), seq)
-        self._write_table("health", health_table(seg), seq)
+            self._write_table(name, pa.Table.from_pydict(cols, schema=schema.SCHEMAS[name]), seq, span)
+        self._write_table("health", health_table(seg), seq, span)
         if len(seg.steps):
             first = self._entry["first_step"]
             self._entry["first_step"] = int(seg.steps[0]) if first is None else first
@@ -180,11 +181,12 @@ class TraceWriter:
         self._entry["segments"] += 1  # type: ignore[operator]
         self._write_manifest()
 
-    def _write_table(self, table: str, data: pa.Table, seq: int) -> None:
-        path = schema.segment_path(self.root, table, self.rank, self.incarnation, seq)
+    def _write_table(self, table: str, data: pa.Table, seq: int,
+                     span: tuple[int, int] | None) -> None:
+        path = schema.segment_path(self.root, table, self.rank, self.incarnation, seq, span)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(path.name + schema.TMP_SUFFIX)
-        pq.write_table(data, tmp)
+        pq.write_table(data, tmp, **schema.PARQUET_WRITE_OPTIONS)
         os.replace(tmp, path)
 
     def _write_manifest(self) -> None:

@@ -21,6 +21,8 @@ from .baseline import band
 from .classify import classify
 from .conditions import Config, load_config
 from .localise import locate, root_cause
+from .reference import check_components, reference_baseline
+from .schedule import with_lr
 from .store import Trace, health_frame, info, open_trace
 
 ALARM_KEYS = ("component", "condition", "step", "onset_step", "magnitude", "metric",
@@ -125,13 +127,22 @@ def _checkpoints(trace: Trace, checkpoints_glob: str | None, checkpoint_every: i
 
 
 def analyze(trace_dir: str | Path, *, config: Config | str | Path | None = None,
-            checkpoints_glob: str | None = None, checkpoint_every: int | None = None) -> Analysis:
-    """Read the trace and answer: failing? where, since when, how badly, and how far to roll back."""
+            checkpoints_glob: str | None = None, checkpoint_every: int | None = None,
+            reference: str | Path | None = None) -> Analysis:
+    """Read the trace and answer: failing? where, since when, how badly, and how far to roll back.
+
+    `reference`: a known-good trace of the same model; each component is judged against it step
+    by step instead of against its own past, so faults present from the first step show.
+    """
     cfg = config if isinstance(config, Config) else load_config(config)
+    ref = reference_baseline(reference, cfg.baseline) if reference is not None else None
     trace = open_trace(trace_dir)
     try:
         summary = info(trace)
-        scored, alarms = classify(health_frame(trace), cfg)
+        frame = with_lr(health_frame(trace), trace)
+        if ref is not None:
+            check_components(frame, ref, reference)  # type: ignore[arg-type]
+        scored, alarms = classify(frame, cfg, ref)
         components = trace.frame("components").collect()
         located = locate(alarms, scored, components, cfg)
         root, affected = root_cause(located, cfg, param_components(components))

@@ -30,7 +30,9 @@ ABS_FLOOR: dict[str, float] = {  # metric units; below these, changes are noise 
 }
 DEFAULT_ABS_FLOOR = 1e-8
 LOG_METRICS = frozenset({"out_rms", "out_absmax", "grad_norm_l2", "weight_norm_l2",
-                         "update_norm_l2", "update_ratio"})
+                         "update_norm_l2", "update_ratio", "lr_surge"})
+LR_SCALED = frozenset({"update_norm_l2", "update_ratio"})  # proportional to the lr in effect
+DERIVED_METRICS = ("lr_surge",)
 LOG_TINY = 1e-12  # log(0) stand-in: a norm of exactly 0 is a collapse, not a missing value
 LOG_SCALE_FLOOR = 0.02  # log units: ±2%
 
@@ -50,34 +52,78 @@ def z_numpy(metric: str, values: np.ndarray, med: float, scale: float) -> np.nda
 def metrics_in(frame: pl.LazyFrame | pl.DataFrame) -> list[str]:
     """The health metrics present as columns of `frame`."""
     names = frame.collect_schema().names() if isinstance(frame, pl.LazyFrame) else frame.columns
-    return [m for m in schema.HEALTH_METRICS if m in names]
+    return [m for m in (*schema.HEALTH_METRICS, *DERIVED_METRICS) if m in names]
 
 
-def _finite(metric: str) -> pl.Expr:
+def _lr_factor() -> pl.Expr:
+    """The step's lr where the update is judged relative to it, else 1 (no lr, or lr 0)."""
+    lr = pl.col("lr").cast(pl.Float64)
+    return pl.when(lr.is_finite() & (lr > 0)).then(lr).otherwise(1.0)
+
+
+def _finite(metric: str, scaled: bool = False) -> pl.Expr:
     x = pl.col(metric).cast(pl.Float64)
-    return pl.when(x.is_finite()).then(transform(metric, x))
+    value = transform(metric, x)
+    if scaled:
+        value = value - _lr_factor().log()
+    return pl.when(x.is_finite()).then(value)
 
 
-def baseline_exprs(metric: str, cfg: BaselineConfig) -> list[pl.Expr]:
-    """Median, robust scale and z of `metric` against its trailing window, per component."""
-    past = _finite(metric).shift(cfg.lag)
+def lr_surge() -> pl.Expr:
+    """The lr's one-step rise where it exceeds every earlier lr of the component, else 1."""
+    lr = pl.col("lr").cast(pl.Float64)
+    prev, peak = lr.shift(1).over(KEYS), lr.shift(1).cum_max().over(KEYS)
+    rise = pl.when((lr > peak) & (prev > 0)).then(lr / prev).otherwise(pl.lit(1.0))
+    return pl.when(lr.is_not_null()).then(rise).alias("lr_surge")
+
+
+def baseline_exprs(metric: str, cfg: BaselineConfig, lr: bool = False) -> list[pl.Expr]:
+    """Median, robust scale and z of `metric` against its trailing window, per component.
+
+    `lr`: the frame has an `lr` column; `LR_SCALED` metrics are then judged relative to it.
+    """
+    scaled = lr and metric in LR_SCALED
+    past = _finite(metric, scaled).shift(cfg.lag)
     roll = {"window_size": cfg.window, "min_samples": cfg.min_samples}
     med = past.rolling_median(**roll).over(KEYS)
     iqr = (past.rolling_quantile(0.75, **roll) - past.rolling_quantile(0.25, **roll)).over(KEYS)
     if metric in LOG_METRICS:
         scale = pl.max_horizontal(iqr / IQR_TO_SIGMA, pl.lit(LOG_SCALE_FLOOR))
-        return [med.exp().alias(f"{metric}__med"), scale.alias(f"{metric}__scale")]
+        expected = med.exp() * _lr_factor() if scaled else med.exp()  # the update this step's lr intends
+        return [expected.alias(f"{metric}__med"), scale.alias(f"{metric}__scale")]
     floor = ABS_FLOOR.get(metric, DEFAULT_ABS_FLOOR)
     scale = pl.max_horizontal(iqr / IQR_TO_SIGMA, med.abs() * REL_FLOOR, pl.lit(floor))
     return [med.alias(f"{metric}__med"), scale.alias(f"{metric}__scale")]
 
 
-def with_baseline(frame: pl.LazyFrame, cfg: BaselineConfig,
-                  metrics: list[str] | None = None) -> pl.LazyFrame:
-    """`frame` (health rows, sorted here by rank, component, step) with baseline columns added."""
-    metrics = metrics if metrics is not None else metrics_in(frame)
+def reference_exprs(metric: str, lr: bool, suffix: str) -> list[pl.Expr]:
+    """Median and scale of `metric` taken from a reference run's columns joined beside it."""
+    med = pl.col(f"{metric}__med{suffix}")
+    if lr and metric in LR_SCALED:  # the reference's update per unit lr, at this run's lr
+        med = med * _lr_factor()
+    return [med.alias(f"{metric}__med"), pl.col(f"{metric}__scale{suffix}").alias(f"{metric}__scale")]
+
+
+def with_baseline(frame: pl.LazyFrame, cfg: BaselineConfig, metrics: list[str] | None = None,
+                  reference: pl.DataFrame | None = None, suffix: str = "__ref") -> pl.LazyFrame:
+    """`frame` (health rows, sorted here by rank, component, step) with baseline columns added.
+
+    `reference`: a reference run's baseline columns by (component, step) (`reference.py`), used
+    instead of each component's own past for every metric it has.
+    """
     frame = frame.sort([*KEYS, "step"])
-    frame = frame.with_columns([e for m in metrics for e in baseline_exprs(m, cfg)])
+    lr = "lr" in frame.collect_schema().names()
+    if lr:
+        frame = frame.with_columns(lr_surge())
+    metrics = metrics if metrics is not None else metrics_in(frame)
+    given: set[str] = set()
+    if reference is not None:
+        given = {m for m in metrics if f"{m}__med{suffix}" in reference.columns}
+        frame = frame.join(reference.lazy(), on=["component", "step"], how="left")
+    frame = frame.with_columns([e for m in metrics for e in (
+        reference_exprs(m, lr, suffix) if m in given else baseline_exprs(m, cfg, lr))])
+    if given:
+        frame = frame.drop([c for c in reference.columns if c.endswith(suffix)])  # type: ignore[union-attr]
     return frame.with_columns([
         ((transform(m, pl.col(m).cast(pl.Float64)) - transform(m, pl.col(f"{m}__med")))
          / pl.col(f"{m}__scale")).alias(f"{m}__z")

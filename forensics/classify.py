@@ -78,10 +78,13 @@ def _rules(config: Config) -> list[tuple[Condition, Rule, str]]:
     return [(c, r, f"hit__{c.name}__{i}") for c in config.conditions for i, r in enumerate(c.rules)]
 
 
-def score(frame: pl.LazyFrame, config: Config) -> pl.LazyFrame:
-    """Health rows with baseline columns and one boolean column per (condition, rule)."""
-    present = set(metrics_in(frame))
-    scored = with_baseline(frame, config.baseline)
+def score(frame: pl.LazyFrame, config: Config, reference: pl.DataFrame | None = None) -> pl.LazyFrame:
+    """Health rows with baseline columns and one boolean column per (condition, rule).
+
+    `reference`: judge against a reference run's baseline instead of each component's past.
+    """
+    scored = with_baseline(frame, config.baseline, reference=reference)
+    present = set(metrics_in(scored))  # with the metrics the baseline derives (lr_surge)
     peers = {r.metric for c in config.conditions for r in c.rules if r.peers_fold is not None} & present
     scored = scored.with_columns([  # the median component's value/baseline at each step
         (pl.col(m).cast(pl.Float64) / pl.col(f"{m}__med")).median().over(["rank", "step"]).alias(f"{m}__peers")
@@ -139,7 +142,8 @@ def alarms(found: pl.DataFrame, config: Config) -> pl.DataFrame:
     return out.select(list(ALARM_SCHEMA)).cast(ALARM_SCHEMA).sort("step", "rank", "component", "condition")
 
 
-def classify(frame: pl.LazyFrame, config: Config) -> tuple[pl.DataFrame, pl.DataFrame]:
-    """(scored rows, alarms) for a whole health frame."""
-    scored = score(frame, config).collect()
+def classify(frame: pl.LazyFrame, config: Config,
+             reference: pl.DataFrame | None = None) -> tuple[pl.DataFrame, pl.DataFrame]:
+    """(scored rows, alarms) for a whole health frame (against a reference run's baseline if given)."""
+    scored = score(frame, config, reference).collect()
     return scored, alarms(hits(scored.lazy(), config), config)

@@ -108,7 +108,7 @@ class BaselineConfig:
 
 CONDITIONS: tuple[Condition, ...] = (
     Condition("exploding", "norms blow up, or non-finite values appear",
-              "non-finite counts; output, gradient, weight and update norms far above baseline",
+              "non-finite counts; output, gradient, weight and update norms far above baseline; the learning rate surging past its history",
               (Rule("out_nonfinite_count", NONFINITE, persistence=1),
                Rule("grad_nonfinite_count", NONFINITE, persistence=1),
                Rule("grad_norm_l2", NONFINITE, persistence=1),
@@ -117,7 +117,11 @@ CONDITIONS: tuple[Condition, ...] = (
                Rule("out_absmax", UP, z=6.0, fold=4.0),
                Rule("grad_norm_l2", UP, z=6.0, fold=5.0),
                Rule("weight_norm_l2", UP, fold=2.5),  # no z: weight norms move slowly, a creep has no spread
-               Rule("update_norm_l2", UP, z=6.0, fold=10.0)),
+               Rule("update_norm_l2", UP, z=6.0, fold=10.0),
+               # The lr itself: a one-step rise of at least this factor to above every lr the run
+               # had set (`lr_surge`, 1 otherwise). Warmup rises by small steps, a restart returns
+               # to a level already set; a spike does neither, and its updates explode at once.
+               Rule("lr_surge", UP, fold=3.0, persistence=1)),
               persistence=2, ceiling=0.5, precedence=7),
     Condition("dead", "the component stopped responding",
               "dead-unit fraction up, output rms collapsing towards 0",

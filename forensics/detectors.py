@@ -2,9 +2,12 @@
 
 - Loss spike (OLMo-core style): loss at step t > mean + 6σ of the previous 128 steps' losses;
   a non-finite loss counts as a spike.
-- ZClip-style gradient-norm spike: z-score of the total gradient norm against an exponential
-  moving mean and variance (alpha 0.97) after a warm-up; z > 2.5 fires. Like ZClip, a spike
-  updates the EMA with the clipped value (mean + z_thr·σ) so one spike does not mask the next.
+- ZClip's gradient-norm spike test, as published (Kumar et al., 2025, "ZClip: Adaptive Spike
+  Mitigation for LLM Pre-Training", and its reference implementation's defaults): the first 25
+  total gradient norms initialise the mean and (population) variance; from then on
+  z = (g − μ) / (σ + 1e-6) and z > 2.5 is a spike. The EMA (α = 0.97) is updated with the norm
+  ZClip lets through: on a spike its default adaptive clip, μ + z_thr²·σ / z (the threshold
+  μ + z_thr·σ divided by z / z_thr); the mean is updated first, then the variance around the new mean.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ class ZClipRule:
     alpha: float = 0.97
     z: float = 2.5
     warmup: int = 25  # steps used to initialise the mean and variance
+    eps: float = 1e-6  # added to σ, in gradient-norm units
 
 
 def loss_spikes(steps: np.ndarray, loss: np.ndarray, rule: LossSpikeRule = LossSpikeRule()) -> list[int]:
@@ -61,11 +65,11 @@ def grad_norm_spikes(steps: np.ndarray, norm: np.ndarray, rule: ZClipRule = ZCli
         if not math.isfinite(g):
             fired.append(int(steps[i]))
             continue
-        std = math.sqrt(max(var, 1e-24))
-        z = (g - mean) / std
+        std = math.sqrt(max(var, 0.0))
+        z = (g - mean) / (std + rule.eps)
         if z > rule.z:
             fired.append(int(steps[i]))
-            g = mean + rule.z * std
+            g = mean + rule.z * std / (z / rule.z)  # adaptive scaling: larger outliers clip harder
         mean = rule.alpha * mean + (1 - rule.alpha) * g
         var = rule.alpha * var + (1 - rule.alpha) * (g - mean) ** 2
     return fired

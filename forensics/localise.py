@@ -38,7 +38,7 @@ from .baseline import z_numpy
 from .classify import COUNT_METRICS, FORWARD, GRADIENT, WEIGHTS, signal_of
 from .conditions import Config
 
-UPDATE_METRICS = frozenset({"update_norm_l2", "update_ratio", "update_cos"})
+UPDATE_METRICS = frozenset({"update_norm_l2", "update_ratio", "update_cos", "lr_surge"})
 OPTIMIZER_WIDE_SHARE = 0.5  # of parameter-owning components whose updates departed together
 DRIFT_REACH = 2  # steps: a drift run this close to the metric's onset explains it
 ROOT_WINDOW = 2  # steps: the root's condition is chosen among its alarms this close to its onset

@@ -19,6 +19,7 @@ from .analysis import comparators, param_components
 from .classify import alarms, hits, score
 from .conditions import Config, load_config
 from .localise import locate, root_cause
+from .schedule import with_lr
 from .store import health_frame, open_trace
 
 
@@ -69,7 +70,7 @@ def replay(trace_dir: str | Path, *, config: Config | str | Path | None = None, 
     cfg = config if isinstance(config, Config) else load_config(config)
     trace = open_trace(trace_dir)
     try:
-        frame = health_frame(trace).collect()
+        frame = with_lr(health_frame(trace), trace).collect()
         components = trace.frame("components").collect()
         scored, found = stream(frame, cfg, chunk)
         located = locate(alarms(found, cfg), scored, components, cfg)

@@ -217,7 +217,8 @@ class LRSpike(Drill):
     """The optimizer's learning rate is multiplied by `factor` for `duration` steps.
 
     With `component` set, only that module's parameters get the spike (they are moved into their
-    own param group at attach); with `component=""` every group does. With momentum SGD a spike
+    own param group at attach); with `component=""` every group does. The spike multiplies the lr
+    the schedule set for the step, so it composes with any scheduler. With momentum SGD a spike
     past the stability limit makes updates flip direction each step (oscillating).
     """
 
@@ -226,7 +227,8 @@ class LRSpike(Drill):
     fault: str = "lr_spike"
     condition: str = "exploding"
     _groups: list[dict[str, Any]] = field(default_factory=list, init=False, repr=False)
-    _base_lr: list[float] = field(default_factory=list, init=False, repr=False)
+    _plain: list[float] = field(default_factory=list, init=False, repr=False)
+    _written: list[float | None] = field(default_factory=list, init=False, repr=False)
 
     def attach(self, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
         if optimizer is None:
@@ -236,12 +238,20 @@ class LRSpike(Drill):
             self._groups = [_isolate(optimizer, self.module(model))]
         else:
             self._groups = list(optimizer.param_groups)
-        self._base_lr = [g["lr"] for g in self._groups]
+        self._plain = [g["lr"] for g in self._groups]
+        self._written = [None] * len(self._groups)
 
     def before_step(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
         spiking = self.step <= step < self.step + self.duration
-        for group, lr in zip(self._groups, self._base_lr, strict=True):
-            group["lr"] = lr * self.factor if spiking else lr
+        for i, group in enumerate(self._groups):
+            # the lr the schedule set for this step: ours from last step unless something reset it
+            if self._written[i] is None or group["lr"] != self._written[i]:
+                self._plain[i] = group["lr"]
+            group["lr"] = self._plain[i] * self.factor if spiking else self._plain[i]
+            self._written[i] = group["lr"]
+
+    def truth(self) -> dict[str, Any]:
+        return {**super().truth(), **({} if self.component else {"scope": "optimizer"})}
 
 
 @dataclass
@@ -401,4 +411,87 @@ class CorruptBatches(Drill):
         return x * self.factor + torch.randn(x.shape, generator=g) * self.factor, y
 
     def truth(self) -> dict[str, Any]:
-        return {**super().truth(), "last_step": self.step + self.duration - 1}
+        # the data, not a module, is at fault; `component` is the first module that reads it
+        return {**super().truth(), "scope": "data", "reads": self.component,
+                "last_step": self.step + self.duration - 1}
+
+
+# --- faults present from step one -------------------------------------------------------------
+# A trailing baseline cannot see these (there is no "before"); `analyze --reference` compares the
+# run with a known-good run of the same model, component by component, step by step.
+
+
+@dataclass
+class MissingZeroGrad(Drill):
+    """`optimizer.zero_grad()` does nothing from `step` on: gradients accumulate across steps."""
+
+    component: str = ""
+    step: int = 1
+    fault: str = "missing_zero_grad"
+    condition: str = "exploding"
+    _current: int = field(default=0, init=False, repr=False)
+
+    def attach(self, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
+        if optimizer is None:
+            raise DrillError("MissingZeroGrad needs the optimizer; pass it to attach(model, optimizer)")
+        self._model = model
+        self._current = 0
+        plain = optimizer.zero_grad
+
+        def zero_grad(set_to_none: bool = True) -> None:
+            if self._current < self.step:
+                plain(set_to_none=set_to_none)
+        optimizer.zero_grad = zero_grad  # type: ignore[method-assign]
+
+    def before_step(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
+        self._current = step
+
+    def truth(self) -> dict[str, Any]:
+        return {**super().truth(), "scope": "optimizer"}
+
+
+@dataclass
+class FrozenByMistake(Drill):
+    """A module's parameters are set `requires_grad=False` before training: it never learns."""
+
+    step: int = 1
+    fault: str = "frozen_by_mistake"
+    condition: str = "stagnant"
+
+    def attach(self, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
+        super().attach(model, optimizer)
+        for p in self.module(model).parameters(recurse=False):
+            p.requires_grad_(False)
+
+
+@dataclass
+class NotInOptimizer(Drill):
+    """The optimizer does not hold a module's parameters: their gradients are never applied."""
+
+    step: int = 1
+    fault: str = "not_in_optimizer"
+    condition: str = "stagnant"
+
+    def attach(self, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
+        if optimizer is None:
+            raise DrillError("NotInOptimizer needs the optimizer; pass it to attach(model, optimizer)")
+        super().attach(model, optimizer)
+        own = {id(p) for p in self.module(model).parameters(recurse=False)}
+        for group in optimizer.param_groups:
+            group["params"] = [p for p in group["params"] if id(p) not in own]
+
+
+@dataclass
+class WrongInitScale(Drill):
+    """A module's initial weights are `factor` times what its initialiser drew (init skipped/doubled)."""
+
+    step: int = 1
+    factor: float = 10.0
+    fault: str = "wrong_init_scale"
+    condition: str = "exploding"
+
+    def attach(self, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
+        super().attach(model, optimizer)
+        with torch.no_grad():
+            for p in self.module(model).parameters(recurse=False):
+                p.mul_(self.factor)

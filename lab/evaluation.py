@@ -21,8 +21,11 @@ from warninglight.forensics.static_rules import StaticAlarm
 
 ONSET_TOLERANCE = {"abrupt": 2, "gradual": 10}  # steps; the issue's targets
 GRADUAL_LEAD_TARGET = 100  # steps the alarm must precede the loss-spike rule on gradual faults
-ROOT_ACCURACY_TARGET = 0.95
+ROOT_ACCURACY_TARGET = 0.97
+ONSET_ACCURACY_TARGET = 0.97
 CLEAN = "clean"
+REFERENCE_SUFFIX = "+ref"  # a step-one scenario analysed with `--reference` (its twin without is blind)
+REFERENCE_SEED = 1000  # the reference run of seed s trains with seed REFERENCE_SEED + s
 
 
 class EvaluationError(ValueError):
@@ -61,6 +64,10 @@ class RunScore:
     static_rule: str | None
     static_correct: bool | None  # the truth component, and it alone, fired first
     seconds: float = 0.0
+    truth_scope: str | None = None  # "data" / "optimizer": the root is no single component
+    root_scope: str | None = None
+    skip_cover: float | None = None  # share of the truth's bad-batch window the skip list covers
+    reference: bool | None = None  # True: analysed against a reference run; False: its blind twin
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-ready dict."""
@@ -117,6 +124,7 @@ def score(scenario: str, seed: int, truth: Mapping[str, Any], result: Mapping[st
     kind = CLEAN if clean else str(truth.get("kind", "abrupt"))
     injected = None if clean else int(truth["step"])
     want = None if clean else truth.get("component")  # "" = a drill on the whole model (e.g. every LR)
+    scope = None if clean else truth.get("scope")
     root = result.get("root") or {}
     named = root.get("component") is not None
     rb = result.get("rollback") or {}
@@ -130,7 +138,7 @@ def score(scenario: str, seed: int, truth: Mapping[str, Any], result: Mapping[st
         scenario=scenario, seed=seed, fault=CLEAN if clean else fault, kind=kind,
         truth_component=want, injected=injected,
         fault_verdict=named, root_component=root.get("component"), root_condition=root.get("condition"),
-        root_correct=None if want is None else (named and root.get("component") == want),
+        root_correct=None if want is None else _root_right(root, named, want, scope),
         onset_error=onset_error,
         onset_ok=None if clean else (onset_error is not None and onset_error <= ONSET_TOLERANCE.get(kind, 2)),
         latency=None if clean else _diff(alarm, injected),
@@ -143,27 +151,67 @@ def score(scenario: str, seed: int, truth: Mapping[str, Any], result: Mapping[st
         discarded_naive=naive.get("steps_discarded"), naive_contaminated=naive.get("contaminated"),
         static_step=static_step, static_rule=static_rule,
         static_correct=None if clean else static_correct,
-        seconds=seconds,
+        seconds=seconds, truth_scope=scope, root_scope=root.get("scope") if named else None,
+        skip_cover=_skip_cover(truth, rb) if named and not clean else None,
     )
 
 
-def run_one(scenario: Any, seed: int, workdir: Path, steps: int | None = None) -> RunScore:
-    """Rehearse one scenario (a name or a `Scenario`) with one seed into `workdir`, analyse, score."""
+def _root_right(root: Mapping[str, Any], named: bool, want: str, scope: str | None) -> bool:
+    """The drilled component; for a data or optimizer fault, a root of that scope."""
+    if not named:
+        return False
+    if scope in ("data", "optimizer"):
+        return root.get("scope") == scope
+    return root.get("component") == want and root.get("scope") in (None, "component")
+
+
+def _skip_cover(truth: Mapping[str, Any], rollback: Mapping[str, Any]) -> float | None:
+    """Share of the steps the drill corrupted ([step, last_step]) inside the skip list's range."""
+    if truth.get("last_step") is None:
+        return None
+    first, last = int(truth["step"]), int(truth["last_step"])
+    skip = rollback.get("skip_steps") or None
+    if not skip:
+        return 0.0
+    inside = max(0, min(last, int(skip[1])) - max(first, int(skip[0])) + 1)
+    return inside / (last - first + 1)
+
+
+def run_one(scenario: Any, seed: int, workdir: Path, steps: int | None = None) -> list[RunScore]:
+    """Rehearse one scenario (a name or a `Scenario`) with one seed into `workdir`, analyse, score.
+
+    A scenario marked `reference` is scored twice: blind, and against a clean run of the same
+    set-up trained with seed `REFERENCE_SEED + seed` (named with `REFERENCE_SUFFIX`).
+    """
+    from dataclasses import replace
+
     from warninglight.forensics import analyze
     from warninglight.forensics.static_rules import static_alarms
-    from warninglight.lab.rehearsal import rehearse
+    from warninglight.lab.rehearsal import SCENARIOS, rehearse
 
-    name = scenario if isinstance(scenario, str) else scenario.name
-    trace = workdir / f"{name}-seed{seed}"
+    sc = SCENARIOS[scenario] if isinstance(scenario, str) else scenario
+    trace = workdir / f"{sc.name}-seed{seed}"
     t0 = time.perf_counter()
-    kwargs: dict[str, Any] = {"seed": seed, "checkpoint_dir": workdir / f"{name}-seed{seed}-ckpt"}
+    kwargs: dict[str, Any] = {"checkpoint_dir": workdir / f"{sc.name}-seed{seed}-ckpt"}
     if steps is not None:
         kwargs["steps"] = steps
-    truth = rehearse(scenario, trace, **kwargs)
-    result = analyze(trace).to_dict()
+    truth = rehearse(sc, trace, seed=seed, **kwargs)
+    trained = time.perf_counter() - t0
     rows, comps = read_run(trace)
-    return score(name, seed, truth, result, static_alarms(trace), rows,
-                 time.perf_counter() - t0, comps)
+    static = static_alarms(trace)
+    out = [score(sc.name, seed, truth, analyze(trace).to_dict(), static, rows,
+                 time.perf_counter() - t0, comps)]
+    if sc.reference:
+        ref = workdir / f"{sc.model}-reference-seed{seed}"
+        if not ref.exists():  # one reference per set-up and seed, shared by its scenarios
+            twin = replace(sc, name=f"{sc.model}-reference", drills=list, reference=False)
+            rehearse(twin, ref, seed=REFERENCE_SEED + seed, checkpoint_every=0, **({"steps": steps} if steps else {}))
+        t1 = time.perf_counter()
+        result = analyze(trace, reference=ref).to_dict()
+        out[0] = replace(out[0], reference=False)
+        out.append(replace(score(sc.name + REFERENCE_SUFFIX, seed, truth, result, static, rows,
+                                 trained + time.perf_counter() - t1, comps), reference=True))
+    return out
 
 
 def read_run(trace: Path) -> tuple[int, Comparators]:
@@ -193,14 +241,15 @@ def clean_twins(names: Sequence[str]) -> list[Any]:
     from warninglight.lab.rehearsal import SCENARIOS
 
     def setup(sc: Any) -> tuple[Any, ...]:
-        return (sc.model, sc.steps, sc.optimizer, sc.lr, sc.momentum, sc.activation, sc.batch_size)
+        return (sc.model, sc.steps, sc.optimizer, sc.lr, sc.momentum, sc.activation, sc.batch_size,
+                sc.schedule, sc.weight_decay, sc.head_group)
 
     covered = {setup(sc) for sc in SCENARIOS.values() if not sc.drills()}
     twins: dict[tuple[Any, ...], Any] = {}
     for name in names:
         sc = SCENARIOS[name]
         if setup(sc) not in covered and setup(sc) not in twins:
-            twins[setup(sc)] = replace(sc, name=f"{name}~clean", drills=list)
+            twins[setup(sc)] = replace(sc, name=f"{name}~clean", drills=list, reference=False)
     return list(twins.values())
 
 
@@ -228,10 +277,10 @@ def _run_all(scenarios: list[Any], seeds: int, workdir: Path | None, steps: int 
         out = []
         for scenario in scenarios:
             for seed in range(seeds):
-                run = run_one(scenario, seed, root, steps)
-                out.append(run)
-                if progress:
-                    progress(run)
+                for run in run_one(scenario, seed, root, steps):
+                    out.append(run)
+                    if progress:
+                        progress(run)
         return out
 
 

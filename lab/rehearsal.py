@@ -9,6 +9,7 @@ runs in a few seconds on a CPU.
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,14 +26,18 @@ from .drills import (
     CorruptBatches,
     Drill,
     FreezeModule,
+    FrozenByMistake,
     GradientAttenuation,
     GradientSignFlip,
     LRSpike,
+    MissingZeroGrad,
     NaNInjection,
+    NotInOptimizer,
     PreActivationScale,
     WeightCorruption,
     WeightGrowth,
     WeightShrink,
+    WrongInitScale,
 )
 
 TRUTH_FILE = "truth.json"
@@ -50,15 +55,51 @@ class Scenario:
     """A rehearsal: which model, how long, which optimizer, which drills."""
 
     name: str
-    model: str  # "mlp" | "cnn" | "gpt"
+    model: str  # "mlp" | "cnn" | "cnn_bn" | "gpt"
     steps: int = 300
-    optimizer: str = "adam"  # "adam" | "sgd"
+    optimizer: str = "adam"  # "adam" | "adamw" | "sgd"
     lr: float = 1e-3
     momentum: float = 0.0
     activation: str = "relu"  # mlp hidden activation
     drills: Callable[[], list[Drill]] = field(default=list)  # a factory: fresh drills per run
     batch_size: int = 32
+    schedule: str = "constant"  # a SCHEDULES key, or "manual" (the loop scales the lr at mid-run)
+    weight_decay: float = 0.0
+    head_group: bool = False  # the head in its own param group: lr ×0.1, no schedule
+    reference: bool = False  # scored with `analyze --reference` against a clean run of its set-up
 
+
+def _step_decay(step: int, n: int) -> float:
+    """×0.1 at 40% and again at 70% of the run (the ResNet recipe, shortened)."""
+    return 0.1 ** sum(step >= m for m in (int(0.4 * n), int(0.7 * n)))
+
+
+def _warmup_cosine(step: int, n: int) -> float:
+    """Linear warmup over the first 10%, then cosine to 0 (the LLM recipe)."""
+    warm = max(1, n // 10)
+    if step < warm:
+        return (step + 1) / warm
+    return 0.5 * (1 + math.cos(math.pi * (step - warm) / max(1, n - warm)))
+
+
+def _one_cycle(step: int, n: int) -> float:
+    """From 1/25 up to 1 over the first 30% (cosine), then down to 1/2500 (one-cycle's shape)."""
+    up = max(1, int(0.3 * n))
+    if step < up:
+        return 1 / 25 + (1 - 1 / 25) * 0.5 * (1 - math.cos(math.pi * step / up))
+    return 1 / 2500 + (1 - 1 / 2500) * 0.5 * (1 + math.cos(math.pi * (step - up) / max(1, n - up)))
+
+
+def _restarts(step: int, n: int) -> float:
+    """Cosine annealing with warm restarts every 100 steps (SGDR)."""
+    return 0.5 * (1 + math.cos(math.pi * (step % 100) / 100))
+
+
+SCHEDULES: dict[str, Callable[[int, int], float]] = {
+    "constant": lambda step, n: 1.0, "step": _step_decay, "warmup_cosine": _warmup_cosine,
+    "one_cycle": _one_cycle, "linear": lambda step, n: 1.0 - 0.95 * step / n, "restarts": _restarts,
+}
+MANUAL_FACTOR = 0.3  # "manual": the loop multiplies every group's lr by this at mid-run
 
 def build_model(scenario: Scenario, seed: int) -> tuple[nn.Module, str]:
     """The scenario's model (seeded) and the name of its output head."""
@@ -67,6 +108,8 @@ def build_model(scenario: Scenario, seed: int) -> tuple[nn.Module, str]:
         return zoo.mlp(activation=scenario.activation), "6"
     if scenario.model == "cnn":
         return zoo.cnn(), "6"
+    if scenario.model == "cnn_bn":
+        return zoo.cnn(batchnorm=True), "8"
     if scenario.model == "gpt":
         return zoo.TinyGPT(_GPT), "lm_head"
     raise ScenarioError(f"unknown model {scenario.model!r}; expected mlp, cnn or gpt")
@@ -79,17 +122,38 @@ def _data(scenario: Scenario, seed: int) -> Iterator[zoo.Batch]:
     if scenario.model == "mlp":
         x, y = zoo.teacher_classification(seed=seed)
         return zoo.batches(x, y, scenario.batch_size, seed=seed)
-    if scenario.model == "cnn":
+    if scenario.model in ("cnn", "cnn_bn"):
         x, y = zoo.blob_images(seed=seed)
         return zoo.batches(x, y, scenario.batch_size, seed=seed)
     tokens = zoo.char_corpus(max_bytes=100_000)
     return zoo.text_batches(tokens, scenario.batch_size // 2, _GPT.block_size, seed=seed)
 
 
-def _optimizer(scenario: Scenario, model: nn.Module) -> torch.optim.Optimizer:
+def _optimizer(scenario: Scenario, model: nn.Module, head: str) -> torch.optim.Optimizer:
+    params: Any = list(model.parameters())
+    if scenario.head_group:
+        own = {id(p) for p in dict(model.named_modules())[head].parameters()}
+        params = [{"params": [p for p in params if id(p) not in own]},
+                  {"params": [p for p in params if id(p) in own], "lr": scenario.lr * 0.1}]
+    wd = scenario.weight_decay
     if scenario.optimizer == "sgd":
-        return torch.optim.SGD(model.parameters(), lr=scenario.lr, momentum=scenario.momentum)
-    return torch.optim.Adam(model.parameters(), lr=scenario.lr)
+        return torch.optim.SGD(params, lr=scenario.lr, momentum=scenario.momentum, weight_decay=wd)
+    if scenario.optimizer == "adamw":
+        return torch.optim.AdamW(params, lr=scenario.lr, weight_decay=wd)
+    return torch.optim.Adam(params, lr=scenario.lr, weight_decay=wd)
+
+
+def _scheduler(sc: Scenario, optimizer: torch.optim.Optimizer, n_steps: int) -> Any:
+    """The scenario's lr schedule as a LambdaLR (made after the drills regrouped the params)."""
+    if sc.schedule in ("constant", "manual"):
+        return None
+    if sc.schedule not in SCHEDULES:
+        raise ScenarioError(f"unknown schedule {sc.schedule!r}; expected manual or one of {', '.join(SCHEDULES)}")
+    shape = SCHEDULES[sc.schedule]
+    lambdas = [lambda s: shape(s, n_steps)] * len(optimizer.param_groups)
+    if sc.head_group:  # the head's group keeps its own, constant lr
+        lambdas[-1] = lambda s: 1.0
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambdas)
 
 
 def _checkpoint(rec: Any, model: nn.Module, optimizer: torch.optim.Optimizer, step: int,
@@ -128,6 +192,9 @@ def rehearse(scenario: str | Scenario, trace_dir: str | Path, *, seed: int = 0,
     active = list(drills) if drills is not None else sc.drills()
     for d in active:
         d.attach(model, optimizer)
+    scheduler = _scheduler(sc, optimizer, n_steps)
+    for _ in range(start_step if scheduler is not None else 0):
+        scheduler.step()
     data = _data(sc, seed)
     for _ in range(start_step):  # the batches the checkpointed steps consumed
         next(data)
@@ -137,7 +204,12 @@ def rehearse(scenario: str | Scenario, trace_dir: str | Path, *, seed: int = 0,
                    rank=rank, world_size=world_size) as rec:
             for step in range(start_step + 1, n_steps + 1):
                 ids, x, y = next(data)
+                if sc.schedule == "manual" and step == n_steps // 2:
+                    for group in optimizer.param_groups:
+                        group["lr"] *= MANUAL_FACTOR
                 losses.append(_train_step(step, model, optimizer, active, x, y))
+                if scheduler is not None:
+                    scheduler.step()
                 rec.log(loss=losses[-1])
                 rec.batch(ids)
                 if checkpoint_every and step % checkpoint_every == 0:
@@ -152,7 +224,7 @@ def _start(sc: Scenario, seed: int, resume_from: str | Path | None
            ) -> tuple[nn.Module, str, torch.optim.Optimizer]:
     """The model, its head's name and the optimizer: fresh, or restored from a checkpoint."""
     model, head = build_model(sc, seed)
-    optimizer = _optimizer(sc, model)
+    optimizer = _optimizer(sc, model, head)
     if resume_from is not None:
         state = torch.load(resume_from, weights_only=True)
         model.load_state_dict(state["model"])
@@ -181,7 +253,8 @@ def _write_truth(trace_dir: Path, sc: Scenario, seed: int, n_steps: int,
     truth = {
         "scenario": sc.name, "model": sc.model, "seed": seed, "steps": n_steps,
         "healthy": first is None, "faults": faults,
-        **({k: first[k] for k in ("fault", "component", "step", "kind", "condition")} if first else {}),
+        **({k: first[k] for k in ("fault", "component", "step", "kind", "condition", "scope")
+            if k in first} if first else {}),
         "final_loss": losses[-1] if losses else None,
     }
     (trace_dir / TRUTH_FILE).write_text(json.dumps(truth, indent=2))  # the last rank's, if several
@@ -229,7 +302,48 @@ def _scenarios() -> dict[str, Scenario]:
         Scenario("mlp_creeping_corruption", "mlp",
                  drills=lambda: [WeightGrowth("2", 150, rate=0.03, duration=150)]),
     ]
-    return {sc.name: sc for sc in s}
+    return {sc.name: sc for sc in s + _recipes() + _from_step_one()}
+
+
+_BN_SGD = {"optimizer": "sgd", "lr": 0.05, "momentum": 0.9, "weight_decay": 5e-4}
+
+
+def _recipes() -> list[Scenario]:
+    """Real training recipes: each schedule clean, and learning-rate spikes on top of them."""
+    spike = lambda: [LRSpike("", 150, factor=20.0)]  # noqa: E731
+    return [
+        Scenario("cnn_bn_step_clean", "cnn_bn", schedule="step", **_BN_SGD),
+        Scenario("cnn_bn_restarts_clean", "cnn_bn", schedule="restarts", **_BN_SGD),
+        Scenario("cnn_one_cycle_clean", "cnn", optimizer="sgd", lr=0.05, momentum=0.9, schedule="one_cycle"),
+        Scenario("mlp_warmup_cosine_clean", "mlp", optimizer="adamw", weight_decay=0.01, schedule="warmup_cosine"),
+        Scenario("gpt_warmup_cosine_clean", "gpt", optimizer="adamw", lr=3e-3, weight_decay=0.1,
+                 schedule="warmup_cosine"),
+        Scenario("mlp_linear_clean", "mlp", optimizer="sgd", lr=0.02, momentum=0.9, schedule="linear"),
+        Scenario("mlp_manual_clean", "mlp", schedule="manual"),
+        Scenario("mlp_head_group_clean", "mlp", optimizer="sgd", lr=0.02, momentum=0.9, schedule="step",
+                 head_group=True),
+        Scenario("cnn_bn_step_lr_spike", "cnn_bn", schedule="step", drills=spike, **_BN_SGD),
+        Scenario("gpt_warmup_cosine_lr_spike", "gpt", optimizer="adamw", lr=3e-3, weight_decay=0.1,
+                 schedule="warmup_cosine", drills=spike),
+        Scenario("mlp_adam_lr_spike", "mlp", drills=spike),
+    ]
+
+
+def _from_step_one() -> list[Scenario]:
+    """Faults present from the first step, and a clean run, each judged against a reference run."""
+    s = []
+    for model, mid in (("mlp", "2"), ("gpt", "h.0.mlp.c_fc")):
+        s += [
+            Scenario(f"{model}_missing_zero_grad", model, reference=True, drills=lambda: [MissingZeroGrad()]),
+            Scenario(f"{model}_frozen_by_mistake", model, reference=True,
+                     drills=lambda mid=mid: [FrozenByMistake(mid)]),
+            Scenario(f"{model}_not_in_optimizer", model, reference=True,
+                     drills=lambda mid=mid: [NotInOptimizer(mid)]),
+            Scenario(f"{model}_wrong_init_scale", model, reference=True,
+                     drills=lambda mid=mid: [WrongInitScale(mid, factor=10.0)]),
+            Scenario(f"{model}_reference_clean", model, reference=True),
+        ]
+    return s
 
 
 class _Registry(dict[str, Scenario]):

@@ -33,8 +33,19 @@ def mlp(d_in: int = 32, hidden: int = 64, depth: int = 3, n_classes: int = 10,
     return nn.Sequential(*layers)
 
 
-def cnn(channels: int = 8, n_classes: int = 10, size: int = 16) -> nn.Sequential:
-    """A small CNN for 1×size×size images: two conv+ReLU stages, pooling, a Linear head."""
+def cnn(channels: int = 8, n_classes: int = 10, size: int = 16, batchnorm: bool = False) -> nn.Sequential:
+    """A small CNN for 1×size×size images: two conv+ReLU stages, pooling, a Linear head.
+
+    `batchnorm`: conv → BatchNorm → ReLU stages (conv without bias), the ResNet pattern.
+    """
+    if batchnorm:
+        return nn.Sequential(
+            nn.Conv2d(1, channels, 3, padding=1, bias=False), nn.BatchNorm2d(channels), nn.ReLU(),
+            nn.Conv2d(channels, 2 * channels, 3, padding=1, bias=False), nn.BatchNorm2d(2 * channels), nn.ReLU(),
+            nn.MaxPool2d(2),
+            nn.Flatten(),
+            nn.Linear(2 * channels * (size // 2) ** 2, n_classes),
+        )
     return nn.Sequential(
         nn.Conv2d(1, channels, 3, padding=1), nn.ReLU(),
         nn.Conv2d(channels, 2 * channels, 3, padding=1), nn.ReLU(),

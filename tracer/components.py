@@ -37,6 +37,7 @@ class Component:
     forward_index: int | None = None   # first-call order in the first recorded forward
     parent_param: str | None = None
     head: bool = False
+    param_group: int | None = None     # optimizer param group holding its parameters
     extra: dict[str, object] = field(default_factory=dict)
 
     @property
@@ -94,6 +95,16 @@ def assign_parents(components: list[Component]) -> None:
             last_param = c.name
 
 
+def assign_param_groups(components: list[Component], param_groups: list[dict[str, object]]) -> None:
+    """For each component, the first optimizer param group holding any of its parameters."""
+    group_of: dict[int, int] = {}
+    for i, group in enumerate(param_groups):
+        for p in group.get("params", ()):  # type: ignore[union-attr]
+            group_of.setdefault(id(p), i)
+    for c in components:
+        c.param_group = next((group_of[id(p)] for p in c.params if id(p) in group_of), None)
+
+
 def component_rows(components: list[Component]) -> dict[str, list[object]]:
     """The `components` table, column by column."""
     return {
@@ -104,4 +115,5 @@ def component_rows(components: list[Component]) -> dict[str, list[object]]:
         "role": [c.role for c in components],
         "bound": [c.bound for c in components],
         "parent_param": [c.parent_param for c in components],
+        "param_group": [c.param_group for c in components],
     }

@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from . import schema
-from .components import assign_parents, discover, resolve_heads
+from .components import assign_param_groups, assign_parents, discover, resolve_heads
 from .probes import ForwardProbe, ParamProbe
 from .steprows import StepBuffer, StepRecord
 from .writer import TraceWriter
@@ -257,10 +257,10 @@ class Recorder:
             valid[:, _METRIC_POS[m]] &= fired
         for j, m in enumerate(_PARAM_METRICS):
             valid[:, _METRIC_POS[m]] = pvalid[:, j]
-        lr = self.optimizer.param_groups[0].get("lr") if self.optimizer else None
+        lrs = [_lr(g) for g in self.optimizer.param_groups] if self.optimizer else None
         return StepRecord(self.step_count, stats, valid, grad_total, now,
                            now - self._last_step_time, self._micro_batches,
-                           lr.detach().clone() if isinstance(lr, torch.Tensor) else lr)
+                           lrs[0] if lrs else None, lrs)
 
     def _structural_validity(self) -> np.ndarray:
         valid = np.ones((len(self.components), len(schema.HEALTH_METRICS)), dtype=bool)
@@ -275,6 +275,8 @@ class Recorder:
         if not self._heads_given:
             resolve_heads(self.components, None)
         assign_parents(self.components)
+        if self.optimizer is not None:
+            assign_param_groups(self.components, self.optimizer.param_groups)
         self._static_valid = self._structural_validity()
         unseen = [c.name for c in self.components if c.forward_index is None]
         if unseen:
@@ -361,6 +363,12 @@ class Recorder:
 
     def _at_exit(self) -> None:
         self.close("normal")
+
+
+def _lr(group: dict[str, Any]) -> Any:
+    """A param group's learning rate; a tensor lr is cloned (the scheduler updates it in place)."""
+    lr = group.get("lr")
+    return lr.detach().clone() if isinstance(lr, torch.Tensor) else lr
 
 
 def _is_scalar(value: Any) -> bool:

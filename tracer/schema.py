@@ -69,6 +69,7 @@ COMPONENT_COLUMNS: tuple[Column, ...] = (
     Column("role", STR, "", "`param` (owns parameters), `activation` (parameter-free nonlinearity) or `head` (output head)"),
     Column("bound", STR, "", "range of a bounded activation: `tanh` (-1,1), `sigmoid` (0,1), `relu` [0,inf), or null"),
     Column("parent_param", STR, "", "for an activation: the parameter-owning component called just before it (the layer it reads from)"),
+    Column("param_group", I64, "", "index of the optimizer param group holding this component's parameters (the first that holds any); null if it owns none or the optimizer holds none of them"),
 )
 
 HEALTH_COLUMNS: tuple[Column, ...] = (
@@ -98,6 +99,7 @@ STEP_COLUMNS: tuple[Column, ...] = (
     Column("step_time_s", F64, "seconds", "wall time since the previous step finished"),
     Column("loss", F64, "loss units", "`rec.log(loss=...)`; mean if logged several times in a step"),
     Column("lr", F64, "learning rate", "learning rate of the optimizer's first param group"),
+    Column("lr_groups", pa.list_(F64), "learning rate", "learning rate of every param group, in the optimizer's order (`components.param_group` indexes it)"),
     Column("grad_norm_total_l2", F64, "gradient units", "L2 norm of all parameter gradients together (what clipping sees)"),
     Column("micro_batches", I64, "forward passes", "training forward passes of the root module in this step"),
     Column("batch_ids", pa.list_(I64), "sample ids", "`rec.batch(ids)`: the samples (or batch indices) this step consumed"),

@@ -30,6 +30,7 @@ class StepRecord:
     step_time_s: float
     micro_batches: int
     lr: float | torch.Tensor | None
+    group_lrs: list[Any] | None = None  # every param group's lr (floats or tensors)
 
 
 class StepBuffer:
@@ -78,6 +79,7 @@ class StepBuffer:
         return {"step": [r.step for r in recs], "wall_time_s": [r.wall_time_s for r in recs],
                 "step_time_s": [r.step_time_s for r in recs], "loss": loss,
                 "lr": _floats([r.lr for r in recs]),
+                "lr_groups": [None if r.group_lrs is None else _floats(r.group_lrs) for r in recs],
                 "grad_norm_total_l2": _floats([r.grad_total for r in recs]),
                 "micro_batches": [r.micro_batches for r in recs],
                 "batch_ids": [_ids(self._batches.pop(r.step, None)) for r in recs]}

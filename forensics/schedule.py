@@ -1,0 +1,64 @@
+"""The learning rate each component's parameters saw at each step: what the optimizer intended.
+
+SGD (with or without momentum), Adam and AdamW all step by the learning rate times a direction
+that does not depend on it, so a scheduled change of the learning rate (warmup, step decay,
+cosine, one-cycle, a manual `param_group["lr"]` change, a different lr per param group) moves a
+component's update norm by exactly the same factor. The baseline judges update metrics relative
+to the lr in effect (`baseline.LR_SCALED`), so a schedule is not a fault; a rise of the lr
+itself far beyond the run's own history is (`lr_surge`, classified in the registry).
+
+Where the recorder wrote every param group's lr (`steps.lr_groups`) and which group holds each
+component (`components.param_group`), a component sees its own group's lr; older traces only
+have the first group's `steps.lr`, which every parameter-owning component is then given.
+"""
+
+from __future__ import annotations
+
+import polars as pl
+
+from .store import Trace
+
+
+def _columns(trace: Trace, view: str) -> set[str]:
+    return {d[0] for d in trace.con.execute(f"SELECT * FROM {view} LIMIT 0").description}
+
+
+def component_lr(trace: Trace) -> pl.DataFrame | None:
+    """rank, step, component, lr for every parameter-owning component; None if no lr was recorded."""
+    steps, comps = _columns(trace, "steps"), _columns(trace, "components")
+    if "lr" not in steps:
+        return None
+    if "lr_groups" in steps and "param_group" in comps:
+        # lr_groups is null where the run had no optimizer; param_group null: not held by it
+        lr = ("CASE WHEN s.lr_groups IS NULL THEN s.lr WHEN c.param_group IS NULL THEN NULL "
+              "ELSE s.lr_groups[c.param_group + 1] END")
+    else:
+        lr = "s.lr"
+    rows = trace.con.sql(f"""
+        SELECT s.rank, s.step, c.component, CAST({lr} AS DOUBLE) AS lr
+        FROM steps s JOIN components c ON s.rank = c.rank
+        WHERE c.param_count > 0""").pl()
+    if rows.is_empty() or rows["lr"].is_null().all():
+        return None
+    return rows.with_columns(pl.col("rank").cast(pl.Int64), pl.col("step").cast(pl.Int64))
+
+
+def not_held(trace: Trace) -> list[str]:
+    """Parameter-owning components whose parameters no optimizer param group holds."""
+    if "param_group" not in _columns(trace, "components") or "lr_groups" not in _columns(trace, "steps"):
+        return []
+    if trace.one("SELECT count(*) FROM steps WHERE lr_groups IS NOT NULL")[0] == 0:
+        return []  # the run was recorded without an optimizer: nothing to hold them
+    rows = trace.con.execute("""SELECT DISTINCT component FROM components
+                                WHERE param_count > 0 AND param_group IS NULL ORDER BY component""").fetchall()
+    return [r[0] for r in rows]
+
+
+def with_lr(health: pl.LazyFrame, trace: Trace) -> pl.LazyFrame:
+    """Health rows with each component's `lr` column (null where none applies or none was recorded)."""
+    lr = component_lr(trace)
+    if lr is None:
+        return health
+    keys = ["rank", "step", "component"]
+    health = health.with_columns(pl.col("rank").cast(pl.Int64), pl.col("step").cast(pl.Int64))
+    return health.join(lr.lazy(), on=keys, how="left")

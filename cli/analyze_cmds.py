@@ -10,6 +10,7 @@ from warninglight.cli.common import (
     CheckpointsOpt,
     ConfigOpt,
     EveryOpt,
+    ReferenceOpt,
     SetOpt,
     TraceArg,
     analysis_from,
@@ -86,9 +87,10 @@ def analyze_cmd(
     overrides: SetOpt = None,
     checkpoints: CheckpointsOpt = None,
     every: EveryOpt = None,
+    reference: ReferenceOpt = None,
 ) -> None:
     """Is this run failing? Which component, since when, how badly, and how far to roll back."""
-    result = analysis_from(trace, config, overrides, checkpoints, every).to_dict()
+    result = analysis_from(trace, config, overrides, checkpoints, every, reference).to_dict()
     typer.echo(json.dumps(result, indent=2) if as_json else analysis_text(result))
     baseline = config_from(config, overrides).baseline
     need = baseline.min_samples + baseline.lag  # the first recorded step a baseline can judge

@@ -32,6 +32,9 @@ CheckpointsOpt = Annotated[str | None, typer.Option(
     "--checkpoints", help="A glob of checkpoint files (quote it); the step is the last number in each name.")]
 EveryOpt = Annotated[int | None, typer.Option(
     "--checkpoint-every", min=1, help="Assume a checkpoint every N steps instead of the recorded ones.")]
+ReferenceOpt = Annotated[Path | None, typer.Option(
+    "--reference", help="A known-good trace of the same model and schedule: judge every component "
+                        "against it step by step, to find faults present from the first step.")]
 
 
 def fail(message: str, code: int = BAD_INPUT) -> typer.Exit:
@@ -75,8 +78,9 @@ def table(rows: Sequence[dict[str, Any]], columns: Sequence[str]) -> str:
 
 
 def analysis_from(trace: Path, config: Path | None, overrides: list[str] | None,
-                  checkpoints: str | None, every: int | None) -> Analysis:
-    """The analysis a command prints, with the thresholds and checkpoints the user chose."""
+                  checkpoints: str | None, every: int | None, reference: Path | None = None) -> Analysis:
+    """The analysis a command prints, with the thresholds, checkpoints and reference the user chose."""
     cfg = config_from(config, overrides)
     with bad_input():
-        return analyze(trace, config=cfg, checkpoints_glob=checkpoints, checkpoint_every=every)
+        return analyze(trace, config=cfg, checkpoints_glob=checkpoints, checkpoint_every=every,
+                       reference=reference)

@@ -20,6 +20,7 @@ from . import rollback as rb
 from .baseline import band
 from .classify import classify
 from .conditions import Config, load_config
+from .dataroot import data_root, gradients_wide
 from .localise import locate, root_cause
 from .reference import check_components, reference_baseline
 from .schedule import with_lr
@@ -67,6 +68,8 @@ def root_name(root: Mapping[str, Any]) -> str:
     """How a root is named to a person: its module path, or what `""` (the whole model) means."""
     if root.get("scope") == "optimizer":
         return "optimizer-wide (every component's update)"
+    if root.get("scope") == "data":
+        return "the data (bad batches)"
     return root.get("component") or "(whole model)"
 
 
@@ -99,6 +102,28 @@ def _step_series(trace: Trace, column: str) -> tuple[np.ndarray, np.ndarray]:
     rows = trace.con.execute(
         f"SELECT step, avg({column}) AS v FROM steps GROUP BY step HAVING v IS NOT NULL ORDER BY step").fetchall()
     return np.array([r[0] for r in rows], dtype=np.int64), np.array([r[1] for r in rows], dtype=np.float64)
+
+
+def _data_root(root: dict[str, Any] | None, located: pl.DataFrame, components: pl.DataFrame,
+               trace: Trace, cfg: Config) -> int | None:
+    """Re-root on the data (or on the gradients fed to the optimizer) when they, not one component,
+    explain the departure; the bad window's last step for data."""
+    if root is None:
+        return None
+    owners = components.filter(pl.col("param_count") > 0).drop_nulls("forward_index")
+    readers = set(owners.filter(pl.col("forward_index") == pl.col("forward_index").min())["component"].to_list())
+    rows = list(located.iter_rows(named=True))
+    found = data_root(root, rows, readers, _step_series(trace, "loss"),
+                      _step_series(trace, "grad_norm_total_l2"), cfg.baseline)
+    if found is None:
+        heads = set(components.filter(pl.col("role") == "head")["component"].to_list())
+        wide = gradients_wide(root, rows, heads, param_components(components))
+        if wide is not None:
+            root.update(attributed_to="", scope="optimizer", onset_step=wide[0], evidence=wide[1])
+        return None
+    onset, end, evidence = found
+    root.update(attributed_to="", scope="data", onset_step=onset, evidence=evidence)
+    return end
 
 
 def comparators(trace: Trace, onset: int | None) -> dict[str, Any]:
@@ -146,12 +171,13 @@ def analyze(trace_dir: str | Path, *, config: Config | str | Path | None = None,
         components = trace.frame("components").collect()
         located = locate(alarms, scored, components, cfg)
         root, affected = root_cause(located, cfg, param_components(components))
+        skip_until = _data_root(root, located, components, trace, cfg)
         onset = root["onset_step"] if root else None
         found = comparators(trace, onset)
         last = int(summary["last_step"] or 0)
         ckpts, source = _checkpoints(trace, checkpoints_glob, checkpoint_every, last)
         rollback = rb.recommend(trace, ckpts, source, onset, root["step"] if root else None,
-                                found["loss_spike_step"], last)
+                                found["loss_spike_step"], last, skip_until)
     finally:
         trace.close()
     first_light = located.select(pl.col("step").min()).item() if root is not None else None

@@ -32,7 +32,7 @@ DEFAULT_ABS_FLOOR = 1e-8
 LOG_METRICS = frozenset({"out_rms", "out_absmax", "grad_norm_l2", "weight_norm_l2",
                          "update_norm_l2", "update_ratio", "lr_surge"})
 LR_SCALED = frozenset({"update_norm_l2", "update_ratio"})  # proportional to the lr in effect
-DERIVED_METRICS = ("lr_surge",)
+DERIVED_METRICS = ("lr", "lr_surge")  # from the optimizer's schedule (`schedule.py`)
 LOG_TINY = 1e-12  # log(0) stand-in: a norm of exactly 0 is a collapse, not a missing value
 LOG_SCALE_FLOOR = 0.02  # log units: ±2%
 
@@ -124,9 +124,10 @@ def with_baseline(frame: pl.LazyFrame, cfg: BaselineConfig, metrics: list[str] |
         reference_exprs(m, lr, suffix) if m in given else baseline_exprs(m, cfg, lr))])
     if given:
         frame = frame.drop([c for c in reference.columns if c.endswith(suffix)])  # type: ignore[union-attr]
-    return frame.with_columns([
-        ((transform(m, pl.col(m).cast(pl.Float64)) - transform(m, pl.col(f"{m}__med")))
-         / pl.col(f"{m}__scale")).alias(f"{m}__z")
+    return frame.with_columns([  # null where there is no baseline yet
+        pl.when(pl.col(f"{m}__med").is_not_null()).then(
+            (transform(m, pl.col(m).cast(pl.Float64)) - transform(m, pl.col(f"{m}__med")))
+            / pl.col(f"{m}__scale")).alias(f"{m}__z")
         for m in metrics
     ])
 

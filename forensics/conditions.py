@@ -144,8 +144,10 @@ CONDITIONS: tuple[Condition, ...] = (
               (Rule("update_cos", DOWN, level=-0.5, delta=0.4),),
               persistence=4, ceiling=0.3, precedence=5),
     Condition("stagnant", "stopped learning while others learn",
-              "update norm (so the update ratio) collapses while the median component's does not",
-              (Rule("update_norm_l2", DOWN, z=6.0, fold=10.0, peers_fold=0.5),),
+              "update norm (so the update ratio) collapses while the median component's does not; "
+              "or its gradients are never applied (no optimizer param group holds it: lr NaN)",
+              (Rule("update_norm_l2", DOWN, z=6.0, fold=10.0, peers_fold=0.5),
+               Rule("lr", NONFINITE, persistence=1)),
               persistence=5, ceiling=0.05, precedence=6),
     Condition("losing_gradient", "gradient vanishes",
               "gradient norm far below its baseline",

@@ -74,7 +74,8 @@ def metric_onset(scored: pl.DataFrame, alarm: dict[str, Any], onset_z: float) ->
         z = direction * z_numpy(alarm["metric"], values, alarm["median"], scale)
         # ...and against its own baseline at the time, as a live monitor saw it: one noisy step
         # just before an abrupt fault must not pass for its start.
-        own = direction * np.nan_to_num(_series(scored, alarm["rank"], alarm["component"],
+        # no baseline yet (null z) counts as departing, in either direction
+        own = np.nan_to_num(direction * _series(scored, alarm["rank"], alarm["component"],
                                                 f"{alarm['metric']}__z").values[upto], nan=np.inf)
         departing = ~np.isfinite(values) | ((z > onset_z) & (own > onset_z))
     i = len(steps) - 1

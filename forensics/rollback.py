@@ -3,7 +3,8 @@
 A checkpoint recorded at step c holds the weights after c steps (tracer/schema.py), so it is
 free of a fault whose onset is step o exactly when c < o. We recommend the latest such
 checkpoint, the steps it throws away (last recorded step − c), and the steps (and batch ids, where
-`rec.batch` recorded them) from the onset to the alarm, to skip on resume. The loss-only choice
+`rec.batch` recorded them) from the onset to the alarm — for bad data, to the end of the bad
+window — to skip on resume. The loss-only choice
 is the latest checkpoint strictly before the loss-spike alarm; it is *contaminated* when it was
 saved at or after the onset (it already holds the damage).
 """
@@ -99,8 +100,13 @@ def batches_in(trace: Trace, first: int, last: int) -> list[int] | None:
 
 
 def recommend(trace: Trace, checkpoints: list[Checkpoint], source: str, onset: int | None,
-              alarm: int | None, loss_spike: int | None, last_step: int) -> Rollback:
-    """The rollback for a fault with `onset` raised at `alarm` (both None: nothing to roll back)."""
+              alarm: int | None, loss_spike: int | None, last_step: int,
+              skip_until: int | None = None) -> Rollback:
+    """The rollback for a fault with `onset` raised at `alarm` (both None: nothing to roll back).
+
+    `skip_until`: the last step of a bad-data window when it outlasts the alarm; the steps (and
+    batches) to skip then run from the onset to there, not only to the alarm.
+    """
     steps = sorted(c.step for c in checkpoints)
     naive = _naive(checkpoints, onset, loss_spike, last_step)
     if onset is None or alarm is None:
@@ -108,7 +114,8 @@ def recommend(trace: Trace, checkpoints: list[Checkpoint], source: str, onset: i
     ckpt = _before(checkpoints, onset)
     note = (f"resume from the checkpoint at step {ckpt.step}" if ckpt.step else
             "no checkpoint before the onset: restart from initialisation")
-    note += f"; skip steps {onset}-{alarm}"
+    last_skip = max(alarm, skip_until or alarm)
+    note += f"; skip steps {onset}-{last_skip}"
     if naive.alarm_step is None:
         note += "; the loss-spike rule never fired, so a loss-only operator would not roll back"
     elif naive.checkpoint_step is not None:
@@ -116,8 +123,8 @@ def recommend(trace: Trace, checkpoints: list[Checkpoint], source: str, onset: i
         note += (f"; a loss-only operator would roll back to step {naive.checkpoint_step}"
                  + (f", which already held the damage (saved at or after onset {onset})" if naive.contaminated else "")
                  + (f" ({later} steps later than ours)" if later > 0 else ""))
-    return Rollback(ckpt.step, ckpt.path, last_step - ckpt.step, [onset, alarm],
-                    batches_in(trace, onset, alarm), naive, source, note, steps)
+    return Rollback(ckpt.step, ckpt.path, last_step - ckpt.step, [onset, last_skip],
+                    batches_in(trace, onset, last_skip), naive, source, note, steps)
 
 
 def _naive(checkpoints: list[Checkpoint], onset: int | None, loss_spike: int | None,

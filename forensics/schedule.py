@@ -29,8 +29,9 @@ def component_lr(trace: Trace) -> pl.DataFrame | None:
     if "lr" not in steps:
         return None
     if "lr_groups" in steps and "param_group" in comps:
-        # lr_groups is null where the run had no optimizer; param_group null: not held by it
-        lr = ("CASE WHEN s.lr_groups IS NULL THEN s.lr WHEN c.param_group IS NULL THEN NULL "
+        # lr_groups is null where the run had no optimizer; param_group null: no group holds the
+        # component, so no learning rate applies to it (NaN, see `with_lr`)
+        lr = ("CASE WHEN s.lr_groups IS NULL THEN s.lr WHEN c.param_group IS NULL THEN 'NaN'::DOUBLE "
               "ELSE s.lr_groups[c.param_group + 1] END")
     else:
         lr = "s.lr"
@@ -55,10 +56,18 @@ def not_held(trace: Trace) -> list[str]:
 
 
 def with_lr(health: pl.LazyFrame, trace: Trace) -> pl.LazyFrame:
-    """Health rows with each component's `lr` column (null where none applies or none was recorded)."""
+    """Health rows with each component's `lr` column (null where none applies or none was recorded).
+
+    A component whose parameters get gradients while no param group holds them has lr NaN: its
+    gradients are computed every step and never applied (the registry's stagnant condition reads
+    it). Without gradients (frozen on purpose, `requires_grad=False`) its lr is null: no verdict.
+    """
     lr = component_lr(trace)
     if lr is None:
         return health
     keys = ["rank", "step", "component"]
     health = health.with_columns(pl.col("rank").cast(pl.Int64), pl.col("step").cast(pl.Int64))
-    return health.join(lr.lazy(), on=keys, how="left")
+    joined = health.join(lr.lazy(), on=keys, how="left")
+    grads = pl.col("grad_norm_l2").cast(pl.Float64)
+    unheld = pl.col("lr").is_nan() & ~(grads > 0).fill_null(False)
+    return joined.with_columns(pl.when(unheld).then(None).otherwise(pl.col("lr")).alias("lr"))

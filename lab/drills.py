@@ -427,6 +427,7 @@ class MissingZeroGrad(Drill):
 
     component: str = ""
     step: int = 1
+    kind: str = GRADUAL  # the gradients grow step by step
     fault: str = "missing_zero_grad"
     condition: str = "exploding"
     _current: int = field(default=0, init=False, repr=False)

@@ -122,11 +122,27 @@ def _data_root(root: dict[str, Any] | None, located: pl.DataFrame, components: p
         heads = set(components.filter(pl.col("role") == "head")["component"].to_list())
         wide = gradients_wide(root, rows, heads, param_components(components))
         if wide is not None:
-            root.update(attributed_to="", scope="optimizer", onset_step=wide[0], evidence=wide[1])
+            lead, onset, evidence = wide
+            root.update({k: lead[k] for k in ("observed_on", "condition", "metric", "step", "magnitude",
+                                              "value", "median", "rank")},
+                        attributed_to="", scope="optimizer", onset_step=onset, evidence=evidence)
         return None
     onset, end, evidence = found
     root.update(attributed_to="", scope="data", onset_step=onset, evidence=evidence)
     return end
+
+
+def _optimizer_evidence(root: dict[str, Any] | None) -> None:
+    """Say what the learning rate did when it, not the updates, is the evidence."""
+    if root is None:
+        return
+    if root["metric"] == "lr_surge" and root["scope"] == "optimizer":
+        root["evidence"] = (f"optimizer-wide: the learning rate rose {root['value']:.3g}x in one step "
+                            "to above any the run's schedule had set, on the components it feeds: a "
+                            "spike, not a schedule")
+    elif root["metric"] == "lr" and root["median"] is None:
+        root["evidence"] = ("no optimizer param group holds its parameters: its gradients are "
+                            "computed every step and never applied")
 
 
 def comparators(trace: Trace, onset: int | None) -> dict[str, Any]:
@@ -175,6 +191,7 @@ def analyze(trace_dir: str | Path, *, config: Config | str | Path | None = None,
         located = locate(alarms, scored, components, cfg)
         root, affected = root_cause(located, cfg, param_components(components))
         skip_until = _data_root(root, located, components, trace, cfg)
+        _optimizer_evidence(root)
         onset = root["onset_step"] if root else None
         found = comparators(trace, onset)
         last = int(summary["last_step"] or 0)

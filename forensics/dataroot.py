@@ -143,8 +143,9 @@ def data_root(root: dict[str, Any], rows: list[dict[str, Any]], first_readers: s
 
 
 def gradients_wide(root: dict[str, Any], rows: list[dict[str, Any]], heads: set[str],
-                   param_components: int) -> tuple[int, str] | None:
-    """(onset, evidence) when the gradients of most components grew together, else None."""
+                   param_components: int) -> tuple[dict[str, Any], int, str] | None:
+    """(the leading gradient alarm, onset, evidence) when the gradients of most components grew
+    together, else None."""
     if root.get("scope") != "component":
         return None
     grew = [a for a in rows if a["metric"] == "grad_norm_l2" and a["median"] is not None
@@ -157,7 +158,8 @@ def gradients_wide(root: dict[str, Any], rows: list[dict[str, Any]], heads: set[
     if min(a["step"] for a in grew) > min(a["step"] for a in rows):
         return None  # something else alarmed first
     onset = min(a["onset_step"] for a in grew)
-    return onset, (f"gradients model-wide: the gradient norms of {len(comps)} of {param_components} "
+    lead = min(grew, key=lambda a: (a["onset_step"], a["step"]))
+    return lead, onset, (f"gradients model-wide: the gradient norms of {len(comps)} of {param_components} "
                    "parameter-owning components, the head's among them, grew far past their "
                    "baseline together with no weight drift: what the optimizer steps on changed "
                    "for the whole model (gradients not zeroed between steps, a loss scale), not one component")

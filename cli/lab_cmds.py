@@ -41,6 +41,7 @@ def eval_cmd(
     seeds: Annotated[int, typer.Option(min=1, help="Seeds per scenario (0..N-1).")] = 3,
     steps: Annotated[int | None, typer.Option(min=1, help="Override each scenario's step count.")] = None,
     json_out: Annotated[Path | None, typer.Option("--json", help="Also write every run's scores to this JSON file.")] = None,
+    results: Annotated[Path | None, typer.Option("--results", help="Also write the results page (docs/results.md) from this run.")] = None,
     workdir: Annotated[Path | None, typer.Option(help="Keep the traces here (default: a temporary folder).")] = None,
     list_: Annotated[bool, typer.Option("--list", help="List the scenarios and exit.")] = False,
     twins: Annotated[bool, typer.Option("--clean-twins/--no-clean-twins",
@@ -54,15 +55,16 @@ def eval_cmd(
         for name, sc in SCENARIOS.items():
             typer.echo(f"{name}\t{sc.model}\t{sc.steps} steps")
         return
-    if json_out is not None and not json_out.parent.is_dir():  # checked before minutes of training
-        raise fail(f"--json {json_out}: folder {json_out.parent} does not exist — create it or pass another path")
+    for flag, path in (("--json", json_out), ("--results", results)):  # checked before minutes of training
+        if path is not None and not path.parent.is_dir():
+            raise fail(f"{flag} {path}: folder {path.parent} does not exist — create it or pass another path")
     names = scenarios or list(SCENARIOS)
     unknown = [n for n in names if n not in SCENARIOS]
     if unknown:
         raise fail(f"unknown scenario {unknown[0]!r}; run `warninglight eval --list` for the names")
 
     def progress(r: evaluation.RunScore) -> None:
-        verdict = f"root {r.root_component} ({r.root_condition})" if r.fault_verdict else "no fault verdict"
+        verdict = f"root {r.root_component or r.root_scope} ({r.root_condition})" if r.fault_verdict else "no fault verdict"
         typer.echo(f"  {r.scenario} seed {r.seed}: {verdict}, truth {r.truth_component or r.fault}, {r.seconds:.1f} s", err=True)
 
     try:
@@ -73,3 +75,8 @@ def eval_cmd(
     typer.echo(evaluation.format_tables(runs))
     if json_out is not None:
         json_out.write_text(json.dumps([r.to_dict() for r in runs], indent=1))
+    if results is not None:
+        from warninglight.lab.results import document
+
+        command = "warninglight eval" + (f" {' '.join(scenarios)}" if scenarios else "") + f" --seeds {seeds}"
+        results.write_text(document(runs, command + (f" --steps {steps}" if steps else "") + f" --results {results}"))

@@ -111,15 +111,16 @@ def with_baseline(frame: pl.LazyFrame, cfg: BaselineConfig, metrics: list[str] |
     `reference`: a reference run's baseline columns by (component, step) (`reference.py`), used
     instead of each component's own past for every metric it has.
     """
+    given: set[str] = set()
+    if reference is not None:  # joined first: a join does not keep the row order rolling windows need
+        given = {m for m in metrics_in(frame) if f"{m}__med{suffix}" in reference.columns}
+        frame = frame.join(reference.lazy(), on=["component", "step"], how="left")
     frame = frame.sort([*KEYS, "step"])
     lr = "lr" in frame.collect_schema().names()
     if lr:
         frame = frame.with_columns(lr_surge())
     metrics = metrics if metrics is not None else metrics_in(frame)
-    given: set[str] = set()
-    if reference is not None:
-        given = {m for m in metrics if f"{m}__med{suffix}" in reference.columns}
-        frame = frame.join(reference.lazy(), on=["component", "step"], how="left")
+    given &= set(metrics)
     frame = frame.with_columns([e for m in metrics for e in (
         reference_exprs(m, lr, suffix) if m in given else baseline_exprs(m, cfg, lr))])
     if given:

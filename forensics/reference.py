@@ -4,7 +4,8 @@ A trailing baseline cannot see a fault present from the first step: there is no 
 reference run of the same model and schedule supplies one. Every component of the run is then
 judged, step by step, against the reference's own trailing baseline at the same step (its median
 and robust scale over the same window) instead of its own past: the same rules of the same
-registry fire, so a missing `zero_grad` shows as gradients exploding, a layer frozen by mistake or
+registry fire (a layer's mean output excepted: it differs from seed to seed, see `SEED_SPECIFIC`),
+so a missing `zero_grad` shows as gradients exploding, a layer frozen by mistake or
 left out of the optimizer as stagnant, a wrong initialisation scale as weights far from the
 reference's. Update metrics stay relative to each run's own learning rate, and the learning rate's
 surge is judged against the run's own history.
@@ -29,6 +30,10 @@ class ReferenceError(TraceError):
 
 
 REF = "__ref"  # suffix of the reference's baseline columns while they are joined to the run
+# Metrics that are a property of one run's random draw, not of the model and recipe: a layer's
+# mean output is a random projection's mean, different for every seed, so another run says
+# nothing about it. They stay judged against the component's own past.
+SEED_SPECIFIC = frozenset({"out_mean"})
 
 
 def reference_baseline(path: str | Path, cfg: BaselineConfig) -> pl.DataFrame:
@@ -40,7 +45,7 @@ def reference_baseline(path: str | Path, cfg: BaselineConfig) -> pl.DataFrame:
         scored = with_baseline(frame.filter(pl.col("rank") == pl.col("rank").min()), cfg).collect()
     finally:
         trace.close()
-    metrics = [m for m in metrics_in(scored) if m != "lr_surge"]
+    metrics = [m for m in metrics_in(scored) if m not in ("lr", "lr_surge") and m not in SEED_SPECIFIC]
     cols = []
     for m in metrics:
         med = pl.col(f"{m}__med")

@@ -398,31 +398,11 @@ def format_tables(runs: Sequence[RunScore]) -> str:
         out += ["Clean runs (a `~clean` name is a drill-free twin of that scenario's training set-up; "
                 "the comparators' columns count runs where they fired at all, i.e. false alarms):", "",
                 _markdown(rows, "scenario"), ""]
+    from .results import misses, targets  # formatting of the verdicts lives there
+
     out += ["Targets:"] + [f"- {line}" for line in targets(runs)]
+    missed = misses(runs)
+    if missed:
+        out += ["", "Misses (every run that missed a target, and what the engine said instead):"]
+        out += [f"- {line}" for line in missed]
     return "\n".join(out)
-
-
-def targets(runs: Sequence[RunScore]) -> list[str]:
-    """Each target of the issue, with the measured value and MET / MISSED."""
-    faults = [r for r in runs if r.kind != CLEAN]
-    cleans = [r for r in runs if r.kind == CLEAN]
-    lines = []
-    if faults:
-        k, n = _count(r.root_correct for r in faults)
-        lines.append(f"root component right in ≥ {ROOT_ACCURACY_TARGET:.0%} of fault runs: {k}/{n} = {k / n:.0%} "
-                     + ("MET" if k / n >= ROOT_ACCURACY_TARGET else "MISSED"))
-        for kind, tol in ONSET_TOLERANCE.items():
-            group = [r for r in faults if r.kind == kind]
-            if group:
-                k, n = _count(r.onset_ok for r in group)
-                lines.append(f"onset within {tol} steps ({kind}): {k}/{n} " + ("MET" if k == n else "MISSED"))
-        gradual = [r for r in faults if r.kind == "gradual"]
-        if gradual:
-            ok = sum(1 for r in gradual if r.fault_verdict
-                     and (r.loss_rule_step is None or (r.lead_loss or 0) >= GRADUAL_LEAD_TARGET))
-            lines.append(f"gradual faults alarm ≥ {GRADUAL_LEAD_TARGET} steps before the loss-spike rule "
-                         f"(or it never fires): {ok}/{len(gradual)} " + ("MET" if ok == len(gradual) else "MISSED"))
-    if cleans:
-        bad = sum(r.fault_verdict for r in cleans)
-        lines.append(f"zero fault verdicts on clean runs: {bad}/{len(cleans)} " + ("MET" if bad == 0 else "MISSED"))
-    return lines

@@ -253,7 +253,7 @@ def _write_truth(trace_dir: Path, sc: Scenario, seed: int, n_steps: int,
     truth = {
         "scenario": sc.name, "model": sc.model, "seed": seed, "steps": n_steps,
         "healthy": first is None, "faults": faults,
-        **({k: first[k] for k in ("fault", "component", "step", "kind", "condition", "scope")
+        **({k: first[k] for k in ("fault", "component", "step", "kind", "condition", "scope", "last_step")
             if k in first} if first else {}),
         "final_loss": losses[-1] if losses else None,
     }
@@ -314,7 +314,7 @@ def _recipes() -> list[Scenario]:
     return [
         Scenario("cnn_bn_step_clean", "cnn_bn", schedule="step", **_BN_SGD),
         Scenario("cnn_bn_restarts_clean", "cnn_bn", schedule="restarts", **_BN_SGD),
-        Scenario("cnn_one_cycle_clean", "cnn", optimizer="sgd", lr=0.05, momentum=0.9, schedule="one_cycle"),
+        Scenario("cnn_bn_one_cycle_clean", "cnn_bn", schedule="one_cycle", **_BN_SGD),
         Scenario("mlp_warmup_cosine_clean", "mlp", optimizer="adamw", weight_decay=0.01, schedule="warmup_cosine"),
         Scenario("gpt_warmup_cosine_clean", "gpt", optimizer="adamw", lr=3e-3, weight_decay=0.1,
                  schedule="warmup_cosine"),

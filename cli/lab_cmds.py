@@ -67,6 +67,9 @@ def eval_cmd(
         verdict = f"root {r.root_component or r.root_scope} ({r.root_condition})" if r.fault_verdict else "no fault verdict"
         typer.echo(f"  {r.scenario} seed {r.seed}: {verdict}, truth {r.truth_component or r.fault}, {r.seconds:.1f} s", err=True)
 
+    from warninglight.lab import results as results_page
+
+    at_commit = results_page.commit() if results is not None else None
     try:
         extra = evaluation.clean_twins(names) if twins else []
         runs = evaluation.run_benchmark([*names, *extra], seeds, workdir, steps, progress)
@@ -76,7 +79,5 @@ def eval_cmd(
     if json_out is not None:
         json_out.write_text(json.dumps([r.to_dict() for r in runs], indent=1))
     if results is not None:
-        from warninglight.lab.results import document
-
         command = "warninglight eval" + (f" {' '.join(scenarios)}" if scenarios else "") + f" --seeds {seeds}"
-        results.write_text(document(runs, command + (f" --steps {steps}" if steps else "") + f" --results {results}"))
+        results.write_text(results_page.document(runs, at_commit=at_commit, command=command + (f" --steps {steps}" if steps else "") + f" --results {results}"))

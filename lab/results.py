@@ -97,7 +97,7 @@ def misses(runs: Sequence[RunScore]) -> list[str]:
     return out
 
 
-def _commit() -> str:
+def commit() -> str:
     try:
         head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                               check=True, cwd=Path(__file__).parent).stdout.strip()
@@ -149,8 +149,8 @@ fault scenario's set-up that no clean scenario covers.
 """
 
 
-def document(runs: Sequence[RunScore], command: str, loaded: bool = True) -> str:
-    """docs/results.md for these runs."""
+def document(runs: Sequence[RunScore], command: str, at_commit: str | None = None, loaded: bool = True) -> str:
+    """docs/results.md for these runs (`at_commit`: the commit they ran on, taken before they ran)."""
     load = " on a shared 2-core machine under load (times are not comparable)" if loaded else ""
-    return HEADER.format(command=command, commit=_commit(), seconds=sum(r.seconds for r in runs),
+    return HEADER.format(command=command, commit=at_commit or commit(), seconds=sum(r.seconds for r in runs),
                          load=load, tables=format_tables(runs))

@@ -27,7 +27,7 @@ import pyarrow.parquet as pq
 from warninglight.tracer import schema
 
 _DUCK_TYPES = {"int64": "BIGINT", "float": "FLOAT", "double": "DOUBLE", "string": "VARCHAR",
-               "bool": "BOOLEAN", "list<item: int64>": "BIGINT[]"}
+               "bool": "BOOLEAN", "list<item: int64>": "BIGINT[]", "list<item: double>": "DOUBLE[]"}
 _TIMELINE_TABLES = ("health", "steps", "scalars", "events")
 
 

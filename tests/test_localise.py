@@ -41,9 +41,10 @@ def test_dead_activation_is_reported_on_the_layer_feeding_it() -> None:
     assert "3" in observed                         # seen on the ReLU after it
 
 
-def test_corrupt_batches_are_found_at_the_first_layer() -> None:
+def test_corrupt_batches_are_rooted_on_the_data_seen_first_at_the_first_layer() -> None:
     d = analysed("mlp_corrupt_batches").to_dict()
-    assert (d["root"]["attributed_to"], d["root"]["onset_step"]) == ("0", 150)
+    assert (d["root"]["scope"], d["root"]["attributed_to"], d["root"]["onset_step"]) == ("data", "", 150)
+    assert d["root"]["observed_on"] == "0"
 
 
 def test_drift_run_start_walks_back_over_consecutive_drift() -> None:
@@ -74,8 +75,9 @@ def test_a_fault_on_one_rank_names_that_rank() -> None:
 def test_lr_spike_is_optimizer_wide_but_a_one_layer_fault_is_not() -> None:
     d = analysed("mlp_lr_spike").to_dict()
     assert (d["root"]["attributed_to"], d["root"]["scope"]) == ("", "optimizer")
-    assert d["root"]["onset_step"] == 150 and d["root"]["metric"].startswith("update_")
+    assert d["root"]["onset_step"] == d["root"]["alarm_step"] == 150 and d["root"]["metric"] == "lr_surge"
     assert "optimizer-wide" in d["root"]["evidence"]
-    # The same many-component disturbance from corrupted data starts in the gradients: not the optimizer.
-    for scenario in ("mlp_corrupt_batches", "mlp_weight_corruption", "mlp_nan"):
+    # The same many-component disturbance from corrupted data is the data's, not the optimizer's.
+    assert analysed("mlp_corrupt_batches").to_dict()["root"]["scope"] == "data"
+    for scenario in ("mlp_weight_corruption", "mlp_nan"):
         assert analysed(scenario).to_dict()["root"]["scope"] == "component", scenario

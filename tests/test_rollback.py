@@ -22,7 +22,7 @@ def test_checkpoint_is_before_the_true_onset(scenario: str) -> None:
 
 
 def test_skip_window_and_batches_span_onset_to_alarm() -> None:
-    d = analysed("mlp_corrupt_batches").to_dict()
+    d = analysed("mlp_weight_corruption").to_dict()
     first, last = d["rollback"]["skip_step_range"]
     assert (first, last) == (d["root"]["onset_step"], d["root"]["alarm_step"])
     assert len(d["rollback"]["skip_batches"]) == 32 * (last - first + 1)  # batch_size ids per step

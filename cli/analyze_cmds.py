@@ -16,6 +16,7 @@ from warninglight.cli.common import (
     bad_input,
     config_from,
     table,
+    warn,
 )
 from warninglight.cli.main import app
 from warninglight.forensics import replay
@@ -89,6 +90,7 @@ def analyze_cmd(
 ) -> None:
     """Is this run failing? Which component, since when, how badly, and how far to roll back."""
     result = analysis_from(trace, config, overrides, checkpoints, every).to_dict()
+    warn(result["warnings"])
     typer.echo(json.dumps(result, indent=2) if as_json else analysis_text(result))
     baseline = config_from(config, overrides).baseline
     need = baseline.min_samples + baseline.lag  # the first recorded step a baseline can judge
@@ -112,6 +114,7 @@ def rollback_cmd(
 ) -> None:
     """The smallest rollback that removes the fault, beside what a loss-curve-only operator would do."""
     result = analysis_from(trace, config, overrides, checkpoints, every).to_dict()
+    warn(result["warnings"])
     typer.echo(json.dumps(result["rollback"], indent=2) if as_json else "\n".join(rollback_text(result)))
 
 
@@ -126,6 +129,7 @@ def replay_cmd(
     cfg = config_from(config, overrides)
     with bad_input():
         result = replay(trace, config=cfg)
+    warn(result.warnings)
     if as_json:
         typer.echo(json.dumps(result.to_dict(), indent=2))
         return

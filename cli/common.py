@@ -40,6 +40,19 @@ def fail(message: str, code: int = BAD_INPUT) -> typer.Exit:
     return typer.Exit(code)
 
 
+def warn(warnings: Sequence[str]) -> None:
+    """Print each warning about the trace as one `warning: ...` line on stderr."""
+    for w in warnings:
+        typer.echo(f"warning: {' '.join(w.split())}", err=True)
+
+
+def refuse_overwrite(path: Path, force: bool, flag: str = "-o") -> None:
+    """Fail unless `path` is new or `--force` was given: no command overwrites a file unasked."""
+    if path.exists() and not force:
+        raise fail(f"{flag} {path} already exists — pass --force to overwrite it, or choose "
+                   "another path")
+
+
 @contextmanager
 def bad_input() -> Iterator[None]:
     """Turn the library's input errors into a one-line message and exit code 2."""

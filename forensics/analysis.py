@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import polars as pl
 
-from . import detectors
+from . import checks, detectors
 from . import rollback as rb
 from .baseline import band
 from .classify import classify
@@ -40,6 +40,7 @@ class Analysis:
     detectors: dict[str, Any]
     scored: pl.DataFrame = field(repr=False)
     summary: dict[str, Any] = field(default_factory=dict)
+    warnings: list[str] = field(default_factory=list)  # problems of the trace the analysis went past
 
     def to_dict(self) -> dict[str, Any]:
         """The `--json` object (docs/analysis-json.md)."""
@@ -48,6 +49,7 @@ class Analysis:
             "affected": self.affected,
             "alarms": [{k: _plain(a[k]) for k in ALARM_KEYS} for a in self.alarms.iter_rows(named=True)],
             "rollback": self.rollback.to_dict(), "detectors": self.detectors, "trace_info": self.summary,
+            "warnings": self.warnings,
         }
 
     def baseline_frame(self, component: str, metric: str, rank: int = 0,
@@ -141,6 +143,10 @@ def analyze(trace_dir: str | Path, *, config: Config | str | Path | None = None,
         ckpts, source = _checkpoints(trace, checkpoints_glob, checkpoint_every, last)
         rollback = rb.recommend(trace, ckpts, source, onset, root["step"] if root else None,
                                 found["loss_spike_step"], last)
+        warnings = list(trace.warnings)
+        missing = checks.checkpoint_warning(rollback.checkpoint_path, rollback.checkpoint_step,
+                                            trace.root)
+        warnings += [missing] if missing else []
     finally:
         trace.close()
     first_light = located.select(pl.col("step").min()).item() if root is not None else None
@@ -150,4 +156,5 @@ def analyze(trace_dir: str | Path, *, config: Config | str | Path | None = None,
     found["first_alarm_step"] = first_light
     return Analysis(Path(trace_dir), "fault" if root else "healthy",
                     _root_dict(root, located, summary["ranks"]), affected,
-                    located.drop("drift", "signal", "forward_index"), rollback, found, scored, summary)
+                    located.drop("drift", "signal", "forward_index"), rollback, found, scored, summary,
+                    warnings)

@@ -118,14 +118,14 @@ def comparators(trace: Trace, onset: int | None) -> dict[str, Any]:
 
 
 def _checkpoints(trace: Trace, checkpoints_glob: str | None, checkpoint_every: int | None,
-                 last_step: int) -> tuple[list[rb.Checkpoint], str]:
+                 last_step: int, before: list[int | None]) -> tuple[list[rb.Checkpoint], str]:
     if checkpoints_glob and checkpoint_every:
         raise rb.CheckpointError(f"--checkpoints {checkpoints_glob!r} and --checkpoint-every {checkpoint_every} "
                                  "both say where the checkpoints are; pass one of them")
     if checkpoints_glob:
         return rb.from_glob(checkpoints_glob), "glob"
     if checkpoint_every:
-        return rb.every(checkpoint_every, last_step), "every"
+        return rb.every(checkpoint_every, last_step, before), "every"
     return rb.from_trace(trace), "trace"
 
 
@@ -143,7 +143,8 @@ def analyze(trace_dir: str | Path, *, config: Config | str | Path | None = None,
         onset = root["onset_step"] if root else None
         found = comparators(trace, onset)
         last = int(summary["last_step"] or 0)
-        ckpts, source = _checkpoints(trace, checkpoints_glob, checkpoint_every, last)
+        ckpts, source = _checkpoints(trace, checkpoints_glob, checkpoint_every, last,
+                                     [onset, found["loss_spike_step"]])
         rollback = rb.recommend(trace, ckpts, source, onset, root["step"] if root else None,
                                 found["loss_spike_step"], last)
         warnings = list(trace.warnings)

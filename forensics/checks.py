@@ -145,3 +145,10 @@ def checkpoint_warning(path: str | None, step: int | None, trace_root: Path) -> 
         return None
     return (f"missing checkpoint file: the rollback names {path} (step {step}), which does not "
             "exist here — find the file or pass --checkpoints with a glob of the files you have")
+
+
+def is_trace_file(trace_root: Path, path: Path) -> bool:
+    """True if `path` is, or lies under, one of the trace's own folders (tables, manifests, commits)."""
+    own = [Path(trace_root) / d for d in (*schema.TABLES, schema.MANIFEST_DIR, schema.COMMIT_DIR)]
+    target = Path(path).resolve()
+    return any(target == d.resolve() or d.resolve() in target.parents for d in own)

@@ -106,5 +106,5 @@ def list_segments(root: Path, manifests: Iterable[dict[str, Any]] = ()) -> Segme
             "Parquet file")
     if odd:
         listing.warnings.append(
-            f"folders not named rank=<integer>/incarnation=<integer>, ignored: {_names(odd, root)}")
+            f"folders not named rank=<integer>/incarnation=<integer>, ignored: {_names(sorted(odd), root)}")
     return listing

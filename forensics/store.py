@@ -117,9 +117,16 @@ def _empty_select(table: str) -> str:
     return f"SELECT {', '.join(cols)}, CAST(NULL AS BIGINT) AS rank, CAST(NULL AS BIGINT) AS incarnation WHERE false"
 
 
+def _literal(path: Path) -> str:
+    """`path` as a DuckDB file name that matches only itself: DuckDB globs every name it is given,
+    so a trace under `runs/exp[1]` would also read `runs/exp1`; each glob character becomes a
+    one-character class (`[` -> `[[]`), and quotes are doubled for the SQL string."""
+    return "'" + "".join(f"[{c}]" if c in "[*?{" else c for c in str(path)).replace("'", "''") + "'"
+
+
 def _raw_view(con: duckdb.DuckDBPyConnection, table: str, files: list[Path]) -> None:
-    if files:  # an explicit list, never a glob: a trace path with `[1]` or `*` in it is literal
-        listed = ", ".join("'" + str(p).replace("'", "''") + "'" for p in files)
+    if files:  # an explicit list of literal names: never another run's files
+        listed = ", ".join(_literal(p) for p in files)
         src = (f"SELECT * FROM read_parquet([{listed}], hive_partitioning = true, "
                "hive_types = {'rank': BIGINT, 'incarnation': BIGINT}, union_by_name = true)")
     else:

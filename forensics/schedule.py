@@ -68,6 +68,8 @@ def with_lr(health: pl.LazyFrame, trace: Trace) -> pl.LazyFrame:
     keys = ["rank", "step", "component"]
     health = health.with_columns(pl.col("rank").cast(pl.Int64), pl.col("step").cast(pl.Int64))
     joined = health.join(lr.lazy(), on=keys, how="left")
-    grads = pl.col("grad_norm_l2").cast(pl.Float64)
-    unheld = pl.col("lr").is_nan() & ~(grads > 0).fill_null(False)
+    if "grad_norm_l2" in health.collect_schema().names():
+        unheld = pl.col("lr").is_nan() & ~(pl.col("grad_norm_l2").cast(pl.Float64) > 0).fill_null(False)
+    else:  # no gradients recorded: nothing says they are computed
+        unheld = pl.col("lr").is_nan()
     return joined.with_columns(pl.when(unheld).then(None).otherwise(pl.col("lr")).alias("lr"))

@@ -389,7 +389,11 @@ def format_tables(runs: Sequence[RunScore]) -> str:
              "static = SageMaker-style thresholds, first firing at/after the injection):", summarise_recovery),
         ):
             rows = [{"scenario": n, **summarise([r for r in faults if r.scenario == n])} for n in names]
-            rows.append({"scenario": "**all faults**", **summarise(faults)})
+            # the targets' runs: a step-one fault analysed blind (no reference) is reported apart
+            rows.append({"scenario": "**all faults**", **summarise([r for r in faults if r.reference is not False])})
+            blind = [r for r in faults if r.reference is False]
+            if blind:
+                rows.append({"scenario": "**step-one faults, no reference**", **summarise(blind)})
             out += [title, "", _markdown(rows, "scenario"), ""]
     if cleans:
         rows = [{"scenario": s, **summarise_clean([r for r in cleans if r.scenario == s])}

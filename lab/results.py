@@ -94,6 +94,9 @@ def misses(runs: Sequence[RunScore]) -> list[str]:
                not (r.root_correct and r.onset_ok) or (r.skip_cover is not None and r.skip_cover < 1.0))
         if bad:
             out.append(f"{r.scenario} seed {r.seed}: {_why(r)}")
+        elif r.kind == "gradual" and r.loss_rule_step is not None and (r.lead_loss or 0) < GRADUAL_LEAD_TARGET:
+            out.append(f"{r.scenario} seed {r.seed}: the light lit {r.lead_loss} steps before the loss-spike "
+                       f"rule (target {GRADUAL_LEAD_TARGET}); first alarm {r.latency} steps after the injection")
     return out
 
 

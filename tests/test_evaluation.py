@@ -135,11 +135,9 @@ def test_eval_command_runs_real_scenarios(tmp_path) -> None:
     """Two short real rehearsals (a fault and a clean run) through `warninglight eval`."""
     import json
 
-    import torch
     from typer.testing import CliRunner
     from warninglight.cli.main import app
 
-    torch.set_num_threads(1)
     out = tmp_path / "runs.json"
     res = CliRunner().invoke(app, ["eval", "mlp_nan", "mlp_clean", "--seeds", "1", "--steps", "200",
                                    "--json", str(out), "--workdir", str(tmp_path / "w")])
@@ -151,6 +149,15 @@ def test_eval_command_runs_real_scenarios(tmp_path) -> None:
     assert "| mlp_nan | 1 |" in res.output and "| mlp_clean | 1 |" in res.output
     # NaN in one module's output is exactly what the fixed NaN/Inf rule is for
     assert runs[0]["static_rule"] == "exploding_tensor" and runs[0]["static_step"] == 150
+
+
+def test_benchmark_puts_torch_threads_back() -> None:
+    import torch
+    from conftest import torch_threads
+
+    with torch_threads(3):
+        assert evaluation.run_benchmark([], 1) == []  # runs on one thread, then restores
+        assert torch.get_num_threads() == 3
 
 
 def test_eval_json_into_a_missing_folder_fails_before_training(tmp_path) -> None:

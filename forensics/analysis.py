@@ -23,6 +23,8 @@ from .conditions import Config, load_config
 from .localise import Located, RootCause, locate, located_frame, root_cause
 from .store import Trace, health_frame, info, open_trace
 
+HEALTHY, FAULT = "healthy", "fault"  # the two verdicts
+
 
 @dataclass(frozen=True)
 class Root:
@@ -101,7 +103,7 @@ class Analysis:
     """The forensic verdict on one trace, and the frames it was reached from."""
 
     trace_dir: Path
-    verdict: str  # "healthy" | "fault"
+    verdict: str  # HEALTHY | FAULT
     root: Root | None
     affected: list[str]
     alarms: pl.DataFrame  # one row per alarm, columns ALARM_KEYS
@@ -217,7 +219,7 @@ def analyze(trace_dir: str | Path, *, config: Config | str | Path | None = None,
     leads = {key: None if first_light is None or step is None else step - first_light
              for key, step in (("light_lead_over_loss_spike", found["loss_spike_step"]),
                                ("light_lead_over_grad_norm_spike", found["grad_norm_spike_step"]))}
-    return Analysis(Path(trace_dir), "fault" if root else "healthy",
+    return Analysis(Path(trace_dir), FAULT if root else HEALTHY,
                     _root(root, located, summary["ranks"]), affected,
                     located_frame(located).select(ALARM_KEYS), rollback, Detectors(**found, **leads, first_alarm_step=first_light),
                     scored, summary, components, steps, cfg.baseline.min_samples + cfg.baseline.lag)

@@ -31,8 +31,8 @@ def test_html_is_self_contained_and_names_the_root(fault_trace: Path, tmp_path: 
 
     out = report.write_html(fault_trace, tmp_path / "r.html")
     text = out.read_text()
-    images = re.findall(r"src='data:image/png;base64,([A-Za-z0-9+/=]+)'", text)
-    assert len(images) >= 3  # heatmap, root metric, loss (+ conditions when alarms have onsets)
+    images = re.findall(r"<img alt='(\w+)' src='data:image/png;base64,([A-Za-z0-9+/=]+)'", text)
+    assert [name for name, _ in images] == ["heatmap", "root_metric", "loss", "conditions"]
     assert not re.search(r"(src|href)=['\"]https?:", text)  # nothing fetched from the network
     analysis = analyze(fault_trace)
     assert wording.analysis_summary_line(analysis) in text.replace("&#x27;", "'")
@@ -49,7 +49,7 @@ def test_png_format_via_cli(fault_trace: Path, tmp_path: Path) -> None:
     res = CliRunner().invoke(app, ["report", str(fault_trace), "--format", "png", "-o", str(tmp_path / "figs")])
     assert res.exit_code == 0, res.output
     written = sorted(Path(line).name for line in res.stdout.split())
-    assert {"heatmap.png", "loss.png"} <= set(written)
+    assert written == ["conditions.png", "heatmap.png", "loss.png", "root_metric.png"]
     for name in written:
         assert (tmp_path / "figs" / name).read_bytes()[:8] == PNG_MAGIC
 

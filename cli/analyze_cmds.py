@@ -21,9 +21,10 @@ from warninglight.cli.common import (
 )
 from warninglight.cli.main import app
 from warninglight.forensics import replay, wording
+from warninglight.forensics.analysis import FAULT
 from warninglight.forensics.conditions import registry_rows
 
-FAULT = 1  # --exit-code: a fault was found
+FAULT_EXIT = 1  # --exit-code: a fault was found
 
 
 @app.command("analyze")
@@ -41,8 +42,8 @@ def analyze_cmd(
     analysis = analysis_from(trace, config, overrides, checkpoints, every, reference)
     warn(analysis.warnings)
     typer.echo(json.dumps(analysis.to_dict(), indent=2) if as_json else wording.analysis_text(analysis))
-    if exit_code and analysis.verdict == "fault":
-        raise typer.Exit(FAULT)
+    if exit_code and analysis.verdict == FAULT:
+        raise typer.Exit(FAULT_EXIT)
 
 
 @app.command("rollback")
@@ -76,14 +77,7 @@ def replay_cmd(
     if as_json:
         typer.echo(json.dumps(result.to_dict(), indent=2))
         return
-    for e in result.events:
-        if e.source == "light":
-            z = "" if e.magnitude is None else f" z={e.magnitude:.1f}"
-            typer.echo(f"step {e.step:>6}  LIGHT  {e.observed_on} {e.condition} ({e.metric}{z}), onset {e.onset_step}")
-        else:
-            typer.echo(f"step {e.step:>6}  {e.source.replace('_', '-')} rule fires")
-    if not result.events:
-        typer.echo("no alarm: the light never lit")
+    typer.echo("\n".join(wording.timeline_lines(result.events)))
 
 
 @app.command("conditions")

@@ -8,7 +8,7 @@ band, for plots. How a verdict is worded for a person lives in `wording`.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -21,10 +21,12 @@ from .baseline import band
 from .classify import classify
 from .conditions import Config, load_config
 from .dataroot import data_root, gradients_wide
-from .localise import locate, root_cause
+from .localise import Located, RootCause, locate, located_frame, root_cause
 from .reference import check_components, reference_baseline
 from .schedule import with_lr
 from .store import Trace, health_frame, info, open_trace
+
+HEALTHY, FAULT = "healthy", "fault"  # the two verdicts
 
 
 @dataclass(frozen=True)
@@ -106,7 +108,7 @@ class Analysis:
     """The forensic verdict on one trace, and the frames it was reached from."""
 
     trace_dir: Path
-    verdict: str  # "healthy" | "fault"
+    verdict: str  # HEALTHY | FAULT
     root: Root | None
     affected: list[str]
     alarms: pl.DataFrame  # one row per alarm, columns ALARM_KEYS
@@ -150,16 +152,17 @@ def _plain(v: Any) -> Any:
     return v
 
 
-def _root(root: dict[str, Any] | None, located: pl.DataFrame, ranks: int) -> Root | None:
-    if root is None:
+def _root(cause: RootCause | None, located: list[Located], ranks: int) -> Root | None:
+    if cause is None:
         return None
+    root = cause.alarm
     # an optimizer-wide root ("" = the whole model) is located where it was observed
-    where = root["attributed_to"] or root["observed_on"]
-    on = located.filter(pl.col("attributed_to") == where)["rank"].unique().sort().to_list()
-    return Root(attributed_to=root["attributed_to"], observed_on=root["observed_on"],
-                condition=root["condition"], onset_step=root["onset_step"], alarm_step=root["step"],
-                magnitude=_plain(root["magnitude"]), metric=root["metric"], rank=root["rank"], ranks=on,
-                ranks_disagree=len(on) < ranks, evidence=root["evidence"], scope=root["scope"])
+    where = root.attributed_to or root.observed_on
+    on = sorted({a.rank for a in located if a.attributed_to == where})
+    return Root(attributed_to=root.attributed_to, observed_on=root.observed_on,
+                condition=root.condition, onset_step=root.onset_step, alarm_step=root.step,
+                magnitude=_plain(root.magnitude), metric=root.metric, rank=root.rank, ranks=on,
+                ranks_disagree=len(on) < ranks, evidence=cause.evidence, scope=cause.scope)
 
 
 def param_components(components: pl.DataFrame) -> int:
@@ -174,42 +177,43 @@ def _step_series(trace: Trace, column: str) -> tuple[np.ndarray, np.ndarray]:
     return np.array([r[0] for r in rows], dtype=np.int64), np.array([r[1] for r in rows], dtype=np.float64)
 
 
-def _data_root(root: dict[str, Any] | None, located: pl.DataFrame, components: pl.DataFrame,
-               trace: Trace, cfg: Config) -> int | None:
+def _whole_model_root(cause: RootCause | None, located: list[Located], components: pl.DataFrame,
+                      trace: Trace, cfg: Config) -> tuple[RootCause | None, int | None]:
     """Re-root on the data (or on the gradients fed to the optimizer) when they, not one component,
-    explain the departure; the bad window's last step for data."""
-    if root is None:
-        return None
+    explain the departure; with the bad window's last step for data."""
+    if cause is None:
+        return None, None
+    far = 1 << 30  # never called in a forward pass: downstream of everything
+    rows = [{**asdict(a), "forward_index": far if a.forward_index is None else a.forward_index} for a in located]
+    root = {**asdict(cause.alarm), "scope": cause.scope}
     owners = components.filter(pl.col("param_count") > 0).drop_nulls("forward_index")
     readers = set(owners.filter(pl.col("forward_index") == pl.col("forward_index").min())["component"].to_list())
-    rows = list(located.iter_rows(named=True))
     found = data_root(root, rows, readers, _step_series(trace, "loss"),
                       _step_series(trace, "grad_norm_total_l2"), cfg.baseline)
-    if found is None:
-        heads = set(components.filter(pl.col("role") == "head")["component"].to_list())
-        wide = gradients_wide(root, rows, heads, param_components(components))
-        if wide is not None:
-            lead, onset, evidence = wide
-            root.update({k: lead[k] for k in ("observed_on", "condition", "metric", "step", "magnitude",
-                                              "value", "median", "rank")},
-                        attributed_to="", scope="optimizer", onset_step=onset, evidence=evidence)
-        return None
-    onset, end, evidence = found
-    root.update(attributed_to="", scope="data", onset_step=onset, evidence=evidence)
-    return end
+    if found is not None:
+        onset, end, evidence = found
+        return RootCause(replace(cause.alarm, attributed_to="", onset_step=onset), evidence, "data"), end
+    heads = set(components.filter(pl.col("role") == "head")["component"].to_list())
+    wide = gradients_wide(root, rows, heads, param_components(components))
+    if wide is not None:
+        lead, onset, evidence = wide
+        alarm = next(a for a in located if (a.rank, a.observed_on, a.condition, a.step, a.metric)
+                     == (lead["rank"], lead["observed_on"], lead["condition"], lead["step"], lead["metric"]))
+        return RootCause(replace(alarm, attributed_to="", onset_step=onset), evidence, "optimizer"), None
+    return _lr_evidence(cause), None
 
 
-def _optimizer_evidence(root: dict[str, Any] | None) -> None:
+def _lr_evidence(cause: RootCause) -> RootCause:
     """Say what the learning rate did when it, not the updates, is the evidence."""
-    if root is None:
-        return
-    if root["metric"] == "lr_surge" and root["scope"] == "optimizer":
-        root["evidence"] = (f"optimizer-wide: the learning rate rose {root['value']:.3g}x in one step "
-                            "to above any the run's schedule had set, on the components it feeds: a "
-                            "spike, not a schedule")
-    elif root["metric"] == "lr" and root["median"] is None:
-        root["evidence"] = ("no optimizer param group holds its parameters: its gradients are "
-                            "computed every step and never applied")
+    a = cause.alarm
+    if a.metric == "lr_surge" and cause.scope == "optimizer":
+        return replace(cause, evidence=(
+            f"optimizer-wide: the learning rate rose {a.value:.3g}x in one step to above any the "
+            "run's schedule had set, on the components it feeds: a spike, not a schedule"))
+    if a.metric == "lr" and a.median is None:
+        return replace(cause, evidence=("no optimizer param group holds its parameters: its "
+                                        "gradients are computed every step and never applied"))
+    return cause
 
 
 def comparators(trace: Trace, onset: int | None) -> dict[str, Any]:
@@ -258,14 +262,13 @@ def analyze(trace_dir: str | Path, *, config: Config | str | Path | None = None,
         steps = trace.frame("steps").collect().sort("step")
         located = locate(alarms, scored, components, cfg)
         root, affected = root_cause(located, cfg, param_components(components))
-        skip_until = _data_root(root, located, components, trace, cfg)
-        _optimizer_evidence(root)
-        onset = root["onset_step"] if root else None
+        root, skip_until = _whole_model_root(root, located, components, trace, cfg)
+        onset = root.alarm.onset_step if root else None
         found = comparators(trace, onset)
         last = int(summary["last_step"] or 0)
         ckpts, source = _checkpoints(trace, checkpoints_glob, checkpoint_every, last,
                                      [onset, found["loss_spike_step"]])
-        rollback = rb.recommend(trace, ckpts, source, onset, root["step"] if root else None,
+        rollback = rb.recommend(trace, ckpts, source, onset, root.alarm.step if root else None,
                                 found["loss_spike_step"], last, skip_until)
         warnings = list(trace.warnings)
         missing = checks.checkpoint_warning(rollback.checkpoint_path, rollback.checkpoint_step,
@@ -273,11 +276,11 @@ def analyze(trace_dir: str | Path, *, config: Config | str | Path | None = None,
         warnings += [missing] if missing else []
     finally:
         trace.close()
-    first_light = located.select(pl.col("step").min()).item() if root is not None else None
+    first_light = min(a.step for a in located) if root is not None else None
     leads = {key: None if first_light is None or step is None else step - first_light
              for key, step in (("light_lead_over_loss_spike", found["loss_spike_step"]),
                                ("light_lead_over_grad_norm_spike", found["grad_norm_spike_step"]))}
-    return Analysis(Path(trace_dir), "fault" if root else "healthy",
+    return Analysis(Path(trace_dir), FAULT if root else HEALTHY,
                     _root(root, located, summary["ranks"]), affected,
-                    located.select(ALARM_KEYS), rollback, Detectors(**found, **leads, first_alarm_step=first_light),
+                    located_frame(located).select(ALARM_KEYS), rollback, Detectors(**found, **leads, first_alarm_step=first_light),
                     scored, summary, components, steps, cfg.baseline.min_samples + cfg.baseline.lag, warnings)

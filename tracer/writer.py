@@ -59,6 +59,12 @@ def health_table(seg: Segment) -> pa.Table:
     return pa.Table.from_pydict(cols, schema=schema.SCHEMAS["health"])
 
 
+def _with_all_columns(table: str, cols: dict[str, list[object]]) -> dict[str, list[object]]:
+    """`cols` with every column of the table's schema; one it lacks is all null (e.g. a newer one)."""
+    rows = len(next(iter(cols.values()), []))
+    return {**{c.name: [None] * rows for c in schema.COLUMNS[table]}, **cols}
+
+
 def next_incarnation(root: Path, rank: int) -> int:
     """1 for a fresh directory, else one more than any incarnation this rank has left behind."""
     seen = [0]
@@ -217,7 +223,7 @@ class TraceWriter:
         seq = self._seq
         self._seq += 1  # a failed segment's number is not reused: names stay unique
         span = (int(seg.steps[0]), int(seg.steps[-1])) if len(seg.steps) else None
-        tables = {name: pa.Table.from_pydict(cols, schema=schema.SCHEMAS[name])
+        tables = {name: pa.Table.from_pydict(_with_all_columns(name, cols), schema=schema.SCHEMAS[name])
                   for name, cols in seg.tables.items()}
         tables["health"] = health_table(seg)
         placed: list[Path] = []

@@ -16,6 +16,7 @@ import numpy as np
 import polars as pl
 
 from . import detectors
+from . import ranks as rank_analysis
 from . import rollback as rb
 from .baseline import band
 from .classify import classify
@@ -83,7 +84,9 @@ def _root_dict(root: dict[str, Any] | None, located: pl.DataFrame, ranks: int) -
     return {"component": root["attributed_to"], "condition": root["condition"],
             "onset_step": root["onset_step"], "alarm_step": root["step"],
             "magnitude": _plain(root["magnitude"]), "metric": root["metric"],
-            "observed_on": root["component"], "rank": root["rank"], "ranks": on,
+            "observed_on": root["component"], "ranks": on,
+            # null when every rank of a multi-rank run shows it: the model's fault, not one GPU's
+            "rank": root["rank"] if ranks == 1 or len(on) < ranks else None,
             "ranks_disagree": len(on) < ranks, "evidence": root["evidence"], "scope": root["scope"]}
 
 
@@ -135,19 +138,27 @@ def analyze(trace_dir: str | Path, *, config: Config | str | Path | None = None,
         components = trace.frame("components").collect()
         located = locate(alarms, scored, components, cfg)
         root, affected = root_cause(located, cfg, param_components(components))
-        onset = root["onset_step"] if root else None
-        found = comparators(trace, onset)
+        found = rank_analysis.findings(trace)  # empty for a single rank
+        root_d = rank_analysis.merge_root(_root_dict(root, located, summary["ranks"]), found)
+        onset = root_d["onset_step"] if root_d else None
+        comps = comparators(trace, onset)
         last = int(summary["last_step"] or 0)
         ckpts, source = _checkpoints(trace, checkpoints_glob, checkpoint_every, last)
-        rollback = rb.recommend(trace, ckpts, source, onset, root["step"] if root else None,
-                                found["loss_spike_step"], last)
+        rollback = rb.recommend(trace, ckpts, source, onset, root_d["alarm_step"] if root_d else None,
+                                comps["loss_spike_step"], last)
     finally:
         trace.close()
-    first_light = located.select(pl.col("step").min()).item() if root is not None else None
-    for key, step in (("light_lead_over_loss_spike", found["loss_spike_step"]),
-                      ("light_lead_over_grad_norm_spike", found["grad_norm_spike_step"])):
-        found[key] = None if first_light is None or step is None else step - first_light
-    found["first_alarm_step"] = first_light
-    return Analysis(Path(trace_dir), "fault" if root else "healthy",
-                    _root_dict(root, located, summary["ranks"]), affected,
-                    located.drop("drift", "signal", "forward_index"), rollback, found, scored, summary)
+    alarms = located.drop("drift", "signal", "forward_index")
+    if found:
+        alarms = pl.concat([alarms, rank_analysis.alarm_frame(found, dict(alarms.schema))],
+                           how="diagonal_relaxed").sort("step", "rank", "component", nulls_last=True)
+        replaced = [root["attributed_to"]] if root and root["attributed_to"] != root_d["component"] else []
+        affected = [c for c in dict.fromkeys([*replaced, *affected, *(f.component for f in found)])
+                    if c != root_d["component"]]
+    first_light = alarms.select(pl.col("step").min()).item() if root_d is not None else None
+    for key, step in (("light_lead_over_loss_spike", comps["loss_spike_step"]),
+                      ("light_lead_over_grad_norm_spike", comps["grad_norm_spike_step"])):
+        comps[key] = None if first_light is None or step is None else step - first_light
+    comps["first_alarm_step"] = first_light
+    return Analysis(Path(trace_dir), "fault" if root_d else "healthy", root_d, affected,
+                    alarms, rollback, comps, scored, summary)

@@ -31,6 +31,8 @@ def _root_line(root: dict[str, Any]) -> str:
         seen = f" (led by {root['observed_on']})"
     if root["ranks_disagree"]:
         seen += f" on rank {', '.join(str(r) for r in root['ranks'])} only"
+    elif root.get("rank") is None and len(root.get("ranks") or []) > 1:
+        seen += " on every rank"
     return (f"root: {root_name(root)}{seen} {root['condition']}: onset step {root['onset_step']}, "
             f"alarm step {root['alarm_step']}{z} on {root['metric']}; {root['evidence']}")
 

@@ -43,6 +43,8 @@ def test_a_rank_fault_is_named_by_rank_component_onset_and_checkpoint(
     ckpt = (truth["step"] - 1) // CHECKPOINT_EVERY * CHECKPOINT_EVERY  # latest strictly before
     assert d["rollback"]["checkpoint_step"] == ckpt
     assert any(a["rank"] == rank and a["attributed_to"] == component for a in d["alarms"])
+    by_rank = d["rollback"]["skip_batches_by_rank"]  # every rank read its own batches
+    assert sorted(by_rank) == ["0", "1"] and by_rank["0"] != by_rank["1"]
 
 
 def test_the_corrupted_rank_is_named_though_every_rank_applied_the_same_bad_average(runs: Path) -> None:

@@ -24,8 +24,11 @@ from .conditions import Config, load_config
 from .localise import locate, root_cause
 from .store import Trace, health_frame, info, open_trace
 
-ALARM_KEYS = ("component", "condition", "step", "onset_step", "magnitude", "metric",
-              "attributed_to", "rank", "last_step", "value", "median")
+# Every alarm and the root say where the metric was measured (`observed_on`) and which component
+# the fault is attributed to (`attributed_to`); they differ when an activation's alarm is
+# attributed to the layer feeding it. No key is called plain `component`.
+ALARM_KEYS = ("observed_on", "attributed_to", "condition", "step", "onset_step", "magnitude", "metric",
+              "rank", "last_step", "value", "median")
 
 
 @dataclass
@@ -66,7 +69,7 @@ def root_name(root: Mapping[str, Any]) -> str:
     """How a root is named to a person: its module path, or what `""` (the whole model) means."""
     if root.get("scope") == "optimizer":
         return "optimizer-wide (every component's update)"
-    return root.get("component") or "(whole model)"
+    return root.get("attributed_to") or "(whole model)"
 
 
 def _plain(v: Any) -> Any:
@@ -79,12 +82,12 @@ def _root_dict(root: dict[str, Any] | None, located: pl.DataFrame, ranks: int) -
     if root is None:
         return None
     # an optimizer-wide root ("" = the whole model) is located where it was observed
-    where = root["attributed_to"] or root["component"]
+    where = root["attributed_to"] or root["observed_on"]
     on = located.filter(pl.col("attributed_to") == where)["rank"].unique().sort().to_list()
-    return {"component": root["attributed_to"], "condition": root["condition"],
-            "onset_step": root["onset_step"], "alarm_step": root["step"],
+    return {"attributed_to": root["attributed_to"], "observed_on": root["observed_on"],
+            "condition": root["condition"], "onset_step": root["onset_step"], "alarm_step": root["step"],
             "magnitude": _plain(root["magnitude"]), "metric": root["metric"],
-            "observed_on": root["component"], "ranks": on,
+            "ranks": on,
             # null when every rank of a multi-rank run shows it: the model's fault, not one GPU's
             "rank": root["rank"] if ranks == 1 or len(on) < ranks else None,
             "ranks_disagree": len(on) < ranks, "evidence": root["evidence"], "scope": root["scope"]}
@@ -151,10 +154,10 @@ def analyze(trace_dir: str | Path, *, config: Config | str | Path | None = None,
     alarms = located.drop("drift", "signal", "forward_index")
     if found:
         alarms = pl.concat([alarms, rank_analysis.alarm_frame(found, dict(alarms.schema))],
-                           how="diagonal_relaxed").sort("step", "rank", "component", nulls_last=True)
-        replaced = [root["attributed_to"]] if root and root["attributed_to"] != root_d["component"] else []
+                           how="diagonal_relaxed").sort("step", "rank", "observed_on", nulls_last=True)
+        replaced = [root["attributed_to"]] if root and root["attributed_to"] != root_d["attributed_to"] else []
         affected = [c for c in dict.fromkeys([*replaced, *affected, *(f.component for f in found)])
-                    if c != root_d["component"]]
+                    if c != root_d["attributed_to"]]
     first_light = alarms.select(pl.col("step").min()).item() if root_d is not None else None
     for key, step in (("light_lead_over_loss_spike", comps["loss_spike_step"]),
                       ("light_lead_over_grad_norm_spike", comps["grad_norm_spike_step"])):

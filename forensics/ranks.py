@@ -255,9 +255,9 @@ def _num(v: Any) -> float | None:
 
 def root_from(f: RankFinding) -> dict[str, Any]:
     """A rank finding as the `root` object of `analyze --json`."""
-    return {"component": f.component, "condition": f.condition, "onset_step": f.step,
-            "alarm_step": f.step, "magnitude": f.magnitude, "metric": f.metric,
-            "observed_on": f.observed_on, "rank": f.rank, "ranks": f.ranks,
+    return {"attributed_to": f.component, "observed_on": f.observed_on, "condition": f.condition,
+            "onset_step": f.step, "alarm_step": f.step, "magnitude": f.magnitude, "metric": f.metric,
+            "rank": f.rank, "ranks": f.ranks,
             "ranks_disagree": f.rank is not None, "evidence": f.evidence,
             "scope": REPLICAS if f.kind == REPLICAS else "component"}
 
@@ -273,7 +273,7 @@ def merge_root(root: dict[str, Any] | None, found: list[RankFinding]) -> dict[st
     lead = found[0]
     if root is None or lead.step < root["onset_step"]:
         return root_from(lead)
-    same = [f for f in found if f.component == root["component"] and f.step <= root["onset_step"]]
+    same = [f for f in found if f.component == root["attributed_to"] and f.step <= root["onset_step"]]
     if same:
         f = same[0]
         return {**root, "onset_step": f.step, "rank": f.rank, "ranks": f.ranks,
@@ -285,7 +285,7 @@ def merge_root(root: dict[str, Any] | None, found: list[RankFinding]) -> dict[st
 
 def alarm_frame(found: list[RankFinding], schema: dict[str, Any]) -> pl.DataFrame:
     """The findings as alarm rows (the columns of `schema`; `rank` null for every rank)."""
-    rows = [{"rank": f.rank, "component": f.observed_on, "condition": f.condition, "step": f.step,
+    rows = [{"rank": f.rank, "observed_on": f.observed_on, "condition": f.condition, "step": f.step,
              "last_step": f.step, "metric": f.metric, "value": f.value, "median": f.median,
              "magnitude": f.magnitude, "onset_step": f.step, "attributed_to": f.component}
             for f in found]

@@ -37,7 +37,7 @@ def test_a_rank_fault_is_named_by_rank_component_onset_and_checkpoint(
     d = analyze(runs / scenario).to_dict()
     root = d["root"]
     assert d["verdict"] == "fault"
-    assert (root["component"], root["rank"], root["onset_step"], root["scope"]) == (
+    assert (root["attributed_to"], root["rank"], root["onset_step"], root["scope"]) == (
         component, rank, truth["step"], scope), root
     assert (truth["component"], truth["rank"]) == (component, rank)
     ckpt = (truth["step"] - 1) // CHECKPOINT_EVERY * CHECKPOINT_EVERY  # latest strictly before

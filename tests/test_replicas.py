@@ -105,7 +105,7 @@ def test_identical_replicas_are_healthy_and_a_flipped_bit_on_rank_1_is_named(tmp
     d = analyze(flipped).to_dict()
     root = d["root"]
     # one bit of one weight: no norm moved, only the checksum (and the drift) says so
-    assert (root["component"], root["rank"], root["onset_step"], root["scope"]) == ("4", 1, 17, "replicas")
+    assert (root["attributed_to"], root["rank"], root["onset_step"], root["scope"]) == ("4", 1, 17, "replicas")
     assert root["ranks_disagree"] is True and root["ranks"] == [1]
     assert d["rollback"]["checkpoint_step"] == 10
     assert any(a["metric"] == "weight_checksum" and a["rank"] == 1 for a in d["alarms"])

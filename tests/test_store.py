@@ -71,7 +71,7 @@ def test_not_a_trace_directory(tmp_path: Path) -> None:
 
 def test_empty_trace(copy: Path) -> None:
     for table in schema.TABLES:
-        shutil.rmtree(copy / table)
+        shutil.rmtree(copy / table, ignore_errors=True)  # a single-rank trace has no replicas
     with pytest.raises(EmptyTraceError, match="recorded no complete steps") as e:
         open_trace(copy)
     assert str(copy / "health") in str(e.value)

@@ -47,17 +47,19 @@ def eval_cmd(
                                         help="Also run a drill-free copy of every training set-up no clean scenario covers.")] = True,
 ) -> None:
     """Run scenarios over seeds and print detection accuracy, onset error, lead over other detectors, rollback."""
-    from warninglight.lab import evaluation
+    from warninglight.lab import distributed, evaluation
     from warninglight.lab.rehearsal import SCENARIOS
 
     if list_:
         for name, sc in SCENARIOS.items():
             typer.echo(f"{name}\t{sc.model}\t{sc.steps} steps")
+        for name, rs in distributed.SCENARIOS.items():
+            typer.echo(f"{name}\tgpt, {rs.world_size} {rs.wrapper} ranks\t{rs.steps} steps")
         return
     if json_out is not None and not json_out.parent.is_dir():  # checked before minutes of training
         raise fail(f"--json {json_out}: folder {json_out.parent} does not exist — create it or pass another path")
-    names = scenarios or list(SCENARIOS)
-    unknown = [n for n in names if n not in SCENARIOS]
+    names = scenarios or [*SCENARIOS, *distributed.SCENARIOS]
+    unknown = [n for n in names if n not in SCENARIOS and n not in distributed.SCENARIOS]
     if unknown:
         raise fail(f"unknown scenario {unknown[0]!r}; run `warninglight eval --list` for the names")
 

@@ -159,8 +159,21 @@ def _train_one(sc: RankScenario, rank: int, root: Path, seed: int, tokens: torch
                                detail="rehearsal: no file was written")
     for h in handles:
         h.remove()
+    truth = sc.truth(seed)
+    if sc.wrapper == "fsdp":  # the full parameters' norms, gathered (a collective: every rank calls it)
+        truth["full_weight_norms"] = _full_norms(model)
     if rank == 0:
-        (trace / TRUTH_FILE).write_text(json.dumps(sc.truth(seed), indent=2))
+        (trace / TRUTH_FILE).write_text(json.dumps(truth, indent=2))
+
+
+def _full_norms(model: nn.Module) -> dict[str, float]:
+    """Per parameter-owning module: the L2 norm of its full (unsharded) parameters after training."""
+    out = {}
+    for name, module in model.named_modules():
+        sq = [float(p.full_tensor().double().square().sum()) for p in module.parameters(recurse=False)]
+        if sq:
+            out[name] = sum(sq) ** 0.5
+    return out
 
 
 def _final_weights(rank: int, seed: int, tokens: torch.Tensor, trace: Path | None) -> list[torch.Tensor]:

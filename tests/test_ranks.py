@@ -1,7 +1,7 @@
 """Rank faults in real data-parallel runs (gloo DDP on CPU, spawned processes), named by `analyze`.
 
-Two spawned groups for the whole module: three 2-rank scenarios plus a with/without-recorder
-training (one group), and a clean 4-rank run (the other).
+Two spawned groups for the whole module: three 2-rank DDP faults, a clean FSDP2 run and a
+with/without-recorder training (one group), and a clean 4-rank run (the other).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from warninglight.cli.main import app
 from warninglight.forensics import analyze, open_trace
 from warninglight.lab.distributed import CHECKPOINT_EVERY, run_group
 
-TWO_RANKS = ["ddp_weight_scale", "ddp_grad_corrupt", "ddp_unwrapped_steps"]
+TWO_RANKS = ["ddp_weight_scale", "ddp_grad_corrupt", "ddp_unwrapped_steps", "fsdp_clean"]
 
 
 @pytest.fixture(scope="module")
@@ -98,3 +98,21 @@ def test_analyze_json_carries_the_rank(runs: Path) -> None:
     assert d["root"]["rank"] == 1
     text = CliRunner().invoke(app, ["analyze", str(runs / "ddp_unwrapped_steps")]).stdout
     assert "on every rank" in text and "(whole model)" in text
+
+
+def test_fsdp2_shards_are_recorded_per_rank_and_combine_to_the_full_norm(runs: Path) -> None:
+    truth = json.loads((runs / "fsdp_clean" / "truth.json").read_text())
+    d = analyze(runs / "fsdp_clean").to_dict()
+    assert (d["verdict"], d["alarms"]) == ("healthy", [])
+    trace = open_trace(runs / "fsdp_clean")
+    try:
+        sharded = trace.one("SELECT bool_and(sharded), count(*) FROM replicas")
+        rows = trace.con.execute("""SELECT component, sqrt(sum(weight_norm_l2 * weight_norm_l2)), count(*)
+            FROM health WHERE step = 40 AND weight_norm_l2 IS NOT NULL GROUP BY component""").fetchall()
+    finally:
+        trace.close()
+    assert sharded[0] is True and sharded[1] > 0  # shards are never compared as replicas
+    assert {c for c, _, _ in rows} == set(truth["full_weight_norms"])
+    for component, combined, ranks in rows:  # each rank's shard norm: together, the full norm
+        assert ranks == 2
+        assert abs(combined - truth["full_weight_norms"][component]) <= 1e-4 * truth["full_weight_norms"][component]

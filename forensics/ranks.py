@@ -253,34 +253,12 @@ def _num(v: Any) -> float | None:
 
 # --- into the analysis --------------------------------------------------------------------------
 
-def root_from(f: RankFinding) -> dict[str, Any]:
-    """A rank finding as the `root` object of `analyze --json`."""
+def root_fields(f: RankFinding) -> dict[str, Any]:
+    """A rank finding as the fields of the analysis' `Root`."""
     return {"attributed_to": f.component, "observed_on": f.observed_on, "condition": f.condition,
             "onset_step": f.step, "alarm_step": f.step, "magnitude": f.magnitude, "metric": f.metric,
-            "rank": f.rank, "ranks": f.ranks,
-            "ranks_disagree": f.rank is not None, "evidence": f.evidence,
-            "scope": REPLICAS if f.kind == REPLICAS else "component"}
-
-
-def merge_root(root: dict[str, Any] | None, found: list[RankFinding]) -> dict[str, Any] | None:
-    """The root once the ranks are compared: the earliest of the classifier's root and the findings.
-
-    A finding on the classifier root's own component at its onset confirms it and names its
-    rank; a finding no later than the root's onset replaces it (the ranks disagreed first).
-    """
-    if not found:
-        return root
-    lead = found[0]
-    if root is None or lead.step < root["onset_step"]:
-        return root_from(lead)
-    same = [f for f in found if f.component == root["attributed_to"] and f.step <= root["onset_step"]]
-    if same:
-        f = same[0]
-        return {**root, "onset_step": f.step, "rank": f.rank, "ranks": f.ranks,
-                "ranks_disagree": f.rank is not None,
-                "scope": REPLICAS if f.kind == REPLICAS else root["scope"],
-                "evidence": f"{root['evidence']}; {f.evidence}"}
-    return root_from(lead) if lead.step == root["onset_step"] else root
+            "rank": f.rank, "ranks": f.ranks, "ranks_disagree": f.rank is not None,
+            "evidence": f.evidence, "scope": REPLICAS if f.kind == REPLICAS else "component"}
 
 
 def alarm_frame(found: list[RankFinding], schema: dict[str, Any]) -> pl.DataFrame:

@@ -112,7 +112,8 @@ class Analysis:
     summary: dict[str, Any] = field(default_factory=dict)  # store.info(): what `info` prints
     components: pl.DataFrame = field(default_factory=pl.DataFrame, repr=False)  # the components table
     steps: pl.DataFrame = field(default_factory=pl.DataFrame, repr=False)  # the steps table, by step
-    warmup_steps: int = 0  # recorded steps before a component is first judged (baseline min_samples + lag)
+    warmup_steps: int = 0
+    ranks_panel: pl.DataFrame = field(default_factory=pl.DataFrame, repr=False)  # ranks.panel(): rank x step  # recorded steps before a component is first judged (baseline min_samples + lag)
 
     def alarm_list(self) -> list[Alarm]:
         """The alarms as records, in step order (non-finite floats as None)."""
@@ -228,6 +229,7 @@ def analyze(trace_dir: str | Path, *, config: Config | str | Path | None = None,
         located = locate(alarms, scored, components, cfg)
         root, affected = root_cause(located, cfg, param_components(components))
         ranked = rank_analysis.findings(trace)  # empty for a single rank
+        panel = rank_analysis.panel(trace)
         top = with_ranks(_root(root, located, summary["ranks"]), ranked)
         onset = top.onset_step if top else None
         found = comparators(trace, onset)
@@ -250,4 +252,4 @@ def analyze(trace_dir: str | Path, *, config: Config | str | Path | None = None,
                                ("light_lead_over_grad_norm_spike", found["grad_norm_spike_step"]))}
     return Analysis(Path(trace_dir), "fault" if top else "healthy", top, affected,
                     alarms, rollback, Detectors(**found, **leads, first_alarm_step=first_light),
-                    scored, summary, components, steps, cfg.baseline.min_samples + cfg.baseline.lag)
+                    scored, summary, components, steps, cfg.baseline.min_samples + cfg.baseline.lag, panel)

@@ -119,6 +119,8 @@ def _odd_ranks(trace: Trace, step: int, components: list[str], world: int) -> tu
 
 def _exact_drift(trace: Trace, step: int) -> list[tuple[int, str]]:
     """(rank, component) whose weights at step `step`'s forward differ from after step - 1."""
+    if "weight_checksum_fwd" not in trace.con.sql("SELECT * FROM replicas LIMIT 0").columns:
+        return []  # written before the forward checksum existed
     rows = trace.con.execute("""
         SELECT a.rank, a.component FROM replicas a JOIN replicas b
           ON a.rank = b.rank AND a.component = b.component AND b.step = a.step - 1
@@ -269,3 +271,34 @@ def alarm_frame(found: list[RankFinding], schema: dict[str, Any]) -> pl.DataFram
             for f in found]
     frame = pl.DataFrame(rows, schema={k: v for k, v in schema.items() if k in rows[0]}) if rows else None
     return frame if frame is not None else pl.DataFrame(schema=schema)
+
+
+PANEL_BINS = 600  # step bins of the report's rank x step panel
+
+
+def panel(trace: Trace) -> pl.DataFrame:
+    """Per (rank, step bin): its log local gradient norm − the ranks' median, the one largest in
+    size over components (signed: above or below the others), and whether its weights differed
+    from the majority (every rank, when there is none); empty for one rank.
+
+    `step` is the first step of the bin; at most `PANEL_BINS` bins, so its size is bounded.
+    """
+    if not _has_replicas(trace):
+        return pl.DataFrame(schema={"rank": pl.Int64, "step": pl.Int64, "local_dev": pl.Float64,
+                                    "diverged": pl.Boolean})
+    first, last = trace.one("SELECT min(step), max(step) FROM replicas")
+    width = max(1, -(-(int(last) - int(first) + 1) // PANEL_BINS))
+    table = trace.con.sql(f"""
+        WITH r AS (SELECT rank, step, component, weight_checksum AS c,
+                          ln(greatest(local_grad_norm_l2, 1e-30)) AS x
+                   FROM replicas WHERE NOT coalesce(sharded, false)),
+        m AS (SELECT step, component, median(x) AS mx, mode(c) AS mc, count(*) AS n,
+                     count(DISTINCT c) AS k FROM r GROUP BY step, component),
+        v AS (SELECT step, component, count(*) AS votes FROM r
+              JOIN m USING (step, component) WHERE r.c = m.mc GROUP BY step, component)
+        SELECT r.rank::BIGINT AS rank, ((r.step - {first}) // {width}) * {width} + {first} AS step,
+               arg_max(r.x - m.mx, abs(r.x - m.mx)) AS local_dev,
+               bool_or(m.k > 1 AND (r.c <> m.mc OR 2 * v.votes <= m.n)) AS diverged
+        FROM r JOIN m USING (step, component) JOIN v USING (step, component)
+        GROUP BY ALL ORDER BY rank, step""").to_arrow_table()
+    return pl.DataFrame(pl.from_arrow(table))

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import polars as pl
 import pytest
 from typer.testing import CliRunner
 from warninglight.cli.main import app
@@ -116,3 +117,16 @@ def test_fsdp2_shards_are_recorded_per_rank_and_combine_to_the_full_norm(runs: P
     for component, combined, ranks in rows:  # each rank's shard norm: together, the full norm
         assert ranks == 2
         assert abs(combined - truth["full_weight_norms"][component]) <= 1e-4 * truth["full_weight_norms"][component]
+
+
+def test_the_report_shows_a_rank_by_step_panel(runs: Path, tmp_path: Path) -> None:
+    from warninglight.forensics.report import write_html
+
+    a = analyze(runs / "ddp_grad_corrupt")
+    at = {r: dev for r, step, dev, _ in a.ranks_panel.iter_rows() if step == 25}
+    assert at[1] > 1.0 and at[0] < -1.0  # rank 1 far above the ranks' median, rank 0 mirrored below
+    html = write_html(runs / "ddp_grad_corrupt", tmp_path / "r.html", a).read_text()
+    assert "Which rank: every rank at every step" in html
+    diverged = analyze(runs / "ddp_unwrapped_steps").ranks_panel
+    assert diverged.filter(pl.col("step") < 25)["diverged"].any() is False
+    assert diverged.filter(pl.col("step") == 25)["diverged"].to_list() == [True, True]

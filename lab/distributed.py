@@ -170,7 +170,7 @@ def _full_norms(model: nn.Module) -> dict[str, float]:
     """Per parameter-owning module: the L2 norm of its full (unsharded) parameters after training."""
     out = {}
     for name, module in model.named_modules():
-        sq = [float(p.full_tensor().double().square().sum()) for p in module.parameters(recurse=False)]
+        sq = [float(p.detach().full_tensor().double().square().sum()) for p in module.parameters(recurse=False)]
         if sq:
             out[name] = sum(sq) ** 0.5
     return out

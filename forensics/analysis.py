@@ -21,8 +21,10 @@ from . import rollback as rb
 from .baseline import band
 from .classify import classify
 from .conditions import Config, load_config
-from .localise import locate, root_cause
+from .localise import Located, RootCause, locate, located_frame, root_cause
 from .store import Trace, health_frame, info, open_trace
+
+HEALTHY, FAULT = "healthy", "fault"  # the two verdicts
 
 
 @dataclass(frozen=True)
@@ -102,7 +104,7 @@ class Analysis:
     """The forensic verdict on one trace, and the frames it was reached from."""
 
     trace_dir: Path
-    verdict: str  # "healthy" | "fault"
+    verdict: str  # HEALTHY | FAULT
     root: Root | None
     affected: list[str]
     alarms: pl.DataFrame  # one row per alarm, columns ALARM_KEYS
@@ -147,18 +149,19 @@ def _plain(v: Any) -> Any:
     return v
 
 
-def _root(root: dict[str, Any] | None, located: pl.DataFrame, ranks: int) -> Root | None:
-    if root is None:
+def _root(cause: RootCause | None, located: list[Located], ranks: int) -> Root | None:
+    if cause is None:
         return None
+    root = cause.alarm
     # an optimizer-wide root ("" = the whole model) is located where it was observed
-    where = root["attributed_to"] or root["observed_on"]
-    on = located.filter(pl.col("attributed_to") == where)["rank"].unique().sort().to_list()
-    return Root(attributed_to=root["attributed_to"], observed_on=root["observed_on"],
-                condition=root["condition"], onset_step=root["onset_step"], alarm_step=root["step"],
-                magnitude=_plain(root["magnitude"]), metric=root["metric"], ranks=on,
+    where = root.attributed_to or root.observed_on
+    on = sorted({a.rank for a in located if a.attributed_to == where})
+    return Root(attributed_to=root.attributed_to, observed_on=root.observed_on,
+                condition=root.condition, onset_step=root.onset_step, alarm_step=root.step,
+                magnitude=_plain(root.magnitude), metric=root.metric, ranks=on,
                 # None when every rank of a multi-rank run shows it: the model's fault, not one GPU's
-                rank=root["rank"] if ranks == 1 or len(on) < ranks else None,
-                ranks_disagree=len(on) < ranks, evidence=root["evidence"], scope=root["scope"])
+                rank=root.rank if ranks == 1 or len(on) < ranks else None,
+                ranks_disagree=len(on) < ranks, evidence=cause.evidence, scope=cause.scope)
 
 
 def with_ranks(root: Root | None, found: list[rank_analysis.RankFinding]) -> Root | None:
@@ -246,18 +249,18 @@ def analyze(trace_dir: str | Path, *, config: Config | str | Path | None = None,
         warnings += [missing] if missing else []
     finally:
         trace.close()
-    alarms = located.select(ALARM_KEYS)
+    alarms = located_frame(located).select(ALARM_KEYS)
     if ranked and top is not None:
         alarms = pl.concat([alarms, rank_analysis.alarm_frame(ranked, dict(alarms.schema))],
                            how="diagonal_relaxed").sort("step", "rank", "observed_on", nulls_last=True)
-        replaced = [root["attributed_to"]] if root and root["attributed_to"] != top.attributed_to else []
+        replaced = [root.alarm.attributed_to] if root and root.alarm.attributed_to != top.attributed_to else []
         affected = [c for c in dict.fromkeys([*replaced, *affected, *(f.component for f in ranked)])
                     if c != top.attributed_to]
     first_light = alarms.select(pl.col("step").min()).item() if top is not None else None
     leads = {key: None if first_light is None or step is None else step - first_light
              for key, step in (("light_lead_over_loss_spike", found["loss_spike_step"]),
                                ("light_lead_over_grad_norm_spike", found["grad_norm_spike_step"]))}
-    return Analysis(Path(trace_dir), "fault" if top else "healthy", top, affected,
+    return Analysis(Path(trace_dir), FAULT if top else HEALTHY, top, affected,
                     alarms, rollback, Detectors(**found, **leads, first_alarm_step=first_light),
                     scored, summary, components, steps, cfg.baseline.min_samples + cfg.baseline.lag,
                     warnings, panel)

@@ -68,6 +68,9 @@ class RunScore:
     root_scope: str | None = None
     skip_cover: float | None = None  # share of the truth's bad-batch window the skip list covers
     reference: bool | None = None  # True: analysed against a reference run; False: its blind twin
+    truth_rank: int | None = None  # data-parallel runs: the faulty rank (None: every rank or single-rank)
+    root_rank: int | None = None
+    rank_correct: bool | None = None  # None for single-rank runs and clean runs
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-ready dict."""
@@ -134,11 +137,15 @@ def score(scenario: str, seed: int, truth: Mapping[str, Any], result: Mapping[st
     onset_error = abs(_diff(root.get("onset_step"), injected)) if named and not clean and root.get("onset_step") is not None else None
     loss_step, grad_step = _rule_steps(result, comparators, injected)
     static_step, static_rule, static_correct = _static(static, injected, want)
+    # a data-parallel drill also says which rank (null: every rank); the root must name it too
+    ranked = "rank" in truth and not clean
+    rank_ok = (named and root.get("rank") == truth["rank"]) if ranked else None
     return RunScore(
         scenario=scenario, seed=seed, fault=CLEAN if clean else fault, kind=kind,
         truth_component=want, injected=injected,
         fault_verdict=named, root_component=root.get("attributed_to"), root_condition=root.get("condition"),
-        root_correct=None if want is None else _root_right(root, named, want, scope),
+        root_correct=None if want is None else (_root_right(root, named, want, scope)
+                                                 and rank_ok is not False),
         onset_error=onset_error,
         onset_ok=None if clean else (onset_error is not None and onset_error <= ONSET_TOLERANCE.get(kind, 2)),
         latency=None if clean else _diff(alarm, injected),
@@ -153,6 +160,8 @@ def score(scenario: str, seed: int, truth: Mapping[str, Any], result: Mapping[st
         static_correct=None if clean else static_correct,
         seconds=seconds, truth_scope=scope, root_scope=root.get("scope") if named else None,
         skip_cover=_skip_cover(truth, rb) if named and not clean else None,
+        truth_rank=truth.get("rank"), root_rank=root.get("rank") if named else None,
+        rank_correct=rank_ok,
     )
 
 
@@ -162,7 +171,7 @@ def _root_right(root: Mapping[str, Any], named: bool, want: str, scope: str | No
         return False
     if scope in ("data", "optimizer"):
         return root.get("scope") == scope
-    return root.get("attributed_to") == want and root.get("scope") in (None, "component")
+    return root.get("attributed_to") == want and root.get("scope") not in ("data", "optimizer")
 
 
 def _skip_cover(truth: Mapping[str, Any], rollback: Mapping[str, Any]) -> float | None:
@@ -187,6 +196,7 @@ def run_one(scenario: Any, seed: int, workdir: Path, steps: int | None = None) -
 
     from warninglight.forensics import analyze
     from warninglight.forensics.static_rules import static_alarms
+    from warninglight.lab import distributed
     from warninglight.lab.rehearsal import SCENARIOS, rehearse
 
     sc = SCENARIOS[scenario] if isinstance(scenario, str) else scenario
@@ -195,7 +205,10 @@ def run_one(scenario: Any, seed: int, workdir: Path, steps: int | None = None) -
     kwargs: dict[str, Any] = {"checkpoint_dir": workdir / f"{sc.name}-seed{seed}-ckpt"}
     if steps is not None:
         kwargs["steps"] = steps
-    truth = rehearse(sc, trace, seed=seed, **kwargs)
+    if isinstance(scenario, str) and scenario in distributed.SCENARIOS:  # spawned gloo ranks
+        truth = distributed.rehearse(scenario, trace, seed)
+    else:
+        truth = rehearse(sc, trace, seed=seed, **kwargs)
     trained = time.perf_counter() - t0
     rows, comps = read_run(trace)
     static = static_alarms(trace)
@@ -247,6 +260,8 @@ def clean_twins(names: Sequence[str]) -> list[Any]:
     covered = {setup(sc) for sc in SCENARIOS.values() if not sc.drills()}
     twins: dict[tuple[Any, ...], Any] = {}
     for name in names:
+        if name not in SCENARIOS:  # a data-parallel scenario: its clean run is its own scenario
+            continue
         sc = SCENARIOS[name]
         if setup(sc) not in covered and setup(sc) not in twins:
             twins[setup(sc)] = replace(sc, name=f"{name}~clean", drills=list, reference=False)
@@ -321,6 +336,7 @@ def summarise_faults(runs: Sequence[RunScore]) -> dict[str, Any]:
     return {
         "runs": len(runs),
         "root right": _ratio(_count(r.root_correct for r in runs)),
+        "rank right": _ratio(_count(r.rank_correct for r in runs)),
         "onset err med/max": f"{_plain(_median(onset))}/{max(onset)}" if onset else "—",
         "onset in tol": _ratio(_count(r.onset_ok for r in runs)),
         "latency med": _plain(_median(r.latency for r in runs)),

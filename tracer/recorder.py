@@ -27,9 +27,9 @@ import torch
 from torch import nn
 
 from . import schema
+from .buffer import StepBuffer, StepRecord
 from .components import assign_parents, discover, resolve_heads
 from .probes import ForwardProbe, ParamProbe
-from .steprows import StepBuffer, StepRecord
 from .writer import TraceWriter
 
 _PARAM_METRICS = ("grad_norm_l2", "grad_nonfinite_count", "weight_norm_l2", "update_norm_l2",

@@ -200,16 +200,16 @@ def test_a_segment_that_cannot_be_built_is_counted_as_dropped(tmp_path: Path,
                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     from warninglight.tracer import buffer
 
-    real = buffer.StepBuffer._scalar_rows
+    real = buffer._scalar_rows
     calls = {"n": 0}
 
-    def fail_second_segment(self: buffer.StepBuffer, steps: list[int]) -> dict:
+    def fail_second_segment(recs: list, logs: list) -> dict:
         calls["n"] += 1
         if calls["n"] == 2:  # an unexpected internal error while turning steps into rows
             raise RuntimeError("simulated row-building bug")
-        return real(self, steps)
+        return real(recs, logs)
 
-    monkeypatch.setattr(buffer.StepBuffer, "_scalar_rows", fail_second_segment)
+    monkeypatch.setattr(buffer, "_scalar_rows", fail_second_segment)
     torch.manual_seed(0)
     model = zoo.mlp()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)

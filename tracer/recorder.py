@@ -29,12 +29,29 @@ from torch import nn
 from . import schema
 from .buffer import StepBuffer, StepRecord
 from .components import assign_parents, discover, resolve_heads
-from .probes import ForwardProbe, ParamProbe
+from .params import ParamProbe
+from .probes import FORWARD_BATCH_STEPS, FORWARD_METRICS, PARAM_METRICS, ForwardProbe, first_tensor
 from .writer import TraceWriter
 
-_PARAM_METRICS = ("grad_norm_l2", "grad_nonfinite_count", "weight_norm_l2", "update_norm_l2",
-                  "update_ratio", "update_cos", "weight_drift_l2")
 _METRIC_POS = {m: i for i, m in enumerate(schema.HEALTH_METRICS)}
+
+
+def _runs(metrics: tuple[str, ...]) -> list[tuple[slice, slice]]:
+    """(health columns, block columns) slices copying a block of `metrics` into a health row."""
+    runs: list[tuple[slice, slice]] = []
+    for j, m in enumerate(metrics):
+        pos = _METRIC_POS[m]
+        if runs and runs[-1][0].stop == pos and runs[-1][1].stop == j:
+            runs[-1] = (slice(runs[-1][0].start, pos + 1), slice(runs[-1][1].start, j + 1))
+        else:
+            runs.append((slice(pos, pos + 1), slice(j, j + 1)))
+    return runs
+
+
+_FORWARD_RUNS, _PARAM_RUNS = _runs(FORWARD_METRICS), _runs(PARAM_METRICS)
+_FORWARD_POS = [_METRIC_POS[m] for m in FORWARD_METRICS]
+_PARAM_POS = [_METRIC_POS[m] for m in PARAM_METRICS]
+assert sorted(_FORWARD_POS + _PARAM_POS) == list(range(len(schema.HEALTH_METRICS)))
 _MAX_WARNING_EVENTS = 20
 
 
@@ -63,13 +80,14 @@ class Recorder:
         self._heads_given = bool(heads)
         params = [p for c in self.components for p in c.params]
         self.device = params[0].device if params else torch.device("cpu")
-        self.fwd = ForwardProbe(self.components, sample_size)
+        self.fwd = ForwardProbe(self.components, sample_size, self.device)
         self.params = ParamProbe(self.components, sketch_size)
         self.flush_every_steps, self.flush_every_s = flush_every_steps, flush_every_s
         self.step_count = start_step
         self._first_step = start_step + 1
         self._static_valid = self._structural_validity()
-        self.buffer = StepBuffer(self.components)
+        self.buffer = StepBuffer(self.components, self.device, flush_every_steps + 2)
+        self._backward_queued = False
         self._in_step = False
         self._micro_batches = 0
         self._order = 0
@@ -168,7 +186,8 @@ class Recorder:
     # --- hooks ------------------------------------------------------------------------------
 
     def _install_hooks(self) -> list[Any]:
-        handles = [self.model.register_forward_pre_hook(self._root_pre_hook)]
+        handles = [self.model.register_forward_pre_hook(self._root_pre_hook),
+                   self.model.register_forward_hook(self._root_hook)]
         for comp in self.components:
             handles.append(comp.module.register_forward_hook(self._make_hook(comp)))
         if self.optimizer is not None:
@@ -187,6 +206,28 @@ class Recorder:
             self._begin_step()
             if self.fwd.held:  # another micro-batch: judge the previous one by its gradients
                 self.fwd.settle(self.params.grads_suspect())
+        except Exception as exc:
+            self._probe_failed(exc)
+
+    def _root_hook(self, module: nn.Module, args: Any, out: Any) -> None:
+        """Arrange a call at the end of the backward pass through this output (pre-clip norms)."""
+        if torch.compiler.is_compiling() or not self._recording(module):
+            return
+        t = first_tensor(out)
+        if t is not None and t.requires_grad:
+            t.register_hook(self._on_output_grad)
+
+    def _on_output_grad(self, grad: torch.Tensor) -> None:
+        if not self._backward_queued:  # once per backward pass, however many outputs
+            self._backward_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._after_backward)
+
+    def _after_backward(self) -> None:
+        self._backward_queued = False
+        if self._closed:
+            return
+        try:
+            self.params.after_backward()
         except Exception as exc:
             self._probe_failed(exc)
 
@@ -215,10 +256,10 @@ class Recorder:
             return
         try:
             self.params.grads()
-            total = self.params.total_grad_norm
             # forward outputs held on CPU are counted only if the gradients say something was
             # not finite; a non-finite output that never reaches the gradients goes uncounted
-            self.fwd.settle(total is None or not bool(torch.isfinite(total)) if self.fwd.held else False)
+            if self.fwd.held:
+                self.fwd.settle(self.params.total_grad_norm is None or not self.params.grads_finite)
         except Exception as exc:
             self._probe_failed(exc)
 
@@ -230,7 +271,9 @@ class Recorder:
         try:
             if self.step_count == self._first_step:
                 self._settle_components()
-            self.buffer.records.append(self._step_record(now))
+            self._step_record(now)
+            if len(self.fwd.pending) >= FORWARD_BATCH_STEPS:
+                self._reduce_forward()
         except Exception as exc:
             self._probe_failed(exc)
             self.writer.record_failure(f"step {self.step_count} not recorded", 1)
@@ -243,24 +286,42 @@ class Recorder:
                 pending > 1 and now - self._last_flush >= self.flush_every_s):
             self._flush(final=False)
 
-    def _step_record(self, now: float) -> StepRecord:
-        grad_total = self.params.total_grad_norm
+    def _step_record(self, now: float) -> None:
+        """Put this step's parameter block and step values in the buffer; queue its forward samples."""
+        slot = self.buffer.next_slot()
         self.fwd.settle(True)  # outputs still held: no gradients were seen this step
-        pcols, pvalid = self.params.end()
-        cols = {**self.fwd.compute(self.device), **pcols}
-        # one op: stack promotes the float32 columns to the float64 of the counts
-        stats = torch.stack([cols[m] for m in schema.HEALTH_METRICS], 1).double()
+        block, pvalid = self.params.end()
+        self.buffer.put(slot, _PARAM_RUNS, block)
         valid = self._static_valid.copy()
-        fired = self.fwd.sampled
-        for m in ("out_mean", "out_rms", "out_absmax", "out_zero_frac", "out_sat_frac",
-                  "out_dead_frac", "out_nonfinite_count", "pred_entropy_nats", "pred_maxprob"):
-            valid[:, _METRIC_POS[m]] &= fired
-        for j, m in enumerate(_PARAM_METRICS):
-            valid[:, _METRIC_POS[m]] = pvalid[:, j]
+        valid[:, _FORWARD_POS] &= self.fwd.sampled[:, None]
+        valid[:, _PARAM_POS] = pvalid
+        total, preclip = self.params.total_grad_norm, self.params.preclip_total
+        if total is not None:
+            self.buffer.scalars[slot, 0].copy_(total)
+        if preclip is not None:
+            self.buffer.scalars[slot, 1].copy_(preclip)
         lr = self.optimizer.param_groups[0].get("lr") if self.optimizer else None
-        return StepRecord(self.step_count, stats, valid, grad_total, now,
-                           now - self._last_step_time, self._micro_batches,
-                           lr.detach().clone() if isinstance(lr, torch.Tensor) else lr)
+        lr_host = None
+        if isinstance(lr, torch.Tensor) and lr.device == self.device:
+            self.buffer.scalars[slot, 2].copy_(lr.detach().reshape(()))
+        elif lr is not None:
+            lr_host = float(lr)  # a number, or a tensor on the host while the model is not
+        self.buffer.records.append(StepRecord(
+            self.step_count, slot, valid, now, now - self._last_step_time, self._micro_batches,
+            (total is not None, preclip is not None, lr is not None), lr_host))
+        self.fwd.take(slot)
+
+    def _reduce_forward(self) -> None:
+        """Forward statistics of the queued steps, computed together, into their buffer rows."""
+        slots = {s.slot for s in self.fwd.pending}
+        try:
+            for first, block in self.fwd.compute():
+                self.buffer.put(slice(first, first + block.shape[0]), _FORWARD_RUNS, block)
+        except Exception:  # those rows hold stale values: make them null, then report
+            for r in self.buffer.records:
+                if r.slot in slots:
+                    r.valid[:, _FORWARD_POS] = False
+            raise
 
     def _structural_validity(self) -> np.ndarray:
         valid = np.ones((len(self.components), len(schema.HEALTH_METRICS)), dtype=bool)
@@ -327,6 +388,7 @@ class Recorder:
         pending = len(self.buffer.records) if final else max(0, len(self.buffer.records) - 1)
         try:
             self._last_flush = time.time()
+            self._reduce_forward()
             self.params.refresh()
             self.writer.submit(self.buffer.take_segment(final))
         except Exception as exc:  # the steps taken out of the buffer are gone: say how many

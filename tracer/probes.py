@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from . import schema
 from .components import SAT_RANGES, Component
 
 DEAD_EPS = 1e-6      # |output| at or below this counts as "no response" for the dead fraction
@@ -25,10 +26,8 @@ _MAX_VALUES = 65536  # sampled values per component and step: very wide outputs 
 _MIN_ROWS = 4        # ... but never fewer than this (a unit is "dead" only if all rows are ~0)
 FORWARD_BATCH_STEPS = 8  # steps whose subsamples are reduced together (memory: 8 steps of samples)
 _MAX_LAYOUTS = 8     # distinct sample layouts kept; shapes that keep changing rebuild instead
-FORWARD_METRICS = ("out_mean", "out_rms", "out_absmax", "out_zero_frac", "out_sat_frac",
-                   "out_dead_frac", "out_nonfinite_count", "pred_entropy_nats", "pred_maxprob")
-PARAM_METRICS = ("grad_norm_l2", "grad_nonfinite_count", "weight_norm_l2", "update_norm_l2",
-                 "update_ratio", "update_cos", "weight_drift_l2")
+FORWARD_METRICS = schema.metrics_of(schema.FORWARD, schema.HEAD)  # what `compute` returns, in order
+PARAM_METRICS = schema.metrics_of(schema.GRADIENT, schema.WEIGHTS)  # what `ParamProbe.end` returns
 
 
 def first_tensor(out: object) -> torch.Tensor | None:

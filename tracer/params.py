@@ -16,7 +16,7 @@ from .components import Component
 from .probes import PARAM_METRICS, to_device
 
 
-def _sketch_slice(p: torch.Tensor, k: int, gen: torch.Generator) -> tuple[int, int]:
+def _sketch_slice(p: torch.Tensor, k: int, gen: np.random.Generator) -> tuple[int, int]:
     """(offset, stride) of a k-coordinate strided sketch of `p`: the stride is coprime with the
     last dimension, so the coordinates visit every column of a matrix, not one."""
     n = p.numel()
@@ -24,7 +24,7 @@ def _sketch_slice(p: torch.Tensor, k: int, gen: torch.Generator) -> tuple[int, i
     last = p.shape[-1] if p.dim() else 1
     while stride > 1 and math.gcd(stride, last) != 1:
         stride -= 1
-    offset = int(torch.randint(0, n - (k - 1) * stride, (1,), generator=gen))
+    offset = int(gen.integers(0, n - (k - 1) * stride))
     return offset, stride
 
 
@@ -52,7 +52,7 @@ class ParamProbe:
         self.params = [p for _, p in owned]
         device = self.params[0].device if self.params else torch.device("cpu")
         self.device = device
-        gen = torch.Generator().manual_seed(seed)  # own generator: the global RNG is untouched
+        gen = np.random.default_rng(seed)  # own generator: the global RNGs are untouched
         self._sketch_spec: list[tuple[int, int, int] | None] = []  # (offset, stride, k); None: all
         scales, coord_comp = [], []
         for comp, p in owned:

@@ -163,6 +163,8 @@ class ForwardProbe:
         self.held: list[tuple[int, torch.Tensor]] = []       # CPU outputs awaiting the verdict
         self.sampled = np.zeros(self.n, dtype=bool)
         self.pending: list[_StepSamples] = []                # finished steps not yet reduced
+        # (component, sample, non-finite count) appended by compiled graphs, absorbed at step end
+        self.from_graph: list[tuple[int, torch.Tensor, torch.Tensor]] = []
         self._layouts: dict[tuple[Key, int], _Layout] = {}
 
     def observe(self, comp: Component, out: object) -> None:
@@ -183,6 +185,24 @@ class ForwardProbe:
         if not self.sampled[comp.index]:
             self.sampled[comp.index] = True
             self.samples.append((comp.index, subsample(t, self.rows, comp.channel_first)))
+
+    def observe_in_graph(self, comp: Component, out: object) -> None:
+        """The hook body traced by torch.compile: only tensor ops and one list append."""
+        t = first_tensor(out)
+        if t is None or t.numel() == 0:
+            return
+        t = t.detach()
+        self.from_graph.append((comp.index, subsample(t, self.rows, comp.channel_first),
+                                torch.isfinite(t).logical_not().sum()))
+
+    def absorb_graph_samples(self) -> None:
+        """Take the compiled graphs' observations into this step (first sample per component)."""
+        for idx, sample, bad in self.from_graph:
+            self._bad_counts()[idx].add_(bad.to(self.device))
+            if not self.sampled[idx]:
+                self.sampled[idx] = True
+                self.samples.append((idx, sample))
+        self.from_graph.clear()
 
     def _bad_counts(self) -> torch.Tensor:
         if self.bad is None:
@@ -205,6 +225,7 @@ class ForwardProbe:
     def reset(self) -> None:
         """Forget the current step's observations (queued steps stay)."""
         self.samples, self.bad = [], None
+        self.from_graph.clear()
         self.held.clear()
         self.sampled[:] = False
 

@@ -63,14 +63,15 @@ class Recorder:
                  world_size: int | None = None, heads: list[str] | None = None,
                  sample_size: int = 16, sketch_size: int = 256, flush_every_steps: int = 100,
                  flush_every_s: float = 30.0, start_step: int = 0, run_id: str | None = None,
-                 hooks_under_compile: str = "skip",
+                 hooks_under_compile: str = "graph",
                  config: dict[str, Any] | None = None) -> None:
         if sample_size < 1 or sketch_size < 1 or flush_every_steps < 1 or flush_every_s <= 0:
             raise ValueError("sample_size, sketch_size and flush_every_steps must be >= 1 and "
                              f"flush_every_s > 0; got {sample_size}, {sketch_size}, "
                              f"{flush_every_steps}, {flush_every_s}")
-        if hooks_under_compile not in ("skip", "eager"):
-            raise ValueError(f"hooks_under_compile={hooks_under_compile!r}; expected 'skip' (record "
+        if hooks_under_compile not in ("graph", "skip", "eager"):
+            raise ValueError(f"hooks_under_compile={hooks_under_compile!r}; expected 'graph' (samples "
+                             "taken inside the compiled graph), 'skip' (record "
                              "nothing inside torch.compile'd code) or 'eager' (graph breaks)")
         self.model, self.optimizer = model, optimizer
         self.rank, self.world_size = _rank_and_world(rank, world_size)
@@ -107,6 +108,7 @@ class Recorder:
         if self.incarnation > 1:
             self._event("restart", detail=f"incarnation {self.incarnation}")
         self._eager_under_compile = hooks_under_compile == "eager"
+        self._in_graph = hooks_under_compile == "graph"
         self._handles = self._install_hooks()
         self._prev_sigterm = self._install_sigterm()
         atexit.register(self._at_exit)
@@ -233,8 +235,13 @@ class Recorder:
 
     def _make_hook(self, comp: Any) -> Any:
         def hook(module: nn.Module, args: Any, out: Any) -> None:
-            # traced by torch.compile: a no-op, so no graph break (fullgraph=True keeps working)
-            if torch.compiler.is_compiling() or not self._recording(module):
+            if torch.compiler.is_compiling():
+                # traced by torch.compile: the sample and the non-finite count become outputs of
+                # the graph, appended to a list after it ran (no graph break: fullgraph=True works)
+                if self._in_graph and self._recording(module):
+                    self.fwd.observe_in_graph(comp, out)
+                return
+            if not self._recording(module):
                 return
             try:
                 self._begin_step()
@@ -269,6 +276,8 @@ class Recorder:
         self.step_count += 1
         now = time.time()
         try:
+            if self.fwd.from_graph:
+                self._absorb_graph_samples()
             if self.step_count == self._first_step:
                 self._settle_components()
             self._step_record(now)
@@ -311,6 +320,14 @@ class Recorder:
             (total is not None, preclip is not None, lr is not None), lr_host))
         self.fwd.take(slot)
 
+    def _absorb_graph_samples(self) -> None:
+        """Observations made inside compiled graphs join the step's (first call per component)."""
+        for idx, _, _ in self.fwd.from_graph:
+            comp = self.components[idx]
+            if comp.forward_index is None and self.step_count <= self._first_step:
+                comp.forward_index, self._order = self._order, self._order + 1
+        self.fwd.absorb_graph_samples()
+
     def _reduce_forward(self) -> None:
         """Forward statistics of the queued steps, computed together, into their buffer rows."""
         slots = {s.slot for s in self.fwd.pending}
@@ -341,8 +358,8 @@ class Recorder:
         if unseen:
             why = ("the model is in eval() mode: outputs are recorded only in train() mode, so "
                    "call model.train() before training" if not self.model.training else
-                   "unused modules, or a torch.compile'd model: watch(..., hooks_under_compile="
-                   "'eager') records it at the cost of a graph break per component")
+                   "unused modules, or a torch.compile'd model watched with hooks_under_compile="
+                   "'skip': the default 'graph' records it inside the compiled graph")
             msg = (f"forward hooks never fired in the first step for {len(unseen)} of "
                    f"{len(self.components)} components ({why}): {', '.join(unseen[:20])}")
             if len(unseen) * 2 > len(self.components):
@@ -451,10 +468,11 @@ def watch(model: nn.Module, optimizer: torch.optim.Optimizer | str | os.PathLike
 
     Keyword options: rank, world_size, heads, sample_size (rows subsampled per output),
     sketch_size (coordinates per parameter), flush_every_steps, flush_every_s, start_step (steps
-    already done when resuming), run_id, hooks_under_compile ("skip": forward hooks do nothing
-    inside torch.compile'd code, which is named in a warning event; "eager": they run outside
-    the graph, one graph break per component, incompatible with fullgraph=True); anything else
-    is stored in the manifest's config.
+    already done when resuming), run_id, hooks_under_compile ("graph", the default: inside
+    torch.compile'd code the forward hooks take their sample and non-finite count as extra
+    outputs of the graph, no graph break, fullgraph=True works; "skip": they do nothing there,
+    which is named in a warning event; "eager": they run outside the graph, one graph break per
+    component, incompatible with fullgraph=True); anything else is stored in the manifest's config.
     """
     if isinstance(optimizer, (str, os.PathLike)):  # watch(model, "runs/x") without an optimizer
         if path is not None:  # watch(model, "runs/x", opt) would record no steps at all

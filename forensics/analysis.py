@@ -15,13 +15,15 @@ from typing import Any
 import numpy as np
 import polars as pl
 
-from . import detectors
+from . import checks, detectors
 from . import rollback as rb
 from .baseline import band
 from .classify import classify
 from .conditions import Config, load_config
-from .localise import locate, root_cause
+from .localise import Located, RootCause, locate, located_frame, root_cause
 from .store import Trace, health_frame, info, open_trace
+
+HEALTHY, FAULT = "healthy", "fault"  # the two verdicts
 
 
 @dataclass(frozen=True)
@@ -101,7 +103,7 @@ class Analysis:
     """The forensic verdict on one trace, and the frames it was reached from."""
 
     trace_dir: Path
-    verdict: str  # "healthy" | "fault"
+    verdict: str  # HEALTHY | FAULT
     root: Root | None
     affected: list[str]
     alarms: pl.DataFrame  # one row per alarm, columns ALARM_KEYS
@@ -112,6 +114,7 @@ class Analysis:
     components: pl.DataFrame = field(default_factory=pl.DataFrame, repr=False)  # the components table
     steps: pl.DataFrame = field(default_factory=pl.DataFrame, repr=False)  # the steps table, by step
     warmup_steps: int = 0  # recorded steps before a component is first judged (baseline min_samples + lag)
+    warnings: list[str] = field(default_factory=list)  # problems of the trace the analysis went past
 
     def alarm_list(self) -> list[Alarm]:
         """The alarms as records, in step order (non-finite floats as None)."""
@@ -124,6 +127,7 @@ class Analysis:
             "root": None if self.root is None else self.root.to_dict(),
             "affected": self.affected, "alarms": [a.to_dict() for a in self.alarm_list()],
             "rollback": self.rollback.to_dict(), "detectors": self.detectors.to_dict(), "trace_info": self.summary,
+            "warnings": self.warnings,
         }
 
     def baseline_frame(self, component: str, metric: str, rank: int = 0,
@@ -143,16 +147,17 @@ def _plain(v: Any) -> Any:
     return v
 
 
-def _root(root: dict[str, Any] | None, located: pl.DataFrame, ranks: int) -> Root | None:
-    if root is None:
+def _root(cause: RootCause | None, located: list[Located], ranks: int) -> Root | None:
+    if cause is None:
         return None
+    root = cause.alarm
     # an optimizer-wide root ("" = the whole model) is located where it was observed
-    where = root["attributed_to"] or root["observed_on"]
-    on = located.filter(pl.col("attributed_to") == where)["rank"].unique().sort().to_list()
-    return Root(attributed_to=root["attributed_to"], observed_on=root["observed_on"],
-                condition=root["condition"], onset_step=root["onset_step"], alarm_step=root["step"],
-                magnitude=_plain(root["magnitude"]), metric=root["metric"], rank=root["rank"], ranks=on,
-                ranks_disagree=len(on) < ranks, evidence=root["evidence"], scope=root["scope"])
+    where = root.attributed_to or root.observed_on
+    on = sorted({a.rank for a in located if a.attributed_to == where})
+    return Root(attributed_to=root.attributed_to, observed_on=root.observed_on,
+                condition=root.condition, onset_step=root.onset_step, alarm_step=root.step,
+                magnitude=_plain(root.magnitude), metric=root.metric, rank=root.rank, ranks=on,
+                ranks_disagree=len(on) < ranks, evidence=cause.evidence, scope=cause.scope)
 
 
 def param_components(components: pl.DataFrame) -> int:
@@ -181,14 +186,14 @@ def comparators(trace: Trace, onset: int | None) -> dict[str, Any]:
 
 
 def _checkpoints(trace: Trace, checkpoints_glob: str | None, checkpoint_every: int | None,
-                 last_step: int) -> tuple[list[rb.Checkpoint], str]:
+                 last_step: int, before: list[int | None]) -> tuple[list[rb.Checkpoint], str]:
     if checkpoints_glob and checkpoint_every:
         raise rb.CheckpointError(f"--checkpoints {checkpoints_glob!r} and --checkpoint-every {checkpoint_every} "
                                  "both say where the checkpoints are; pass one of them")
     if checkpoints_glob:
         return rb.from_glob(checkpoints_glob), "glob"
     if checkpoint_every:
-        return rb.every(checkpoint_every, last_step), "every"
+        return rb.every(checkpoint_every, last_step, before), "every"
     return rb.from_trace(trace), "trace"
 
 
@@ -204,19 +209,24 @@ def analyze(trace_dir: str | Path, *, config: Config | str | Path | None = None,
         steps = trace.frame("steps").collect().sort("step")
         located = locate(alarms, scored, components, cfg)
         root, affected = root_cause(located, cfg, param_components(components))
-        onset = root["onset_step"] if root else None
+        onset = root.alarm.onset_step if root else None
         found = comparators(trace, onset)
         last = int(summary["last_step"] or 0)
-        ckpts, source = _checkpoints(trace, checkpoints_glob, checkpoint_every, last)
-        rollback = rb.recommend(trace, ckpts, source, onset, root["step"] if root else None,
+        ckpts, source = _checkpoints(trace, checkpoints_glob, checkpoint_every, last,
+                                     [onset, found["loss_spike_step"]])
+        rollback = rb.recommend(trace, ckpts, source, onset, root.alarm.step if root else None,
                                 found["loss_spike_step"], last)
+        warnings = list(trace.warnings)
+        missing = checks.checkpoint_warning(rollback.checkpoint_path, rollback.checkpoint_step,
+                                            trace.root)
+        warnings += [missing] if missing else []
     finally:
         trace.close()
-    first_light = located.select(pl.col("step").min()).item() if root is not None else None
+    first_light = min(a.step for a in located) if root is not None else None
     leads = {key: None if first_light is None or step is None else step - first_light
              for key, step in (("light_lead_over_loss_spike", found["loss_spike_step"]),
                                ("light_lead_over_grad_norm_spike", found["grad_norm_spike_step"]))}
-    return Analysis(Path(trace_dir), "fault" if root else "healthy",
+    return Analysis(Path(trace_dir), FAULT if root else HEALTHY,
                     _root(root, located, summary["ranks"]), affected,
-                    located.select(ALARM_KEYS), rollback, Detectors(**found, **leads, first_alarm_step=first_light),
-                    scored, summary, components, steps, cfg.baseline.min_samples + cfg.baseline.lag)
+                    located_frame(located).select(ALARM_KEYS), rollback, Detectors(**found, **leads, first_alarm_step=first_light),
+                    scored, summary, components, steps, cfg.baseline.min_samples + cfg.baseline.lag, warnings)

@@ -99,6 +99,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=8, help="GPT batch size")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: leave as is)")
     ap.add_argument("--skip-mlp", action="store_true", help="only the GPT figures")
+    ap.add_argument("--skip-bench-gpt", action="store_true", help="not the d=256 GPT")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -106,8 +107,9 @@ def main() -> None:
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
     print(f"load average before: {' '.join(f'{x:.1f}' for x in os.getloadavg())} on {os.cpu_count()} "
           "CPUs (a loaded, shared machine moves these figures by several points)")
-    model, loss_fn = gpt_case(args.batch, n_layer=4, n_embd=256, block=128)
-    measure("bench GPT 4 layers, d=256, seq 128, batch 8", model, loss_fn, args.pairs, args.steps)
+    if not args.skip_bench_gpt:
+        model, loss_fn = gpt_case(args.batch, n_layer=4, n_embd=256, block=128)
+        measure("bench GPT 4 layers, d=256, seq 128, batch 8", model, loss_fn, args.pairs, args.steps)
     model, loss_fn = gpt_case(16, n_layer=4, n_embd=128, block=64)
     measure("small GPT 4 layers, d=128, seq 64, batch 16", model, loss_fn, args.pairs, args.steps * 3)
     if not args.skip_mlp:

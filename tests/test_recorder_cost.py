@@ -127,3 +127,35 @@ def test_recorder_memory_stays_flat_over_20k_steps(tmp_path: Path) -> None:
     # rows waiting for the writer come and go (~0.4 KB a step, up to two segments of 500 steps);
     # a cache entry per gradient pattern (~1 KB, ~4,500 new patterns after step 8,000) would not
     assert max(traced) - traced[0] < 1024 * 1024, traced
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_cuda_a_training_step_never_synchronises(tmp_path: Path) -> None:
+    # the overhead benchmark's GPT with bf16 autocast, two micro-batches, clipping, device-side
+    # logged losses and batch ids; any host-device sync raises inside the step (and the recorder
+    # would turn a raise in its hooks into a "probe failed" warning, so warnings are checked too)
+    torch.manual_seed(0)
+    cfg = zoo.GPTConfig(n_layer=4, n_embd=256, n_head=4, block_size=128)
+    model = zoo.TinyGPT(cfg).cuda()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        rec = watch(model, opt, tmp_path, flush_every_steps=4)
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            for _ in range(10):
+                for _ in range(2):
+                    x = torch.randint(0, cfg.vocab_size, (8, cfg.block_size), device="cuda")
+                    with torch.autocast("cuda", dtype=torch.bfloat16):
+                        loss = F.cross_entropy(model(x).flatten(0, 1).float(), x.flatten())
+                    loss.backward()
+                    rec.log(loss=loss)
+                    rec.batch(torch.arange(8, device="cuda"))
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        rec.close()
+    assert [str(w.message) for w in caught if "warninglight" in str(w.message)] == []
+    assert rec.step_count == 10 and rec.dropped_steps == 0

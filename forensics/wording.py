@@ -72,6 +72,8 @@ def root_line(root: Root) -> str:
         seen = f" (led by {root.observed_on})"
     if root.ranks_disagree:
         seen += f" on rank {', '.join(str(r) for r in root.ranks)} only"
+    elif root.rank is None and len(root.ranks) > 1:
+        seen += " on every rank"
     return (f"root: {root.name}{seen} {root.condition}: onset step {root.onset_step}, "
             f"alarm step {root.alarm_step}{z} on {root.metric}; {root.evidence}")
 

@@ -14,6 +14,7 @@ import torch
 
 from .components import Component
 from .probes import PARAM_METRICS, to_device
+from .replicas import local_shard
 
 
 def _sketch_slice(p: torch.Tensor, k: int, gen: np.random.Generator) -> tuple[int, int]:
@@ -56,16 +57,17 @@ class ParamProbe:
         self._sketch_spec: list[tuple[int, int, int] | None] = []  # (offset, stride, k); None: all
         scales, coord_comp = [], []
         for comp, p in owned:
-            k = min(p.numel(), sketch_size)
-            self._sketch_spec.append(None if k == p.numel() else (*_sketch_slice(p, k, gen), k))
-            scales.append(np.full(k, p.numel() / k, dtype=np.float32))
+            local = local_shard(p)  # a sharded (FSDP2) parameter: this rank's shard
+            k = min(local.numel(), sketch_size)
+            self._sketch_spec.append(None if k == local.numel() else (*_sketch_slice(local, k, gen), k))
+            scales.append(np.full(k, local.numel() / k, dtype=np.float32))
             coord_comp.append(np.full(k, comp, dtype=np.int64))
         self.param_comp_np = np.array([c for c, _ in owned], dtype=np.int64)
         self.param_comp = to_device(self.param_comp_np, device)
         self.scale = to_device(np.concatenate(scales) if scales else np.zeros(0, np.float32), device)
         self.coord_comp = to_device(np.concatenate(coord_comp) if coord_comp else np.zeros(0, np.int64),
                                     device)
-        self._no_grad = [torch.zeros(0, dtype=p.dtype, device=p.device) for p in self.params]
+        self._no_grad = [local_shard(p).new_zeros(0) for p in self.params]
         self.is_param = np.zeros(self.n, dtype=bool)
         self.is_param[self.param_comp_np] = True
         self.begun = False
@@ -83,7 +85,7 @@ class ParamProbe:
 
     def refresh(self) -> None:
         """Re-take the views of the parameters (in case `p.data` was replaced)."""
-        self._flat = [p.detach() for p in self.params]
+        self._flat = [local_shard(p) for p in self.params]
         self._views: list[torch.Tensor] = []
         self._gathered: list[tuple[int, torch.Tensor]] = []  # non-contiguous: indexed each step
         for i, (p, spec) in enumerate(zip(self._flat, self._sketch_spec, strict=True)):
@@ -126,7 +128,7 @@ class ParamProbe:
 
     def grads_suspect(self) -> bool:
         """True unless the gradients accumulated so far exist and are all finite (CPU: cheap)."""
-        grads = [p.grad for p in self.params if p.grad is not None]
+        grads = [local_shard(p.grad) for p in self.params if p.grad is not None]
         if not grads:
             return True
         return not bool(torch.isfinite(torch.stack(torch._foreach_norm(grads)).sum()))
@@ -134,7 +136,8 @@ class ParamProbe:
     def _grads(self) -> list[torch.Tensor]:
         # a parameter without a gradient stands in as an empty tensor (norm 0): the list, and so
         # the per-tensor -> component index, is the same every step whatever has a gradient
-        return [z if p.grad is None else p.grad for p, z in zip(self.params, self._no_grad, strict=True)]
+        return [z if p.grad is None else local_shard(p.grad)
+                for p, z in zip(self.params, self._no_grad, strict=True)]
 
     def _versions(self) -> tuple[object, ...]:
         return tuple(None if p.grad is None else (id(p.grad), p.grad._version) for p in self.params)

@@ -31,6 +31,7 @@ from .buffer import StepBuffer, StepRecord
 from .components import assign_parents, discover, resolve_heads
 from .params import ParamProbe
 from .probes import FORWARD_BATCH_STEPS, FORWARD_METRICS, PARAM_METRICS, ForwardProbe, first_tensor
+from .replicas import ReplicaProbe
 from .writer import TraceWriter
 
 _METRIC_POS = {m: i for i, m in enumerate(schema.HEALTH_METRICS)}
@@ -66,7 +67,7 @@ class Recorder:
                  world_size: int | None = None, heads: list[str] | None = None,
                  sample_size: int = 16, sketch_size: int = 256, flush_every_steps: int = 100,
                  flush_every_s: float = 30.0, start_step: int = 0, run_id: str | None = None,
-                 hooks_under_compile: str = "graph",
+                 hooks_under_compile: str = "graph", replicas: bool | None = None,
                  config: dict[str, Any] | None = None) -> None:
         if sample_size < 1 or sketch_size < 1 or flush_every_steps < 1 or flush_every_s <= 0:
             raise ValueError("sample_size, sketch_size and flush_every_steps must be >= 1 and "
@@ -86,6 +87,9 @@ class Recorder:
         self.device = params[0].device if params else torch.device("cpu")
         self.fwd = ForwardProbe(self.components, sample_size, self.device)
         self.params = ParamProbe(self.components, sketch_size)
+        # per-rank evidence (tracer/replicas.py): by default only when there are replicas to compare
+        on = self.world_size > 1 if replicas is None else replicas
+        self.replicas = ReplicaProbe(self.components, model, self.world_size) if on else None
         self.flush_every_steps, self.flush_every_s = flush_every_steps, flush_every_s
         self.step_count = start_step
         self._first_step = start_step + 1
@@ -104,13 +108,16 @@ class Recorder:
         cfg = {"sample_size": sample_size, "sketch_size": sketch_size,
                "flush_every_steps": flush_every_steps, "flush_every_s": flush_every_s,
                "heads": heads, "start_step": start_step,
-               "hooks_under_compile": hooks_under_compile, **(config or {})}
+               "hooks_under_compile": hooks_under_compile, "replicas": self.replicas is not None,
+               **(config or {})}
         self.writer = TraceWriter(path, self.rank, self.world_size, run_id or uuid.uuid4().hex[:12],
                                   type(model).__name__, cfg)
         self.incarnation = self.writer.incarnation
         self._event("start", detail=json.dumps(cfg, default=str))
         if self.incarnation > 1:
             self._event("restart", detail=f"incarnation {self.incarnation}")
+        if self.replicas is not None and self.replicas.hook_note:
+            self._event("warning", detail=self.replicas.hook_note)
         self._eager_under_compile = hooks_under_compile == "eager"
         self._in_graph = hooks_under_compile == "graph"
         self._handles = self._install_hooks()
@@ -175,6 +182,8 @@ class Recorder:
         self._closed = True
         for h in self._handles:
             h.remove()
+        if self.replicas is not None:
+            self.replicas.close()
         self._restore_sigterm()
         atexit.unregister(self._at_exit)
         self._event("stop", detail=reason)
@@ -261,6 +270,8 @@ class Recorder:
         if not self._in_step:
             self._in_step = True
             self.params.begin()
+            if self.replicas is not None:
+                self.replicas.begin()
 
     def _pre_step(self) -> None:
         if self._closed:
@@ -285,6 +296,8 @@ class Recorder:
             if self.step_count == self._first_step:
                 self._settle_components()
             self._step_record(now)
+            if self.replicas is not None:
+                self.replicas.end_step(self.step_count)
             if len(self.fwd.pending) >= FORWARD_BATCH_STEPS:
                 self._reduce_forward()
         except Exception as exc:
@@ -420,7 +433,10 @@ class Recorder:
                 self.writer.ready()
                 if self._closed:
                     return
-            self.writer.submit(self.buffer.take_segment(final), final=final)
+            segment = self.buffer.take_segment(final)
+            if self.replicas is not None:
+                segment.tables["replicas"] = self.replicas.take(segment.steps)
+            self.writer.submit(segment, final=final)
         except Exception as exc:  # the steps taken out of the buffer are gone: say how many
             self._probe_failed(exc)
             self.writer.record_failure(f"segment of {pending} steps not written: "
@@ -485,7 +501,9 @@ def watch(model: nn.Module, optimizer: torch.optim.Optimizer | str | os.PathLike
     torch.compile'd code the forward hooks take their sample and non-finite count as extra
     outputs of the graph, no graph break, fullgraph=True works; "skip": they do nothing there,
     which is named in a warning event; "eager": they run outside the graph, one graph break per
-    component, incompatible with fullgraph=True); anything else is stored in the manifest's config.
+    component, incompatible with fullgraph=True), replicas (per-rank weight checksums and local
+    gradient norms, tracer/replicas.py; default: on when world_size > 1); anything else is stored
+    in the manifest's config.
     """
     if isinstance(optimizer, (str, os.PathLike)):  # watch(model, "runs/x") without an optimizer
         if path is not None:  # watch(model, "runs/x", opt) would record no steps at all
@@ -495,7 +513,7 @@ def watch(model: nn.Module, optimizer: torch.optim.Optimizer | str | os.PathLike
     if path is None:
         raise ValueError("watch() needs a trace directory, e.g. watch(model, optimizer, 'runs/exp1')")
     known = ("rank", "world_size", "heads", "sample_size", "sketch_size", "flush_every_steps",
-             "flush_every_s", "start_step", "run_id", "hooks_under_compile")
+             "flush_every_s", "start_step", "run_id", "hooks_under_compile", "replicas")
     kwargs = {k: v for k, v in options.items() if k in known}
     config = {k: v for k, v in options.items() if k not in known}
     for key in config:  # a misspelt option would otherwise be stored silently as run config

@@ -159,3 +159,33 @@ def test_on_cuda_a_training_step_never_synchronises(tmp_path: Path) -> None:
         rec.close()
     assert [str(w.message) for w in caught if "warninglight" in str(w.message)] == []
     assert rec.step_count == 10 and rec.dropped_steps == 0
+
+
+def test_pre_clip_gradient_norm_is_recorded_beside_the_clipped_one(tmp_path: Path) -> None:
+    import duckdb
+    from warninglight.tracer import schema
+
+    def run(clip: float | None, trace: Path) -> list[tuple]:
+        torch.manual_seed(0)
+        model = zoo.mlp()
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        data = zoo.batches(*zoo.teacher_classification(256), 32)
+        with watch(model, opt, trace):
+            for _ in range(4):
+                _, x, y = next(data)
+                F.cross_entropy(model(x), y).backward()
+                if clip is not None:
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+                opt.step()
+                opt.zero_grad()
+        glob = schema.segment_glob(trace, "steps")
+        return duckdb.sql(f"select grad_norm_preclip_l2, grad_norm_total_l2 from "
+                          f"read_parquet('{glob}') order by step").fetchall()
+
+    plain = run(None, tmp_path / "plain")
+    assert all(pre == total for pre, total in plain)  # nothing touched the gradients after backward
+    clipped = run(0.01, tmp_path / "clipped")
+    assert clipped[0][0] is None  # the first step shows that the loop modifies gradients
+    assert len(clipped) == 4
+    for pre, total in clipped[1:]:  # what the optimizer got, and what backward left
+        assert total == pytest.approx(0.01, rel=1e-4) and pre > 10 * total

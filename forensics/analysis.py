@@ -3,6 +3,10 @@
 `Analysis.to_dict()` is exactly the object `warninglight analyze --json` prints (documented in
 docs/analysis-json.md); `alarms` is a Polars frame; `baseline_frame(component, metric)` gives a
 metric with its baseline band, for plots.
+
+Memory is bounded whatever the trace's length: the health rows are read and classified one step
+window at a time (`stream.Classifier` carries the trailing baseline across windows), and
+localisation reads back only the alarmed components' series.
 """
 
 from __future__ import annotations
@@ -17,11 +21,22 @@ import polars as pl
 
 from . import detectors
 from . import rollback as rb
-from .baseline import band
-from .classify import classify
+from .baseline import band, with_baseline
 from .conditions import Config, load_config
-from .localise import locate, root_cause
-from .store import Trace, health_frame, info, open_trace
+from .localise import DRIFT_REACH, locate, root_cause
+from .store import (
+    COMPONENT_KEYS,
+    EmptyTraceError,
+    Trace,
+    health_steps,
+    health_window,
+    info,
+    open_trace,
+)
+from .stream import Classifier
+
+CHUNK_ROWS = 400_000  # health rows judged per step window: the scored window stays under ~0.6 GB
+HEAT_BINS = 2_000     # the heatmap keeps at most this many step columns (one bin = several steps)
 
 ALARM_KEYS = ("component", "condition", "step", "onset_step", "magnitude", "metric",
               "attributed_to", "rank", "last_step", "value", "median")
@@ -38,8 +53,10 @@ class Analysis:
     alarms: pl.DataFrame
     rollback: rb.Rollback
     detectors: dict[str, Any]
-    scored: pl.DataFrame = field(repr=False)
+    heat: pl.DataFrame = field(repr=False)  # component, step (bin start), score: worst |z| in the bin
     summary: dict[str, Any] = field(default_factory=dict)
+    config: Config = field(default_factory=Config, repr=False)
+    heat_width: int = 1  # steps per heat bin
 
     def to_dict(self) -> dict[str, Any]:
         """The `--json` object (docs/analysis-json.md)."""
@@ -53,12 +70,16 @@ class Analysis:
     def baseline_frame(self, component: str, metric: str, rank: int = 0,
                        width_z: float = 3.0) -> pl.DataFrame:
         """step, value, median, lower, upper (median ± width_z robust scales) of one metric."""
-        rows = self.scored.filter((pl.col("component") == component) & (pl.col("rank") == rank))
+        trace = open_trace(self.trace_dir)
+        try:
+            if metric not in trace.sql("SELECT * FROM health WHERE false").columns:
+                raise KeyError(f"no metric {metric!r} in {self.trace_dir}; try out_rms, grad_norm_l2, update_ratio")
+            rows = component_series(trace, [component], [metric], rank=rank)
+        finally:
+            trace.close()
         if rows.is_empty():
             raise KeyError(f"no component {component!r} on rank {rank} in {self.trace_dir}")
-        if f"{metric}__med" not in rows.columns:
-            raise KeyError(f"no metric {metric!r} in {self.trace_dir}; try out_rms, grad_norm_l2, update_ratio")
-        return band(rows, metric, width_z)
+        return band(with_baseline(rows.lazy(), self.config.baseline, [metric]).collect(), metric, width_z)
 
 
 def root_name(root: Mapping[str, Any]) -> str:
@@ -124,6 +145,59 @@ def _checkpoints(trace: Trace, checkpoints_glob: str | None, checkpoint_every: i
     return rb.from_trace(trace), "trace"
 
 
+def require_health(trace: Trace) -> tuple[int, int]:
+    """(first, last) health step; an `EmptyTraceError` saying why when the trace holds none."""
+    steps = health_steps(trace)
+    if steps is None:
+        recorded = trace.one("SELECT count(*) FROM steps")[0]
+        why = (f"it recorded {recorded} steps but no component (the model has no submodules or "
+               "parameters to watch)" if recorded else
+               "the run recorded no complete steps (it closed before its first optimizer step)")
+        raise EmptyTraceError(f"no health rows in {trace.root}: {why} — nothing to analyse; "
+                              "`warninglight info` shows what it holds")
+    return steps
+
+
+def classify_trace(trace: Trace, config: Config, components: pl.DataFrame,
+                   heat_width: int | None = None, chunk_steps: int | None = None) -> Classifier:
+    """Feed the whole health timeline to one `Classifier`, one step window at a time."""
+    first, last = require_health(trace)
+    per_step = max(1, len(components))
+    chunk = chunk_steps or max(config.baseline.history(config.conditions), CHUNK_ROWS // per_step)
+    clf = Classifier(config, components, heat_width)
+    for start in range(first, last + 1, chunk):
+        clf.feed(health_window(trace, start, min(start + chunk - 1, last), components))
+    return clf
+
+
+def component_series(trace: Trace, names: list[str], metrics: list[str], rank: int | None = None,
+                     until: int | None = None) -> pl.DataFrame:
+    """Effective-timeline rows of a few components (all their steps, up to `until`), a few metrics."""
+    wanted = ", ".join("'" + n.replace("'", "''") + "'" for n in names) or "NULL"
+    cols = ", ".join(f'"{m}"' for m in dict.fromkeys(metrics))
+    where = f"component IN ({wanted})" + ("" if rank is None else f" AND rank = {int(rank)}")
+    if until is not None:
+        where += f" AND step <= {int(until)}"
+    query = f"SELECT step, component, rank, {cols} FROM health WHERE {where}"
+    return pl.from_arrow(trace.sql(query).to_arrow_table())  # type: ignore[return-value]
+
+
+def locate_alarms(trace: Trace, alarms: pl.DataFrame, components: pl.DataFrame, config: Config) -> pl.DataFrame:
+    """`localise.locate` on the alarms, reading only the alarmed components (and the layers
+    feeding alarmed activations) back from the trace: all localisation looks at."""
+    if alarms.is_empty():
+        return locate(alarms, pl.DataFrame(), components, config)
+    parents = components.filter(pl.col("component").is_in(alarms["component"].implode()))
+    names = sorted({*alarms["component"].to_list(), *parents["parent_param"].drop_nulls().to_list()})
+    metrics = sorted(set(alarms["metric"].to_list()))
+    rows = component_series(trace, names, [*metrics, "weight_drift_l2"],
+                            until=int(alarms["step"].max()) + DRIFT_REACH)
+    keys = [c for c in COMPONENT_KEYS if c in components.columns and c not in ("rank", "component")]
+    rows = rows.join(components.select("rank", "component", *keys), on=["rank", "component"], how="left")
+    scored = with_baseline(rows.lazy(), config.baseline, [m for m in metrics if m in rows.columns]).collect()
+    return locate(alarms, scored, components, config)
+
+
 def analyze(trace_dir: str | Path, *, config: Config | str | Path | None = None,
             checkpoints_glob: str | None = None, checkpoint_every: int | None = None) -> Analysis:
     """Read the trace and answer: failing? where, since when, how badly, and how far to roll back."""
@@ -131,9 +205,11 @@ def analyze(trace_dir: str | Path, *, config: Config | str | Path | None = None,
     trace = open_trace(trace_dir)
     try:
         summary = info(trace)
-        scored, alarms = classify(health_frame(trace), cfg)
         components = trace.frame("components").collect()
-        located = locate(alarms, scored, components, cfg)
+        first, last_health = require_health(trace)
+        width = max(1, -(-(last_health - first + 1) // HEAT_BINS))  # ceil
+        clf = classify_trace(trace, cfg, components, heat_width=width)
+        located = locate_alarms(trace, clf.alarms(), components, cfg)
         root, affected = root_cause(located, cfg, param_components(components))
         onset = root["onset_step"] if root else None
         found = comparators(trace, onset)
@@ -150,4 +226,5 @@ def analyze(trace_dir: str | Path, *, config: Config | str | Path | None = None,
     found["first_alarm_step"] = first_light
     return Analysis(Path(trace_dir), "fault" if root else "healthy",
                     _root_dict(root, located, summary["ranks"]), affected,
-                    located.drop("drift", "signal", "forward_index"), rollback, found, scored, summary)
+                    located.drop("drift", "signal", "forward_index"), rollback, found, clf.heat(), summary,
+                    cfg, width)

@@ -31,10 +31,11 @@ class ReportData:
     steps: pl.DataFrame
     order: list[str]  # components in forward order
     kinds: dict[str, str]  # component -> module class, for axis labels
-    scores: pl.DataFrame  # component, step, score (worst |robust z| over the metrics)
+    scores: pl.DataFrame  # component, step (bin start), score (worst |robust z| over the metrics)
     root_band: pl.DataFrame | None
     static: list[StaticAlarm]
     truth: dict[str, Any] | None = None
+    heat_width: int = 1  # steps per heatmap column
 
 
 def read_tables(trace: Path) -> tuple[pl.DataFrame, pl.DataFrame]:
@@ -56,20 +57,15 @@ def component_order(components: pl.DataFrame) -> list[str]:
 
 
 def heat_scores(analysis: Any) -> pl.DataFrame:
-    """Worst |robust z| over all metrics per (component, step), from the engine's scored frame.
+    """Worst |robust z| over all metrics per (component, step bin), as the engine kept it.
 
-    Takes the largest over ranks too, so a rank whose replica disagrees still shows.
+    The largest over ranks too, so a rank whose replica disagrees still shows. A bin is
+    `analysis.heat_width` steps (1 on traces of up to `analysis.HEAT_BINS` steps).
     """
-    scored: pl.DataFrame | None = getattr(analysis, "scored", None)
-    z_cols = [c for c in (scored.columns if scored is not None else []) if c.endswith("__z")]
-    if not z_cols:
+    heat: pl.DataFrame | None = getattr(analysis, "heat", None)
+    if heat is None:
         return pl.DataFrame(schema={"component": pl.String, "step": pl.Int64, "score": pl.Float64})
-    # a z before the metric's baseline exists (warm-up, median null) is not a departure: leave it blank
-    finite = [pl.when(pl.col(c).is_finite() & pl.col(c.replace("__z", "__med")).is_not_null()).then(pl.col(c).abs())
-              if c.replace("__z", "__med") in scored.columns else pl.when(pl.col(c).is_finite()).then(pl.col(c).abs())
-              for c in z_cols]
-    return (scored.select("component", "step", pl.max_horizontal(finite).alias("score"))
-            .group_by("component", "step").agg(pl.col("score").max()))
+    return heat
 
 
 def read_truth(trace: Path) -> dict[str, Any] | None:
@@ -96,7 +92,8 @@ def gather(trace: Path | str, analysis: Any = None) -> ReportData:
         # the metric was measured on `observed_on` (e.g. the ReLU after the root Linear)
         band = analysis.baseline_frame(root.get("observed_on") or root["component"], root["metric"])
     return ReportData(trace, result, steps, order, kinds,
-                      heat_scores(analysis), band, static_alarms(trace), read_truth(trace))
+                      heat_scores(analysis), band, static_alarms(trace), read_truth(trace),
+                      getattr(analysis, "heat_width", 1))
 
 
 def marks(data: ReportData) -> list[plots.Mark]:
@@ -133,7 +130,7 @@ def figures(data: ReportData) -> dict[str, Figure]:
     figs: dict[str, Figure] = {}
     if len(data.scores):
         figs["heatmap"] = plots.heatmap(data.scores, data.order, [x for x in m if x.label in ("onset", "first alarm", "alarm")],
-                                        kinds=data.kinds)
+                                        kinds=data.kinds, step_width=data.heat_width)
     root = data.result.get("root") or {}
     if data.root_band is not None and len(data.root_band):
         observed = root.get("observed_on") or root["component"]

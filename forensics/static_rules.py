@@ -23,9 +23,10 @@ How each maps onto our trace (SageMaker's rule reads raw tensors; we read the re
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import polars as pl
 
@@ -90,37 +91,49 @@ class StaticAlarm:
         return d
 
 
-def _tables(trace: Path) -> tuple[pl.DataFrame, pl.DataFrame]:
-    """(components, health) of the trace's effective timeline (latest incarnation per step)."""
-    from warninglight.forensics.store import open_trace
+CHUNK_ROWS = 1_000_000  # health rows read at once: the trace is scanned in step windows
+
+
+def _chunks(trace: Path) -> Iterator[tuple[pl.DataFrame, pl.DataFrame]]:
+    """(components, per-chunk health rows joined with them), over the effective timeline."""
+    from warninglight.forensics.analysis import require_health
+    from warninglight.forensics.store import health_window, open_trace
 
     opened = open_trace(trace)  # raises TraceError naming the path if it is not a trace
     try:
         components = opened.frame("components").collect().unique("component", keep="first")
-        return components, opened.frame("health").collect()
+        keys = components.select("component", "param_count", "bound")
+        first, last = require_health(opened)
+        step_rows = max(1, len(components))
+        width = max(1, CHUNK_ROWS // step_rows)
+        for start in range(first, last + 1, width):
+            yield components, health_window(opened, start, min(start + width - 1, last)).join(
+                keys, on="component", how="inner")
     finally:
         opened.close()
 
 
+def _fired(rule: StaticRule, components: pl.DataFrame, health: pl.DataFrame) -> pl.DataFrame:
+    names = components.filter(rule.applies(components))["component"]
+    return (
+        health.filter(pl.col("component").is_in(names.implode()) & rule.fires.fill_null(False))
+        .with_columns(rule.value.alias("_value"))
+        .sort("step")
+        .group_by("component", maintain_order=True)
+        .agg(pl.col("step").first(), pl.col("_value").first(), pl.len().alias("n"))
+    )
+
+
 def static_alarms(trace: Path | str) -> list[StaticAlarm]:
     """Every (rule, component) that fired in the trace, with its first step, earliest first."""
-    components, health = _tables(Path(trace))
-    health = health.join(components.select("component", "param_count", "bound"), on="component", how="inner")
-    alarms: list[StaticAlarm] = []
-    for rule in RULES:
-        names = components.filter(rule.applies(components))["component"]
-        hits = (
-            health.filter(pl.col("component").is_in(names.implode()) & rule.fires.fill_null(False))
-            .with_columns(rule.value.alias("_value"))
-            .sort("step")
-            .group_by("component", maintain_order=True)
-            .agg(pl.col("step").first(), pl.col("_value").first(), pl.len().alias("n"))
-        )
-        alarms += [
-            StaticAlarm(rule.name, row["component"], int(row["step"]),
-                        float("nan") if row["_value"] is None else float(row["_value"]), int(row["n"]))
-            for row in hits.iter_rows(named=True)
-        ]
+    found: dict[tuple[str, str], list[Any]] = {}  # (rule, component) -> [step, value, n]
+    for components, health in _chunks(Path(trace)):  # in step order: the first firing is kept
+        for rule in RULES:
+            for row in _fired(rule, components, health).iter_rows(named=True):
+                seen = found.setdefault((rule.name, row["component"]), [row["step"], row["_value"], 0])
+                seen[2] += row["n"]
+    alarms = [StaticAlarm(rule, component, int(step), float("nan") if value is None else float(value), int(n))
+              for (rule, component), (step, value, n) in found.items()]
     return sorted(alarms, key=lambda a: (a.step, a.rule, a.component))
 
 

@@ -23,6 +23,7 @@ from typing import Any
 
 import duckdb
 import polars as pl
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 from warninglight.tracer import schema
 
@@ -51,6 +52,19 @@ class FormatVersionError(TraceError):
     """The trace was written in a format version this reader does not know."""
 
 
+@dataclass(frozen=True)
+class SegmentSpan:
+    """One segment file and the first and last step it holds (None: it holds no step)."""
+
+    table: str
+    rank: int
+    incarnation: int
+    path: Path
+    first: int | None
+    last: int | None
+    rows: int
+
+
 @dataclass
 class Trace:
     """An open trace: a DuckDB connection with the views above, and the manifests."""
@@ -59,6 +73,7 @@ class Trace:
     con: duckdb.DuckDBPyConnection
     manifests: list[dict[str, Any]] = field(default_factory=list)
     segments: list[Path] = field(default_factory=list)
+    spans: list[SegmentSpan] = field(default_factory=list)
 
     def sql(self, query: str) -> duckdb.DuckDBPyRelation:
         """Run SQL over the views."""
@@ -105,14 +120,33 @@ def _read_manifests(root: Path) -> list[dict[str, Any]]:
     return manifests
 
 
-def _check_segments(segments: list[Path]) -> None:
-    for path in segments:
-        try:
-            pq.read_metadata(path)
-        except Exception as exc:  # pyarrow raises several types for a damaged footer
-            raise CorruptSegmentError(
-                f"segment {path} is not readable Parquet ({type(exc).__name__}) — move it out of "
-                "the trace directory to analyse the rest (a crash loses at most that segment)") from exc
+def _partition(path: Path, key: str) -> int:
+    for part in path.parts:
+        if part.startswith(key + "="):
+            return int(part.split("=", 1)[1])
+    return 0
+
+
+def _span(table: str, path: Path) -> SegmentSpan:
+    """The segment's step range: from its file name (format 2), else from its footer statistics."""
+    try:
+        meta = pq.read_metadata(path)
+    except Exception as exc:  # pyarrow raises several types for a damaged footer
+        raise CorruptSegmentError(
+            f"segment {path} is not readable Parquet ({type(exc).__name__}) — move it out of "
+            "the trace directory to analyse the rest (a crash loses at most that segment)") from exc
+    steps = schema.segment_steps(path.name)
+    if steps is None and meta.num_rows and "step" in meta.schema.names:
+        col = meta.schema.names.index("step")
+        stats = [meta.row_group(i).column(col).statistics for i in range(meta.num_row_groups)]
+        if all(st is not None and st.has_min_max for st in stats):
+            steps = (min(int(st.min) for st in stats), max(int(st.max) for st in stats))
+        else:  # no statistics: read the one column
+            col_steps = pq.read_table(path, columns=["step"]).column("step")
+            steps = (int(pc.min(col_steps).as_py()), int(pc.max(col_steps).as_py()))
+    first, last = steps if steps is not None else (None, None)
+    return SegmentSpan(table, _partition(path, "rank"), _partition(path, "incarnation"), path,
+                       first, last, meta.num_rows)
 
 
 def _empty_select(table: str) -> str:
@@ -129,6 +163,22 @@ def _raw_view(con: duckdb.DuckDBPyConnection, root: Path, table: str, present: b
     con.execute(f"CREATE VIEW {table}_all AS {src}")
 
 
+def _superseded(con: duckdb.DuckDBPyConnection, spans: list[SegmentSpan]) -> None:
+    """`_superseded` (rank, incarnation, at_step) from the segments' step ranges, without a scan."""
+    firsts: dict[tuple[int, int], int] = {}
+    for s in spans:
+        if s.table in ("health", "steps") and s.first is not None and s.rows:
+            key = (s.rank, s.incarnation)
+            firsts[key] = min(firsts.get(key, s.first), s.first)
+    rows = []
+    for (rank, inc) in sorted(firsts):
+        later = [f for (r, i), f in firsts.items() if r == rank and i > inc]
+        rows.append((rank, inc, min(later) if later else None))
+    con.execute("CREATE TABLE _superseded (rank BIGINT, incarnation BIGINT, at_step BIGINT)")
+    if rows:
+        con.executemany("INSERT INTO _superseded VALUES (?, ?, ?)", rows)
+
+
 def _timeline_views(con: duckdb.DuckDBPyConnection) -> None:
     # An incarnation is superseded from the first step of any later incarnation of the same rank.
     con.execute("""
@@ -137,12 +187,6 @@ def _timeline_views(con: duckdb.DuckDBPyConnection) -> None:
         FROM (SELECT rank, incarnation, step FROM health_all UNION ALL
               SELECT rank, incarnation, step FROM steps_all)
         GROUP BY rank, incarnation""")
-    con.execute("""
-        CREATE VIEW _superseded AS
-        SELECT a.rank, a.incarnation, min(b.first_step) AS at_step
-        FROM incarnations a LEFT JOIN incarnations b
-          ON a.rank = b.rank AND b.incarnation > a.incarnation
-        GROUP BY a.rank, a.incarnation""")
     for table in _TIMELINE_TABLES:
         con.execute(f"""
             CREATE VIEW {table} AS SELECT t.* FROM {table}_all t
@@ -173,18 +217,20 @@ def open_trace(path: str | Path) -> Trace:
             f"no trace segments under {root / 'health'} — is this a trace directory? "
             f"expected files like {example}")
     segments = [p for t in schema.TABLES for p in by_table[t]]
-    _check_segments(segments)
+    spans = [_span(t, p) for t in schema.TABLES for p in by_table[t]]
     con = duckdb.connect()
     for table in schema.TABLES:
         _raw_view(con, root, table, bool(by_table[table]))
+    _superseded(con, spans)
     _timeline_views(con)
-    return Trace(root=root, con=con, manifests=manifests, segments=segments)
+    return Trace(root=root, con=con, manifests=manifests, segments=segments, spans=spans)
 
 
 def info(trace: Trace) -> dict[str, Any]:
     """The summary `warninglight info` prints: run, steps, incarnations, components, ranks, size."""
     row = trace.one("SELECT count(DISTINCT step), min(step), max(step), count(DISTINCT rank) FROM steps")
-    incarnations = trace.one("SELECT count(*) FROM incarnations")
+    incarnations = {(s.rank, s.incarnation) for s in trace.spans
+                    if s.table in ("health", "steps") and s.rows}
     components = trace.one("SELECT count(DISTINCT component) FROM components")
     dropped = sum(int(inc.get("dropped_steps") or 0) for m in trace.manifests
                   for inc in m.get("incarnations", []))
@@ -192,7 +238,7 @@ def info(trace: Trace) -> dict[str, Any]:
         "trace": str(trace.root),
         "run_id": next((m.get("run_id") for m in trace.manifests), None),
         "steps": int(row[0]), "first_step": row[1], "last_step": row[2],
-        "incarnations": int(incarnations[0]), "components": int(components[0]),
+        "incarnations": len(incarnations), "components": int(components[0]),
         "ranks": int(row[3]),
         "segments": len(trace.segments),
         "size_bytes": sum(p.stat().st_size for p in trace.segments),
@@ -215,3 +261,41 @@ def health_frame(trace: Trace) -> pl.LazyFrame:
     comps = trace.frame("components")
     comps = comps.select(*[c for c in COMPONENT_KEYS if c in comps.collect_schema().names()])
     return trace.frame("health").join(comps, on=["rank", "component"], how="left")
+
+
+def health_steps(trace: Trace) -> tuple[int, int] | None:
+    """(first, last) step of the health rows, from the segments' step ranges (no scan)."""
+    spans = [s for s in trace.spans if s.table == "health" and s.first is not None and s.rows]
+    if not spans:
+        return None
+    return min(s.first for s in spans), max(s.last for s in spans)  # type: ignore[type-var]
+
+
+def window_files(trace: Trace, table: str, first: int, last: int) -> list[Path]:
+    """The segments of `table` that may hold steps first..last (their names or footers say so)."""
+    return [s.path for s in trace.spans if s.table == table and s.rows and s.first is not None
+            and s.first <= last and s.last >= first]  # type: ignore[operator]
+
+
+def health_window(trace: Trace, first: int, last: int,
+                  components: pl.DataFrame | None = None) -> pl.DataFrame:
+    """Effective-timeline health rows of steps first..last, reading only the files that hold them.
+
+    With `components` (the `components` view as a frame), each row also gets its component's
+    role, bound, parent and forward order, like `health_frame`.
+    """
+    files = window_files(trace, "health", first, last)
+    if not files:
+        frame = pl.from_arrow(trace.con.sql("SELECT * FROM health WHERE false").to_arrow_table())  # type: ignore[assignment]
+    else:
+        listed = ", ".join("'" + str(p).replace("'", "''") + "'" for p in files)
+        arrow = trace.con.sql(f"""
+            SELECT t.* FROM read_parquet([{listed}], hive_partitioning = true, union_by_name = true) t
+            JOIN _superseded s ON t.rank = s.rank AND t.incarnation = s.incarnation
+            WHERE t.step BETWEEN {int(first)} AND {int(last)}
+              AND (s.at_step IS NULL OR t.step < s.at_step)""").to_arrow_table()
+        frame = pl.from_arrow(arrow)  # type: ignore[assignment]
+    if components is None:
+        return frame
+    comps = components.select(*[c for c in COMPONENT_KEYS if c in components.columns])
+    return frame.join(comps, on=["rank", "component"], how="left")

@@ -1,18 +1,18 @@
 """`analyze(trace_dir)`: classify, localise, recommend a rollback and run the comparators, in one call.
 
-`Analysis.to_dict()` is exactly the object `warninglight analyze --json` prints (documented in
-docs/analysis-json.md); `alarms` is a Polars frame; `baseline_frame(component, metric)` gives a
-metric with its baseline band, for plots.
+`Analysis` is typed (`Root`, `Alarm`, `Detectors`, `rollback.Rollback`); `Analysis.to_dict()` is
+exactly the object `warninglight analyze --json` prints (documented in docs/analysis-json.md);
+`alarms` is a Polars frame; `baseline_frame(component, metric)` gives a metric with its baseline
+band, for plots. How a verdict is worded for a person lives in `wording`.
 
 Memory is bounded whatever the trace's length: the health rows are read and classified one step
-window at a time (`stream.Classifier` carries the trailing baseline across windows), and
-localisation reads back only the alarmed components' series.
+window at a time (`stream.Classifier` carries the trailing baseline across windows; the static
+rules scan the same windows), and localisation reads back only the alarmed components' series.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +24,7 @@ from . import rollback as rb
 from .baseline import band, with_baseline
 from .conditions import Config, load_config
 from .localise import DRIFT_REACH, locate, root_cause
+from .static_rules import StaticAlarm, StaticScan
 from .store import (
     COMPONENT_KEYS,
     EmptyTraceError,
@@ -38,39 +39,116 @@ from .stream import Classifier
 CHUNK_ROWS = 400_000  # health rows judged per step window: the scored window stays under ~0.6 GB
 HEAT_BINS = 2_000     # the heatmap keeps at most this many step columns (one bin = several steps)
 
-ALARM_KEYS = ("component", "condition", "step", "onset_step", "magnitude", "metric",
-              "attributed_to", "rank", "last_step", "value", "median")
+
+@dataclass(frozen=True)
+class Root:
+    """The root cause: which component the fault is attributed to, since when, and why."""
+
+    attributed_to: str  # module path; "" = the whole model (scope "optimizer")
+    observed_on: str  # the component whose metric alarmed
+    condition: str
+    onset_step: int
+    alarm_step: int
+    magnitude: float | None  # robust z (a count for non-finite counts; None for a NaN/Inf value)
+    metric: str
+    rank: int
+    ranks: list[int]  # every rank on which the attributed component alarmed
+    ranks_disagree: bool  # it alarmed on some ranks only
+    evidence: str
+    scope: str  # "component" | "optimizer"
+
+    @property
+    def name(self) -> str:
+        """How the root is named to a person: its module path, or what "" (the whole model) means."""
+        if self.scope == "optimizer":
+            return "optimizer-wide (every component's update)"
+        return self.attributed_to or "(whole model)"
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class Alarm:
+    """One alarm: where it was observed, what it is attributed to, when it began and fired."""
+
+    observed_on: str
+    attributed_to: str
+    condition: str
+    step: int  # when the light lit
+    onset_step: int
+    magnitude: float | None
+    metric: str
+    rank: int
+    last_step: int  # last step of the episode
+    value: float | None
+    median: float | None  # None for non-finite rules
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+# Every alarm and the root say where the metric was measured (`observed_on`) and which component
+# the fault is attributed to (`attributed_to`); they differ when an activation's alarm is
+# attributed to the layer feeding it. No key is called plain `component`.
+ALARM_KEYS = tuple(f.name for f in fields(Alarm))
+
+
+@dataclass(frozen=True)
+class Detectors:
+    """When the comparator rules fired on the same trace, and the light's lead over them."""
+
+    loss_spike_step: int | None  # first firing at or after the onset (at all when healthy)
+    grad_norm_spike_step: int | None
+    loss_spike_first_step: int | None  # first firing anywhere
+    grad_norm_spike_first_step: int | None
+    loss_spike_count: int
+    grad_norm_spike_count: int
+    light_lead_over_loss_spike: int | None  # positive: the light lit first
+    light_lead_over_grad_norm_spike: int | None
+    first_alarm_step: int | None  # the earliest alarm of any condition
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
 
 
 @dataclass
 class Analysis:
-    """The forensic verdict on one trace."""
+    """The forensic verdict on one trace, and the frames it was reached from."""
 
     trace_dir: Path
     verdict: str  # "healthy" | "fault"
-    root: dict[str, Any] | None
+    root: Root | None
     affected: list[str]
-    alarms: pl.DataFrame
+    alarms: pl.DataFrame  # one row per alarm, columns ALARM_KEYS
     rollback: rb.Rollback
-    detectors: dict[str, Any]
-    heat: pl.DataFrame = field(repr=False)  # component, step (bin start), score: worst |z| in the bin
-    summary: dict[str, Any] = field(default_factory=dict)
+    detectors: Detectors
+    heat: pl.DataFrame = field(repr=False)  # component, step (bin start), score: worst |robust z| in the bin
+    summary: dict[str, Any] = field(default_factory=dict)  # store.info(): what `info` prints
+    components: pl.DataFrame = field(default_factory=pl.DataFrame, repr=False)  # the components table
+    steps: pl.DataFrame = field(default_factory=pl.DataFrame, repr=False)  # the steps table, by step
+    warmup_steps: int = 0  # recorded steps before a component is first judged (baseline min_samples + lag)
+    static: list[StaticAlarm] = field(default_factory=list)  # what fixed-threshold rules saw
     config: Config = field(default_factory=Config, repr=False)
-    heat_width: int = 1  # steps per heat bin
+    heat_width: int = 1  # steps per heat bin (1 up to HEAT_BINS steps)
+
+    def alarm_list(self) -> list[Alarm]:
+        """The alarms as records, in step order (non-finite floats as None)."""
+        return [Alarm(**{k: _plain(a[k]) for k in ALARM_KEYS}) for a in self.alarms.iter_rows(named=True)]
 
     def to_dict(self) -> dict[str, Any]:
         """The `--json` object (docs/analysis-json.md)."""
         return {
-            "trace": str(self.trace_dir), "verdict": self.verdict, "root": self.root,
-            "affected": self.affected,
-            "alarms": [{k: _plain(a[k]) for k in ALARM_KEYS} for a in self.alarms.iter_rows(named=True)],
-            "rollback": self.rollback.to_dict(), "detectors": self.detectors, "trace_info": self.summary,
+            "trace": str(self.trace_dir), "verdict": self.verdict,
+            "root": None if self.root is None else self.root.to_dict(),
+            "affected": self.affected, "alarms": [a.to_dict() for a in self.alarm_list()],
+            "rollback": self.rollback.to_dict(), "detectors": self.detectors.to_dict(), "trace_info": self.summary,
         }
 
     def baseline_frame(self, component: str, metric: str, rank: int = 0,
                        width_z: float = 3.0) -> pl.DataFrame:
         """step, value, median, lower, upper (median ± width_z robust scales) of one metric."""
-        trace = open_trace(self.trace_dir)
+        trace = open_trace(self.trace_dir)  # one component is read back: the analysis keeps none
         try:
             if metric not in trace.sql("SELECT * FROM health WHERE false").columns:
                 raise KeyError(f"no metric {metric!r} in {self.trace_dir}; try out_rms, grad_norm_l2, update_ratio")
@@ -82,30 +160,22 @@ class Analysis:
         return band(with_baseline(rows.lazy(), self.config.baseline, [metric]).collect(), metric, width_z)
 
 
-def root_name(root: Mapping[str, Any]) -> str:
-    """How a root is named to a person: its module path, or what `""` (the whole model) means."""
-    if root.get("scope") == "optimizer":
-        return "optimizer-wide (every component's update)"
-    return root.get("component") or "(whole model)"
-
-
 def _plain(v: Any) -> Any:
     if isinstance(v, float) and not np.isfinite(v):
         return None
     return v
 
 
-def _root_dict(root: dict[str, Any] | None, located: pl.DataFrame, ranks: int) -> dict[str, Any] | None:
+def _root(root: dict[str, Any] | None, located: pl.DataFrame, ranks: int) -> Root | None:
     if root is None:
         return None
     # an optimizer-wide root ("" = the whole model) is located where it was observed
-    where = root["attributed_to"] or root["component"]
+    where = root["attributed_to"] or root["observed_on"]
     on = located.filter(pl.col("attributed_to") == where)["rank"].unique().sort().to_list()
-    return {"component": root["attributed_to"], "condition": root["condition"],
-            "onset_step": root["onset_step"], "alarm_step": root["step"],
-            "magnitude": _plain(root["magnitude"]), "metric": root["metric"],
-            "observed_on": root["component"], "rank": root["rank"], "ranks": on,
-            "ranks_disagree": len(on) < ranks, "evidence": root["evidence"], "scope": root["scope"]}
+    return Root(attributed_to=root["attributed_to"], observed_on=root["observed_on"],
+                condition=root["condition"], onset_step=root["onset_step"], alarm_step=root["step"],
+                magnitude=_plain(root["magnitude"]), metric=root["metric"], rank=root["rank"], ranks=on,
+                ranks_disagree=len(on) < ranks, evidence=root["evidence"], scope=root["scope"])
 
 
 def param_components(components: pl.DataFrame) -> int:
@@ -158,15 +228,17 @@ def require_health(trace: Trace) -> tuple[int, int]:
     return steps
 
 
-def classify_trace(trace: Trace, config: Config, components: pl.DataFrame,
-                   heat_width: int | None = None, chunk_steps: int | None = None) -> Classifier:
-    """Feed the whole health timeline to one `Classifier`, one step window at a time."""
+def classify_trace(trace: Trace, config: Config, components: pl.DataFrame, heat_width: int | None = None,
+                   chunk_steps: int | None = None, static: StaticScan | None = None) -> Classifier:
+    """Feed the whole health timeline to one `Classifier` (and `static`), one step window at a time."""
     first, last = require_health(trace)
-    per_step = max(1, len(components))
-    chunk = chunk_steps or max(config.baseline.history(config.conditions), CHUNK_ROWS // per_step)
+    chunk = chunk_steps or max(config.baseline.history(config.conditions), CHUNK_ROWS // max(1, len(components)))
     clf = Classifier(config, components, heat_width)
     for start in range(first, last + 1, chunk):
-        clf.feed(health_window(trace, start, min(start + chunk - 1, last), components))
+        rows = health_window(trace, start, min(start + chunk - 1, last), components)
+        clf.feed(rows)
+        if static is not None:
+            static.feed(rows)
     return clf
 
 
@@ -183,8 +255,8 @@ def component_series(trace: Trace, names: list[str], metrics: list[str], rank: i
 
 
 def locate_alarms(trace: Trace, alarms: pl.DataFrame, components: pl.DataFrame, config: Config) -> pl.DataFrame:
-    """`localise.locate` on the alarms, reading only the alarmed components (and the layers
-    feeding alarmed activations) back from the trace: all localisation looks at."""
+    """`localise.locate` on the alarms, reading back only the alarmed components (and the layers
+    feeding alarmed activations) from the trace: all that localisation looks at."""
     if alarms.is_empty():
         return locate(alarms, pl.DataFrame(), components, config)
     parents = components.filter(pl.col("component").is_in(alarms["component"].implode()))
@@ -206,9 +278,11 @@ def analyze(trace_dir: str | Path, *, config: Config | str | Path | None = None,
     try:
         summary = info(trace)
         components = trace.frame("components").collect()
+        steps = trace.frame("steps").collect().sort("step")
         first, last_health = require_health(trace)
         width = max(1, -(-(last_health - first + 1) // HEAT_BINS))  # ceil
-        clf = classify_trace(trace, cfg, components, heat_width=width)
+        static = StaticScan(components)
+        clf = classify_trace(trace, cfg, components, heat_width=width, static=static)
         located = locate_alarms(trace, clf.alarms(), components, cfg)
         root, affected = root_cause(located, cfg, param_components(components))
         onset = root["onset_step"] if root else None
@@ -220,11 +294,11 @@ def analyze(trace_dir: str | Path, *, config: Config | str | Path | None = None,
     finally:
         trace.close()
     first_light = located.select(pl.col("step").min()).item() if root is not None else None
-    for key, step in (("light_lead_over_loss_spike", found["loss_spike_step"]),
-                      ("light_lead_over_grad_norm_spike", found["grad_norm_spike_step"])):
-        found[key] = None if first_light is None or step is None else step - first_light
-    found["first_alarm_step"] = first_light
+    leads = {key: None if first_light is None or step is None else step - first_light
+             for key, step in (("light_lead_over_loss_spike", found["loss_spike_step"]),
+                               ("light_lead_over_grad_norm_spike", found["grad_norm_spike_step"]))}
     return Analysis(Path(trace_dir), "fault" if root else "healthy",
-                    _root_dict(root, located, summary["ranks"]), affected,
-                    located.drop("drift", "signal", "forward_index"), rollback, found, clf.heat(), summary,
-                    cfg, width)
+                    _root(root, located, summary["ranks"]), affected,
+                    located.select(ALARM_KEYS), rollback, Detectors(**found, **leads, first_alarm_step=first_light),
+                    clf.heat(), summary, components, steps, cfg.baseline.min_samples + cfg.baseline.lag,
+                    static.alarms(), cfg, width)

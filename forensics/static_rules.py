@@ -23,12 +23,13 @@ How each maps onto our trace (SageMaker's rule reads raw tensors; we read the re
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import polars as pl
+from warninglight.tracer.schema import HEALTH_METRICS
 
 VANISHING_GRAD_RMS = 1e-7  # SageMaker VanishingGradient default threshold
 LAYER_FRACTION = 0.5  # SageMaker threshold_layer default: 50% of the layer's units
@@ -91,50 +92,61 @@ class StaticAlarm:
         return d
 
 
-CHUNK_ROWS = 1_000_000  # health rows read at once: the trace is scanned in step windows
+class StaticScan:
+    """Static firings accumulated over health rows fed in step order (one window at a time)."""
+
+    def __init__(self, components: pl.DataFrame) -> None:
+        self.components = components.unique("component", keep="first")
+        self._found: dict[tuple[str, str], list[Any]] = {}  # (rule, component) -> [step, value, n]
+
+    def feed(self, health: pl.DataFrame) -> StaticScan:
+        """Add the firings in `health` (rows of steps after any fed before; extra columns ignored)."""
+        health = health.select("step", "component", *[m for m in HEALTH_METRICS if m in health.columns])
+        health = health.join(self.components.select("component", "param_count", "bound"), on="component", how="inner")
+        for rule in RULES:
+            names = self.components.filter(rule.applies(self.components))["component"]
+            hits = (
+                health.filter(pl.col("component").is_in(names.implode()) & rule.fires.fill_null(False))
+                .with_columns(rule.value.alias("_value"))
+                .sort("step")
+                .group_by("component", maintain_order=True)
+                .agg(pl.col("step").first(), pl.col("_value").first(), pl.len().alias("n"))
+            )
+            for row in hits.iter_rows(named=True):  # an earlier window's first firing is kept
+                seen = self._found.setdefault((rule.name, row["component"]), [row["step"], row["_value"], 0])
+                seen[2] += row["n"]
+        return self
+
+    def alarms(self) -> list[StaticAlarm]:
+        """Every (rule, component) that fired, with its first step, earliest first."""
+        found = [StaticAlarm(rule, component, int(step), float("nan") if value is None else float(value), int(n))
+                 for (rule, component), (step, value, n) in self._found.items()]
+        return sorted(found, key=lambda a: (a.step, a.rule, a.component))
 
 
-def _chunks(trace: Path) -> Iterator[tuple[pl.DataFrame, pl.DataFrame]]:
-    """(components, per-chunk health rows joined with them), over the effective timeline."""
-    from warninglight.forensics.analysis import require_health
+def static_alarms(trace: Path | str) -> list[StaticAlarm]:
+    """Every (rule, component) that fired in the trace, with its first step, earliest first.
+
+    The trace is read one step window at a time, so memory does not grow with its length.
+    """
+    from warninglight.forensics.analysis import CHUNK_ROWS, require_health
     from warninglight.forensics.store import health_window, open_trace
 
     opened = open_trace(trace)  # raises TraceError naming the path if it is not a trace
     try:
-        components = opened.frame("components").collect().unique("component", keep="first")
-        keys = components.select("component", "param_count", "bound")
+        scan = StaticScan(opened.frame("components").collect())
         first, last = require_health(opened)
-        step_rows = max(1, len(components))
-        width = max(1, CHUNK_ROWS // step_rows)
+        width = max(1, CHUNK_ROWS // max(1, len(scan.components)))
         for start in range(first, last + 1, width):
-            yield components, health_window(opened, start, min(start + width - 1, last)).join(
-                keys, on="component", how="inner")
+            scan.feed(health_window(opened, start, min(start + width - 1, last)))
     finally:
         opened.close()
+    return scan.alarms()
 
 
-def _fired(rule: StaticRule, components: pl.DataFrame, health: pl.DataFrame) -> pl.DataFrame:
-    names = components.filter(rule.applies(components))["component"]
-    return (
-        health.filter(pl.col("component").is_in(names.implode()) & rule.fires.fill_null(False))
-        .with_columns(rule.value.alias("_value"))
-        .sort("step")
-        .group_by("component", maintain_order=True)
-        .agg(pl.col("step").first(), pl.col("_value").first(), pl.len().alias("n"))
-    )
-
-
-def static_alarms(trace: Path | str) -> list[StaticAlarm]:
-    """Every (rule, component) that fired in the trace, with its first step, earliest first."""
-    found: dict[tuple[str, str], list[Any]] = {}  # (rule, component) -> [step, value, n]
-    for components, health in _chunks(Path(trace)):  # in step order: the first firing is kept
-        for rule in RULES:
-            for row in _fired(rule, components, health).iter_rows(named=True):
-                seen = found.setdefault((rule.name, row["component"]), [row["step"], row["_value"], 0])
-                seen[2] += row["n"]
-    alarms = [StaticAlarm(rule, component, int(step), float("nan") if value is None else float(value), int(n))
-              for (rule, component), (step, value, n) in found.items()]
-    return sorted(alarms, key=lambda a: (a.step, a.rule, a.component))
+def static_alarms_in(components: pl.DataFrame, health: pl.DataFrame) -> list[StaticAlarm]:
+    """`static_alarms` of frames already read: the components table and health rows."""
+    return StaticScan(components).feed(health).alarms()
 
 
 def first_static_alarm(trace: Path | str, after_step: int = 0) -> StaticAlarm | None:

@@ -132,7 +132,6 @@ def heat_of(scored: pl.DataFrame, width: int) -> pl.DataFrame:
     if not z_cols:
         return pl.DataFrame(schema=HEAT_SCHEMA)
     finite = [pl.when(pl.col(c).is_finite() & pl.col(c.replace("__z", "__med")).is_not_null()).then(pl.col(c).abs())
-              if c.replace("__z", "__med") in scored.columns else pl.when(pl.col(c).is_finite()).then(pl.col(c).abs())
               for c in z_cols]
     step = pl.col("step") if width == 1 else (pl.col("step") - 1) // width * width + 1
     return (scored.select("component", step.alias("step"), pl.max_horizontal(finite).alias("score"))

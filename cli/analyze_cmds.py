@@ -11,10 +11,12 @@ from warninglight.cli.common import (
     ConfigOpt,
     EveryOpt,
     SetOpt,
+    StepsOpt,
     TraceArg,
     analysis_from,
     bad_input,
     config_from,
+    steps_from,
     table,
 )
 from warninglight.cli.main import app
@@ -33,9 +35,10 @@ def analyze_cmd(
     overrides: SetOpt = None,
     checkpoints: CheckpointsOpt = None,
     every: EveryOpt = None,
+    steps: StepsOpt = None,
 ) -> None:
     """Is this run failing? Which component, since when, how badly, and how far to roll back."""
-    analysis = analysis_from(trace, config, overrides, checkpoints, every)
+    analysis = analysis_from(trace, config, overrides, checkpoints, every, steps)
     typer.echo(json.dumps(analysis.to_dict(), indent=2) if as_json else wording.analysis_text(analysis))
     if exit_code and analysis.verdict == "fault":
         raise typer.Exit(FAULT)
@@ -61,11 +64,13 @@ def replay_cmd(
     as_json: Annotated[bool, typer.Option("--json", help="Print the timeline as JSON.")] = False,
     config: ConfigOpt = None,
     overrides: SetOpt = None,
+    steps: StepsOpt = None,
 ) -> None:
     """Stream the trace in step order and print when each alarm would have fired live."""
     cfg = config_from(config, overrides)
+    window = steps_from(steps)
     with bad_input():
-        result = replay(trace, config=cfg)
+        result = replay(trace, config=cfg, steps=window)
     if as_json:
         typer.echo(json.dumps(result.to_dict(), indent=2))
         return

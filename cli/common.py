@@ -18,6 +18,7 @@ from warninglight.forensics import (
     analyze,
     load_config,
 )
+from warninglight.forensics.analysis import StepWindowError
 from warninglight.forensics.wording import text_table as table  # noqa: F401  (the commands' tables)
 
 BAD_INPUT = 2  # exit code for input we cannot use (not a trace, bad SQL, bad option)
@@ -33,6 +34,22 @@ CheckpointsOpt = Annotated[str | None, typer.Option(
     "--checkpoints", help="A glob of checkpoint files (quote it); the step is the last number in each name.")]
 EveryOpt = Annotated[int | None, typer.Option(
     "--checkpoint-every", min=1, help="Assume a checkpoint every N steps instead of the recorded ones.")]
+StepsOpt = Annotated[str | None, typer.Option(
+    "--steps", metavar="A:B",
+    help="An incident window: judge only steps A..B (reading just the files that hold them and the "
+         "baseline history before A).")]
+
+
+def steps_from(text: str | None) -> tuple[int, int] | None:
+    """`--steps A:B` as (A, B); a one-line error for anything else."""
+    if text is None:
+        return None
+    first, sep, last = text.partition(":")
+    if not sep or not first.strip().isdigit() or not last.strip().isdigit():
+        raise fail(f"--steps {text!r}: expected A:B with whole step numbers, e.g. --steps 9000:9500")
+    if int(first) > int(last):
+        raise fail(f"--steps {text}: the first step is after the last; e.g. --steps {last.strip()}:{first.strip()}")
+    return int(first), int(last)
 
 
 def fail(message: str, code: int = BAD_INPUT) -> typer.Exit:
@@ -46,7 +63,7 @@ def bad_input() -> Iterator[None]:
     """Turn the library's input errors into a one-line message and exit code 2."""
     try:
         yield
-    except (TraceError, ConfigError, CheckpointError) as exc:
+    except (TraceError, ConfigError, CheckpointError, StepWindowError) as exc:
         raise fail(str(exc)) from None
     except duckdb.Error as exc:
         raise fail(f"{str(exc).splitlines()[0]} — the views are health, steps, scalars, components, "
@@ -61,8 +78,9 @@ def config_from(path: Path | None, overrides: list[str] | None) -> Config:
 
 
 def analysis_from(trace: Path, config: Path | None, overrides: list[str] | None,
-                  checkpoints: str | None, every: int | None) -> Analysis:
-    """The analysis a command prints, with the thresholds and checkpoints the user chose."""
+                  checkpoints: str | None, every: int | None, steps: str | None = None) -> Analysis:
+    """The analysis a command prints, with the thresholds, checkpoints and window the user chose."""
     cfg = config_from(config, overrides)
+    window = steps_from(steps)
     with bad_input():
-        return analyze(trace, config=cfg, checkpoints_glob=checkpoints, checkpoint_every=every)
+        return analyze(trace, config=cfg, checkpoints_glob=checkpoints, checkpoint_every=every, steps=window)

@@ -12,6 +12,7 @@ from warninglight.cli.common import (
     ConfigOpt,
     EveryOpt,
     SetOpt,
+    StepsOpt,
     TraceArg,
     analysis_from,
     bad_input,
@@ -34,6 +35,7 @@ def report_cmd(
     overrides: SetOpt = None,
     checkpoints: CheckpointsOpt = None,
     every: EveryOpt = None,
+    steps: StepsOpt = None,
 ) -> None:
     """Write a report of a trace: health heatmap, root metric, loss with every detector, rollback, alarms.
 
@@ -46,7 +48,7 @@ def report_cmd(
                    "or use --format png to write the figures into it")
     if fmt is Format.png and out.exists() and not out.is_dir():
         raise fail(f"--out {out} is a file; --format png writes into a folder, e.g. -o {out.with_suffix('')}_figures")
-    analysis = analysis_from(trace, config, overrides, checkpoints, every)
+    analysis = analysis_from(trace, config, overrides, checkpoints, every, steps)
     with bad_input():
         try:
             paths = (report.write_pngs(trace, out, analysis) if fmt is Format.png

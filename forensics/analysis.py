@@ -152,7 +152,8 @@ class Analysis:
         try:
             if metric not in trace.sql("SELECT * FROM health WHERE false").columns:
                 raise KeyError(f"no metric {metric!r} in {self.trace_dir}; try out_rms, grad_norm_l2, update_ratio")
-            rows = component_series(trace, [component], [metric], rank=rank)
+            first, last = require_health(trace)
+            rows = health_window(trace, first, last, columns=[metric], names=[component], rank=rank)
         finally:
             trace.close()
         if rows.is_empty():
@@ -215,6 +216,10 @@ def _checkpoints(trace: Trace, checkpoints_glob: str | None, checkpoint_every: i
     return rb.from_trace(trace), "trace"
 
 
+class StepWindowError(ValueError):
+    """A step window that holds none of the trace's steps."""
+
+
 def require_health(trace: Trace) -> tuple[int, int]:
     """(first, last) health step; an `EmptyTraceError` saying why when the trace holds none."""
     steps = health_steps(trace)
@@ -228,42 +233,47 @@ def require_health(trace: Trace) -> tuple[int, int]:
     return steps
 
 
-def classify_trace(trace: Trace, config: Config, components: pl.DataFrame, heat_width: int | None = None,
-                   chunk_steps: int | None = None, static: StaticScan | None = None) -> Classifier:
-    """Feed the whole health timeline to one `Classifier` (and `static`), one step window at a time."""
+def judged_steps(trace: Trace, config: Config, steps: tuple[int, int] | None = None) -> tuple[int, int, int]:
+    """(first step read, first step judged, last step) of the health timeline, or of the window
+    `steps` = (A, B): judged from A, read from A minus the history a rule reads."""
     first, last = require_health(trace)
+    if steps is None:
+        return first, first, last
+    a, b = steps
+    if a > b or b < first or a > last:
+        raise StepWindowError(f"--steps {a}:{b} holds none of the recorded steps {first}-{last}; "
+                              f"pass a window A:B with A <= B inside {first}:{last}")
+    a, b = max(a, first), min(b, last)
+    return max(first, a - config.baseline.history(config.conditions)), a, b
+
+
+def classify_trace(trace: Trace, config: Config, components: pl.DataFrame, heat_width: int | None = None,
+                   chunk_steps: int | None = None, static: StaticScan | None = None,
+                   steps: tuple[int, int] | None = None) -> Classifier:
+    """Feed the health timeline (or the window `steps`, with the history before it) to one
+    `Classifier`, and to `static`, one step window at a time."""
+    read_from, judge_from, last = judged_steps(trace, config, steps)
     chunk = chunk_steps or max(config.baseline.history(config.conditions), CHUNK_ROWS // max(1, len(components)))
-    clf = Classifier(config, components, heat_width)
-    for start in range(first, last + 1, chunk):
+    clf = Classifier(config, components, heat_width, since=judge_from)
+    for start in range(read_from, last + 1, chunk):
         rows = health_window(trace, start, min(start + chunk - 1, last), components)
         clf.feed(rows)
         if static is not None:
-            static.feed(rows)
+            static.feed(rows.filter(pl.col("step") >= judge_from))
     return clf
 
 
-def component_series(trace: Trace, names: list[str], metrics: list[str], rank: int | None = None,
-                     until: int | None = None) -> pl.DataFrame:
-    """Effective-timeline rows of a few components (all their steps, up to `until`), a few metrics."""
-    wanted = ", ".join("'" + n.replace("'", "''") + "'" for n in names) or "NULL"
-    cols = ", ".join(f'"{m}"' for m in dict.fromkeys(metrics))
-    where = f"component IN ({wanted})" + ("" if rank is None else f" AND rank = {int(rank)}")
-    if until is not None:
-        where += f" AND step <= {int(until)}"
-    query = f"SELECT step, component, rank, {cols} FROM health WHERE {where}"
-    return pl.from_arrow(trace.sql(query).to_arrow_table())  # type: ignore[return-value]
-
-
-def locate_alarms(trace: Trace, alarms: pl.DataFrame, components: pl.DataFrame, config: Config) -> pl.DataFrame:
+def locate_alarms(trace: Trace, alarms: pl.DataFrame, components: pl.DataFrame, config: Config,
+                  since: int = 0) -> pl.DataFrame:
     """`localise.locate` on the alarms, reading back only the alarmed components (and the layers
-    feeding alarmed activations) from the trace: all that localisation looks at."""
+    feeding alarmed activations) from step `since` on: all that localisation looks at."""
     if alarms.is_empty():
         return locate(alarms, pl.DataFrame(), components, config)
     parents = components.filter(pl.col("component").is_in(alarms["component"].implode()))
     names = sorted({*alarms["component"].to_list(), *parents["parent_param"].drop_nulls().to_list()})
     metrics = sorted(set(alarms["metric"].to_list()))
-    rows = component_series(trace, names, [*metrics, "weight_drift_l2"],
-                            until=int(alarms["step"].max()) + DRIFT_REACH)
+    rows = health_window(trace, since, int(alarms["step"].max()) + DRIFT_REACH,
+                         columns=[*metrics, "weight_drift_l2"], names=names)
     keys = [c for c in COMPONENT_KEYS if c in components.columns and c not in ("rank", "component")]
     rows = rows.join(components.select("rank", "component", *keys), on=["rank", "component"], how="left")
     scored = with_baseline(rows.lazy(), config.baseline, [m for m in metrics if m in rows.columns]).collect()
@@ -271,19 +281,27 @@ def locate_alarms(trace: Trace, alarms: pl.DataFrame, components: pl.DataFrame, 
 
 
 def analyze(trace_dir: str | Path, *, config: Config | str | Path | None = None,
-            checkpoints_glob: str | None = None, checkpoint_every: int | None = None) -> Analysis:
-    """Read the trace and answer: failing? where, since when, how badly, and how far to roll back."""
+            checkpoints_glob: str | None = None, checkpoint_every: int | None = None,
+            steps: tuple[int, int] | None = None) -> Analysis:
+    """Read the trace and answer: failing? where, since when, how badly, and how far to roll back.
+
+    `steps` = (A, B): an incident window. Only alarms raised at steps A..B are reported, each
+    judged exactly as on the whole trace, and only the segment files holding steps A minus the
+    baseline's history to B are read (an episode under way at A is reported from A).
+    """
     cfg = config if isinstance(config, Config) else load_config(config)
     trace = open_trace(trace_dir)
     try:
         summary = info(trace)
         components = trace.frame("components").collect()
-        steps = trace.frame("steps").collect().sort("step")
-        first, last_health = require_health(trace)
+        read_from, first, last_health = judged_steps(trace, cfg, steps)
+        table = trace.frame("steps").collect().sort("step")
+        if steps is not None:
+            table = table.filter(pl.col("step").is_between(first, last_health))
         width = max(1, -(-(last_health - first + 1) // HEAT_BINS))  # ceil
         static = StaticScan(components)
-        clf = classify_trace(trace, cfg, components, heat_width=width, static=static)
-        located = locate_alarms(trace, clf.alarms(), components, cfg)
+        clf = classify_trace(trace, cfg, components, heat_width=width, static=static, steps=steps)
+        located = locate_alarms(trace, clf.alarms(), components, cfg, since=read_from)
         root, affected = root_cause(located, cfg, param_components(components))
         onset = root["onset_step"] if root else None
         found = comparators(trace, onset)
@@ -300,5 +318,5 @@ def analyze(trace_dir: str | Path, *, config: Config | str | Path | None = None,
     return Analysis(Path(trace_dir), "fault" if root else "healthy",
                     _root(root, located, summary["ranks"]), affected,
                     located.select(ALARM_KEYS), rollback, Detectors(**found, **leads, first_alarm_step=first_light),
-                    clf.heat(), summary, components, steps, cfg.baseline.min_samples + cfg.baseline.lag,
+                    clf.heat(), summary, components, table, cfg.baseline.min_samples + cfg.baseline.lag,
                     static.alarms(), cfg, width)

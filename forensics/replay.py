@@ -16,7 +16,7 @@ from typing import Any
 
 import polars as pl
 
-from .analysis import classify_trace, comparators, locate_alarms, param_components
+from .analysis import classify_trace, comparators, judged_steps, locate_alarms, param_components
 from .conditions import Config, load_config
 from .localise import root_cause
 from .store import open_trace
@@ -51,18 +51,18 @@ class Replay:
 
 
 def replay(trace_dir: str | Path, *, config: Config | str | Path | None = None,
-           chunk: int | None = None) -> Replay:
+           chunk: int | None = None, steps: tuple[int, int] | None = None) -> Replay:
     """When the light would have lit, live, beside the loss-spike and gradient-norm rules.
 
     `chunk`: steps per feed (default: as many as `analyze` judges at once); it changes the cost,
-    never the alarms.
+    never the alarms. `steps` = (A, B): only that window is judged (see `analysis.analyze`).
     """
     cfg = config if isinstance(config, Config) else load_config(config)
     trace = open_trace(trace_dir)
     try:
         components = trace.frame("components").collect()
-        clf = classify_trace(trace, cfg, components, chunk_steps=chunk)
-        located = locate_alarms(trace, clf.alarms(), components, cfg)
+        clf = classify_trace(trace, cfg, components, chunk_steps=chunk, steps=steps)
+        located = locate_alarms(trace, clf.alarms(), components, cfg, since=judged_steps(trace, cfg, steps)[0])
         root, _ = root_cause(located, cfg, param_components(components))
         compared = comparators(trace, root["onset_step"] if root else None)
     finally:

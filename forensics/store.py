@@ -277,25 +277,35 @@ def window_files(trace: Trace, table: str, first: int, last: int) -> list[Path]:
             and s.first <= last and s.last >= first]  # type: ignore[operator]
 
 
-def health_window(trace: Trace, first: int, last: int,
-                  components: pl.DataFrame | None = None) -> pl.DataFrame:
+def health_window(trace: Trace, first: int, last: int, components: pl.DataFrame | None = None, *,
+                  columns: list[str] | None = None, names: list[str] | None = None,
+                  rank: int | None = None) -> pl.DataFrame:
     """Effective-timeline health rows of steps first..last, reading only the files that hold them.
 
     With `components` (the `components` view as a frame), each row also gets its component's
-    role, bound, parent and forward order, like `health_frame`.
+    role, bound, parent and forward order, like `health_frame`. `columns`: only step, component,
+    rank and these; `names` / `rank`: only those components / that rank.
     """
     files = window_files(trace, "health", first, last)
-    if not files:
-        frame = pl.from_arrow(trace.con.sql("SELECT * FROM health WHERE false").to_arrow_table())  # type: ignore[assignment]
-    else:
-        listed = ", ".join("'" + str(p).replace("'", "''") + "'" for p in files)
-        arrow = trace.con.sql(f"""
-            SELECT t.* FROM read_parquet([{listed}], hive_partitioning = true, union_by_name = true) t
-            JOIN _superseded s ON t.rank = s.rank AND t.incarnation = s.incarnation
-            WHERE t.step BETWEEN {int(first)} AND {int(last)}
-              AND (s.at_step IS NULL OR t.step < s.at_step)""").to_arrow_table()
-        frame = pl.from_arrow(arrow)  # type: ignore[assignment]
+    picked = "t.*" if columns is None else ", ".join(
+        ["t.step", "t.component", "t.rank", *(f't."{c}"' for c in dict.fromkeys(columns))])
+    where = f"t.step BETWEEN {int(first)} AND {int(last)} AND (s.at_step IS NULL OR t.step < s.at_step)"
+    if names is not None:
+        where += " AND t.component IN (" + (", ".join(_quote(n) for n in names) or "NULL") + ")"
+    if rank is not None:
+        where += f" AND t.rank = {int(rank)}"
+    source = (f"read_parquet([{', '.join(_quote(str(p)) for p in files)}], hive_partitioning = true, "
+              "union_by_name = true)" if files else "health_all")
+    arrow = trace.con.sql(f"""
+        SELECT {picked} FROM {source} t
+        JOIN _superseded s ON t.rank = s.rank AND t.incarnation = s.incarnation
+        WHERE {where}""").to_arrow_table()
+    frame: pl.DataFrame = pl.from_arrow(arrow)  # type: ignore[assignment]
     if components is None:
         return frame
     comps = components.select(*[c for c in COMPONENT_KEYS if c in components.columns])
     return frame.join(comps, on=["rank", "component"], how="left")
+
+
+def _quote(text: str) -> str:
+    return "'" + text.replace("'", "''") + "'"

@@ -8,7 +8,8 @@ last step of each alarm's episode, so its memory does not grow with the run (exc
 alarms themselves). Fed a whole trace at once or one step at a
 time, it raises the same alarms at the same steps.
 
-It can also keep the report's heatmap, bounded: the worst |robust z| per component and bin of
+With `since`, rows of earlier steps only fill the trailing history (an incident window's
+warm-up): nothing before `since` is judged. It can also keep the report's heatmap, bounded: the worst |robust z| per component and bin of
 `heat_width` steps (width 1 keeps every step).
 """
 
@@ -33,7 +34,7 @@ class Classifier:
     """Causal, incremental classification of health rows (see the module docstring)."""
 
     def __init__(self, config: Config, components: pl.DataFrame | None = None,
-                 heat_width: int | None = None) -> None:
+                 heat_width: int | None = None, since: int | None = None) -> None:
         self.config = config
         self.history = config.baseline.history(config.conditions)
         self._components = components
@@ -44,6 +45,7 @@ class Classifier:
         self._alarms: list[pl.DataFrame] = []
         self.heat_width = heat_width
         self._heat: list[pl.DataFrame] = []
+        self.since = since  # steps before it are history only: read, never judged
 
     def feed(self, rows: pl.DataFrame) -> pl.DataFrame:
         """Judge the rows of new steps; return the alarms that begin in them (`ALARM_SCHEMA`)."""
@@ -51,7 +53,8 @@ class Classifier:
             return pl.DataFrame(schema=ALARM_SCHEMA)
         rows = self._prepare(rows)
         window = rows if self._tail is None else pl.concat([self._tail, rows], how="diagonal_relaxed")
-        scored = score(window.lazy(), self.config).filter(pl.col(_NEW)).collect()
+        judged = pl.col(_NEW) if self.since is None else pl.col(_NEW) & (pl.col("step") >= self.since)
+        scored = score(window.lazy(), self.config).filter(judged).collect()
         if self.heat_width is not None:
             self._heat.append(heat_of(scored, self.heat_width))
         new = self._episode_alarms(hits(scored.lazy(), self.config))

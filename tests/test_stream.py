@@ -85,3 +85,28 @@ def test_the_cli_and_the_engine_never_import_torch(module: str) -> None:
     code = f"import sys, {module}; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+@pytest.mark.parametrize(("name", "window"), [("gpt_dying_layer", (140, 175)), ("gpt_weight_corruption", (140, 160))])
+def test_an_incident_window_reports_the_whole_trace_alarms_raised_in_it(name: str, window: tuple[int, int]) -> None:
+    from warninglight.forensics import analyze
+
+    whole = analyze(SAMPLES / name)
+    part = analyze(SAMPLES / name, steps=window)
+    inside = whole.alarms.filter(pl.col("step").is_between(*window))
+    assert len(inside) > 0
+    # judged on the same history: the same alarms, onsets and root
+    keys = ["observed_on", "attributed_to", "condition", "step", "onset_step", "metric", "magnitude"]
+    assert part.alarms.select(keys).equals(inside.select(keys))
+    assert part.root == whole.root
+
+
+def test_a_window_outside_the_run_is_a_one_line_error() -> None:
+    from typer.testing import CliRunner
+    from warninglight.cli.main import app
+
+    result = CliRunner().invoke(app, ["analyze", str(SAMPLES / "mlp_clean"), "--steps", "900:950"])
+    assert result.exit_code == 2
+    assert "holds none of the recorded steps 1-300" in result.output
+    result = CliRunner().invoke(app, ["replay", str(SAMPLES / "mlp_clean"), "--steps", "9-10"])
+    assert result.exit_code == 2 and "expected A:B" in result.output

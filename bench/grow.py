@@ -84,6 +84,13 @@ def _write(root: Path, table: str, data: pa.Table, seq: int, span: tuple[int, in
     return path.stat().st_size
 
 
+def _commit(root: Path, seq: int, span: tuple[int, int], rows: dict[str, int]) -> None:
+    """The segment's commit record, written after its tables, as the recorder's writer does."""
+    path = schema.commit_path(root, 0, 1, seq, span)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"tables": rows, "steps": list(span)}))
+
+
 def _components(src: Source, copies: int) -> pa.Table:
     parts = []
     n = len(src.components)
@@ -147,13 +154,18 @@ def grow(out: Path, steps: int, copies: int, faulty: bool, checkpoint_every: int
     fault_from = steps - (RECORDED - FAULT_SOURCE) if faulty else None
     comps = _components(clean, copies)
     names = comps.column("component").to_pylist()
-    size = _write(out, "components", comps, 0, (1, steps))
+    size = 0
     for seq, first in enumerate(range(1, steps + 1, SEGMENT_STEPS)):
         last = min(first + SEGMENT_STEPS - 1, steps)
-        size += _write(out, "health", _health(clean, fault, names, first, last, copies, fault_from), seq, (first, last))
-        size += _write(out, "steps", _steps(clean, fault, first, last, fault_from), seq, (first, last))
+        span = (first, last)
+        tables = {"health": _health(clean, fault, names, first, last, copies, fault_from),
+                  "steps": _steps(clean, fault, first, last, fault_from)}
+        if seq == 0:
+            tables["components"] = comps
         if (first - 1) // checkpoint_every != last // checkpoint_every:
-            size += _write(out, "events", _events(first, last, checkpoint_every), seq, (first, last))
+            tables["events"] = _events(first, last, checkpoint_every)
+        size += sum(_write(out, name, table, seq, span) for name, table in tables.items())
+        _commit(out, seq, span, {name: table.num_rows for name, table in tables.items()})
     manifest = {"format_version": schema.FORMAT_VERSION, "run_id": f"grown-{steps}x{len(names)}", "rank": 0,
                 "world_size": 1, "model_class": "TinyGPT (grown)", "incarnations": [
                     {"incarnation": 1, "status": "normal", "first_step": 1, "last_step": steps,

@@ -66,7 +66,7 @@ def segments(trace: Path) -> list[pa.Table]:
     for start in range(first, last + 1, SEGMENT_STEPS):
         part = rows.filter(pc.and_(pc.greater_equal(rows["step"], start),
                                    pc.less(rows["step"], start + SEGMENT_STEPS)))
-        if part.num_rows and part.num_rows == (part.num_rows // SEGMENT_STEPS) * SEGMENT_STEPS:
+        if len(pc.unique(part["step"])) == SEGMENT_STEPS:
             out.append(part)  # full segments only: a short tail would overstate the footer's share
     return out
 

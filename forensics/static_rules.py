@@ -101,7 +101,9 @@ class StaticScan:
 
     def feed(self, health: pl.DataFrame) -> StaticScan:
         """Add the firings in `health` (rows of steps after any fed before; extra columns ignored)."""
-        health = health.select("step", "component", *[m for m in HEALTH_METRICS if m in health.columns])
+        # a metric the trace lacks is null here: the rules that read it cannot fire (a warning says so)
+        health = health.select("step", "component", *[pl.col(m) if m in health.columns else pl.lit(None, pl.Float32).alias(m)
+                                                      for m in HEALTH_METRICS])
         health = health.join(self.components.select("component", "param_count", "bound"), on="component", how="inner")
         for rule in RULES:
             names = self.components.filter(rule.applies(self.components))["component"]

@@ -21,7 +21,6 @@ from warninglight.cli.common import (
     warn,
 )
 from warninglight.cli.main import app
-from warninglight.forensics import replay, wording
 from warninglight.forensics.conditions import registry_rows
 
 FAULT = 1  # --exit-code: a fault was found
@@ -39,6 +38,8 @@ def analyze_cmd(
     steps: StepsOpt = None,
 ) -> None:
     """Is this run failing? Which component, since when, how badly, and how far to roll back."""
+    from warninglight.forensics import wording
+
     analysis = analysis_from(trace, config, overrides, checkpoints, every, steps)
     warn(analysis.warnings)
     typer.echo(json.dumps(analysis.to_dict(), indent=2) if as_json else wording.analysis_text(analysis))
@@ -56,6 +57,8 @@ def rollback_cmd(
     every: EveryOpt = None,
 ) -> None:
     """The smallest rollback that removes the fault, beside what a loss-curve-only operator would do."""
+    from warninglight.forensics import wording
+
     analysis = analysis_from(trace, config, overrides, checkpoints, every)
     warn(analysis.warnings)
     rollback = analysis.rollback
@@ -71,6 +74,8 @@ def replay_cmd(
     steps: StepsOpt = None,
 ) -> None:
     """Stream the trace in step order and print when each alarm would have fired live."""
+    from warninglight.forensics.replay import replay
+
     cfg = config_from(config, overrides)
     window = steps_from(steps)
     with bad_input():

@@ -21,7 +21,6 @@ from warninglight.cli.common import (
     warn,
 )
 from warninglight.cli.main import app
-from warninglight.forensics.checks import is_trace_file
 
 
 class Format(StrEnum):
@@ -46,6 +45,7 @@ def report_cmd(
     It reports the same analysis `warninglight analyze` prints with the same options.
     """
     from warninglight.forensics import report
+    from warninglight.forensics.checks import is_trace_file
 
     if fmt is Format.html and out.is_dir():
         raise fail(f"--out {out} is a folder; pass an .html file, e.g. -o {out / 'report.html'}, "

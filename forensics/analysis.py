@@ -229,7 +229,8 @@ def require_health(trace: Trace) -> tuple[int, int]:
         recorded = trace.one("SELECT count(*) FROM steps")[0]
         why = (f"it recorded {recorded} steps but no component (the model has no submodules or "
                "parameters to watch)" if recorded else
-               "the run recorded no complete steps (it closed before its first optimizer step)")
+               "the run recorded no complete steps (it stopped before its first optimizer step, "
+               "or was killed before its first segment was written)")
         raise EmptyTraceError(f"no health rows in {trace.root}: {why} — nothing to analyse; "
                               "`warninglight info` shows what it holds")
     return steps

@@ -22,13 +22,14 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import duckdb
-import polars as pl
-import pyarrow.compute as pc
 import pyarrow.parquet as pq
 from warninglight.tracer import schema
+
+if TYPE_CHECKING:  # Polars loads with the first frame asked for: `info` needs none
+    import polars as pl
 
 from . import checks
 from .segments import list_segments
@@ -97,6 +98,8 @@ class Trace:
 
     def frame(self, view: str) -> pl.LazyFrame:
         """A view as a Polars lazy frame (materialised once through Arrow)."""
+        import polars as pl
+
         table = self.con.sql(f"SELECT * FROM {view}").to_arrow_table()
         return pl.from_arrow(table).lazy()  # type: ignore[union-attr]
 
@@ -153,6 +156,8 @@ def _span(table: str, path: Path) -> SegmentSpan:
         if all(st is not None and st.has_min_max for st in stats):
             steps = (min(int(st.min) for st in stats), max(int(st.max) for st in stats))
         else:  # no statistics: read the one column
+            import pyarrow.compute as pc
+
             col_steps = pq.read_table(path, columns=["step"]).column("step")
             steps = (int(pc.min(col_steps).as_py()), int(pc.max(col_steps).as_py()))
     first, last = steps if steps is not None else (None, None)
@@ -335,6 +340,8 @@ def health_window(trace: Trace, first: int, last: int, components: pl.DataFrame 
         SELECT {picked} FROM {source} t
         JOIN _superseded s ON t.rank = s.rank AND t.incarnation = s.incarnation
         WHERE {where}""").to_arrow_table()
+    import polars as pl
+
     frame: pl.DataFrame = pl.from_arrow(arrow)  # type: ignore[assignment]
     if components is None:
         return frame

@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from .analysis import Alarm, Analysis, Detectors, Root
-from .rollback import Rollback
+if TYPE_CHECKING:  # annotations only: `warninglight conditions` prints a table without the engine
+    from .analysis import Alarm, Analysis, Detectors, Root
+    from .rollback import Rollback
 
 ALARM_TABLE_COLUMNS = ("step", "onset_step", "observed_on", "attributed_to", "condition", "metric", "magnitude")
 

@@ -46,8 +46,8 @@ def steps_from(text: str | None) -> tuple[int, int] | None:
 
 
 def table(rows: Sequence[dict[str, Any]], columns: Sequence[str]) -> str:
-    """A plain aligned text table (wording.text_table, loaded with the command that prints one)."""
-    from warninglight.forensics.wording import text_table
+    """A plain aligned text table (forensics.texttable)."""
+    from warninglight.forensics.texttable import text_table
 
     return text_table(rows, columns)
 

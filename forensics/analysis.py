@@ -23,7 +23,7 @@ from . import checks, detectors
 from . import rollback as rb
 from .baseline import band, with_baseline
 from .conditions import Config, load_config
-from .localise import DRIFT_REACH, locate, root_cause
+from .localise import DRIFT_REACH, Located, RootCause, locate, located_frame, root_cause
 from .static_rules import StaticAlarm, StaticScan
 from .store import (
     COMPONENT_KEYS,
@@ -38,6 +38,8 @@ from .stream import Classifier
 
 CHUNK_ROWS = 400_000  # health rows judged per step window: the scored window stays under ~0.6 GB
 HEAT_BINS = 2_000     # the heatmap keeps at most this many step columns (one bin = several steps)
+
+HEALTHY, FAULT = "healthy", "fault"  # the two verdicts
 
 
 @dataclass(frozen=True)
@@ -117,7 +119,7 @@ class Analysis:
     """The forensic verdict on one trace, and the frames it was reached from."""
 
     trace_dir: Path
-    verdict: str  # "healthy" | "fault"
+    verdict: str  # HEALTHY | FAULT
     root: Root | None
     affected: list[str]
     alarms: pl.DataFrame  # one row per alarm, columns ALARM_KEYS
@@ -169,16 +171,17 @@ def _plain(v: Any) -> Any:
     return v
 
 
-def _root(root: dict[str, Any] | None, located: pl.DataFrame, ranks: int) -> Root | None:
-    if root is None:
+def _root(cause: RootCause | None, located: list[Located], ranks: int) -> Root | None:
+    if cause is None:
         return None
+    root = cause.alarm
     # an optimizer-wide root ("" = the whole model) is located where it was observed
-    where = root["attributed_to"] or root["observed_on"]
-    on = located.filter(pl.col("attributed_to") == where)["rank"].unique().sort().to_list()
-    return Root(attributed_to=root["attributed_to"], observed_on=root["observed_on"],
-                condition=root["condition"], onset_step=root["onset_step"], alarm_step=root["step"],
-                magnitude=_plain(root["magnitude"]), metric=root["metric"], rank=root["rank"], ranks=on,
-                ranks_disagree=len(on) < ranks, evidence=root["evidence"], scope=root["scope"])
+    where = root.attributed_to or root.observed_on
+    on = sorted({a.rank for a in located if a.attributed_to == where})
+    return Root(attributed_to=root.attributed_to, observed_on=root.observed_on,
+                condition=root.condition, onset_step=root.onset_step, alarm_step=root.step,
+                magnitude=_plain(root.magnitude), metric=root.metric, rank=root.rank, ranks=on,
+                ranks_disagree=len(on) < ranks, evidence=cause.evidence, scope=cause.scope)
 
 
 def param_components(components: pl.DataFrame) -> int:
@@ -267,11 +270,11 @@ def classify_trace(trace: Trace, config: Config, components: pl.DataFrame, heat_
 
 
 def locate_alarms(trace: Trace, alarms: pl.DataFrame, components: pl.DataFrame, config: Config,
-                  since: int = 0) -> pl.DataFrame:
+                  since: int = 0) -> list[Located]:
     """`localise.locate` on the alarms, reading back only the alarmed components (and the layers
     feeding alarmed activations) from step `since` on: all that localisation looks at."""
     if alarms.is_empty():
-        return locate(alarms, pl.DataFrame(), components, config)
+        return []
     parents = components.filter(pl.col("component").is_in(alarms["component"].implode()))
     names = sorted({*alarms["component"].to_list(), *parents["parent_param"].drop_nulls().to_list()})
     metrics = sorted(set(alarms["metric"].to_list()))
@@ -306,12 +309,12 @@ def analyze(trace_dir: str | Path, *, config: Config | str | Path | None = None,
         clf = classify_trace(trace, cfg, components, heat_width=width, static=static, steps=steps)
         located = locate_alarms(trace, clf.alarms(), components, cfg, since=read_from)
         root, affected = root_cause(located, cfg, param_components(components))
-        onset = root["onset_step"] if root else None
+        onset = root.alarm.onset_step if root else None
         found = comparators(trace, onset)
         last = int(summary["last_step"] or 0)
         ckpts, source = _checkpoints(trace, checkpoints_glob, checkpoint_every, last,
                                      [onset, found["loss_spike_step"]])
-        rollback = rb.recommend(trace, ckpts, source, onset, root["step"] if root else None,
+        rollback = rb.recommend(trace, ckpts, source, onset, root.alarm.step if root else None,
                                 found["loss_spike_step"], last)
         warnings = list(trace.warnings)
         missing = checks.checkpoint_warning(rollback.checkpoint_path, rollback.checkpoint_step,
@@ -319,12 +322,12 @@ def analyze(trace_dir: str | Path, *, config: Config | str | Path | None = None,
         warnings += [missing] if missing else []
     finally:
         trace.close()
-    first_light = located.select(pl.col("step").min()).item() if root is not None else None
+    first_light = min(a.step for a in located) if root is not None else None
     leads = {key: None if first_light is None or step is None else step - first_light
              for key, step in (("light_lead_over_loss_spike", found["loss_spike_step"]),
                                ("light_lead_over_grad_norm_spike", found["grad_norm_spike_step"]))}
-    return Analysis(Path(trace_dir), "fault" if root else "healthy",
+    return Analysis(Path(trace_dir), FAULT if root else HEALTHY,
                     _root(root, located, summary["ranks"]), affected,
-                    located.select(ALARM_KEYS), rollback, Detectors(**found, **leads, first_alarm_step=first_light),
+                    located_frame(located).select(ALARM_KEYS), rollback, Detectors(**found, **leads, first_alarm_step=first_light),
                     clf.heat(), summary, components, table, cfg.baseline.min_samples + cfg.baseline.lag,
                     warnings, static.alarms(), cfg, width)

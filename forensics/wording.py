@@ -7,12 +7,11 @@ Everything here turns the typed analysis (`analysis.Root`, `analysis.Alarm`,
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:  # annotations only: `warninglight conditions` prints a table without the engine
-    from .analysis import Alarm, Analysis, Detectors, Root
-    from .rollback import Rollback
+from .analysis import HEALTHY, Alarm, Analysis, Detectors, Root
+from .rollback import Rollback
+from .texttable import text_table  # noqa: F401  (one table format for every command and the report)
 
 ALARM_TABLE_COLUMNS = ("step", "onset_step", "observed_on", "attributed_to", "condition", "metric", "magnitude")
 
@@ -28,7 +27,7 @@ def number(v: Any) -> str:
     return str(v)
 
 
-def summary_line(root: Root | None, rollback: Rollback, detectors: Detectors, verdict: str = "healthy") -> str:
+def summary_line(root: Root | None, rollback: Rollback, detectors: Detectors, verdict: str = HEALTHY) -> str:
     """The verdict as one line an operator can act on: what, where, since when, and where to go back to."""
     if root is None:
         return f"{verdict.upper()}: no component left its baseline; no rollback needed."
@@ -122,7 +121,7 @@ def comparator_lines(detectors: Detectors) -> list[str]:
 def warmup_note(a: Analysis) -> str | None:
     """Why a short trace is healthy: no component is judged before its baseline exists."""
     steps = a.summary.get("steps", 0)
-    if a.verdict != "healthy" or steps >= a.warmup_steps:
+    if a.verdict != HEALTHY or steps >= a.warmup_steps:
         return None
     return (f"note: only {steps} steps recorded; a component is first judged against its "
             f"baseline at its recorded step {a.warmup_steps} (baseline.min_samples + baseline.lag), "
@@ -142,18 +141,3 @@ def analysis_text(a: Analysis) -> str:
     lines += comparator_lines(a.detectors)
     note = warmup_note(a)
     return "\n".join(lines + ([note] if note else []))
-
-
-def _cell(v: Any) -> str:
-    if isinstance(v, float):
-        return f"{v:.4g}"
-    return "" if v is None else str(v)
-
-
-def text_table(rows: Sequence[Mapping[str, Any]], columns: Sequence[str]) -> str:
-    """A plain aligned text table (header, then rows)."""
-    cells = [[_cell(r.get(c)) for c in columns] for r in rows]
-    widths = [max([len(c), *(len(row[i]) for row in cells)]) for i, c in enumerate(columns)]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(columns, widths, strict=True)).rstrip()]
-    lines += ["  ".join(v.ljust(w) for v, w in zip(row, widths, strict=True)).rstrip() for row in cells]
-    return "\n".join(lines)

@@ -21,7 +21,6 @@ from warninglight.cli.common import (
     warn,
 )
 from warninglight.cli.main import app
-from warninglight.forensics.analysis import FAULT
 from warninglight.forensics.conditions import registry_rows
 
 FAULT_EXIT = 1  # --exit-code: a fault was found
@@ -40,6 +39,7 @@ def analyze_cmd(
 ) -> None:
     """Is this run failing? Which component, since when, how badly, and how far to roll back."""
     from warninglight.forensics import wording
+    from warninglight.forensics.analysis import FAULT
 
     analysis = analysis_from(trace, config, overrides, checkpoints, every, steps)
     warn(analysis.warnings)

@@ -110,3 +110,10 @@ def test_a_window_outside_the_run_is_a_one_line_error() -> None:
     assert "holds none of the recorded steps 1-300" in result.output
     result = CliRunner().invoke(app, ["replay", str(SAMPLES / "mlp_clean"), "--steps", "9-10"])
     assert result.exit_code == 2 and "expected A:B" in result.output
+
+
+def test_help_and_conditions_load_no_query_engine() -> None:
+    code = ("import sys, warninglight.cli.main, warninglight.forensics.conditions; "
+            "print(sorted(m for m in ('duckdb', 'polars', 'torch') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"

@@ -34,7 +34,8 @@ from warninglight.tracer import schema
 cols = ", ".join(f"avg({m})" for m in schema.HEALTH_METRICS)
 files = [str(p) for p in Path(sys.argv[1], "health").rglob("*.parquet")]
 start, cpu = time.perf_counter(), time.process_time()
-con = duckdb.connect(config={"enable_progress_bar": False})
+con = duckdb.connect()
+con.execute("SET enable_progress_bar = false")
 con.sql(f"SELECT count(*), {cols} FROM read_parquet({files})").fetchall()
 print(time.perf_counter() - start, time.process_time() - cpu)
 """

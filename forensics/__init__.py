@@ -6,6 +6,8 @@ Names are resolved on first use (PEP 562): `from warninglight.forensics.conditio
 
 from __future__ import annotations
 
+import sys
+import types
 from importlib import import_module
 from typing import TYPE_CHECKING, Any
 
@@ -43,3 +45,19 @@ def __getattr__(name: str) -> Any:
     if name in _WHERE:
         return getattr(import_module(f".{_WHERE[name]}", __name__), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+class _Package(types.ModuleType):
+    """`forensics.replay` is the function, as it was with eager imports: loading the submodule of
+    the same name would otherwise bind the module over it."""
+
+    @property
+    def replay(self) -> Any:
+        return import_module(".replay", __name__).replay
+
+    @replay.setter
+    def replay(self, module: Any) -> None:  # the import system binding the submodule: keep the function
+        pass
+
+
+sys.modules[__name__].__class__ = _Package

@@ -249,7 +249,8 @@ def open_trace(path: str | Path) -> Trace:
     segments = listing.files
     checks.check_files(by_table)
     spans = [_span(t, p) for t in schema.TABLES for p in by_table[t]]
-    con = duckdb.connect(config={"memory_limit": DUCKDB_MEMORY, "enable_progress_bar": False})
+    con = duckdb.connect(config={"memory_limit": DUCKDB_MEMORY})
+    con.execute("SET enable_progress_bar = false")  # it would write into stdout (analyze --json)
     for table in schema.TABLES:
         _raw_view(con, table, by_table[table])
     _superseded(con, spans)

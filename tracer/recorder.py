@@ -29,6 +29,7 @@ from torch import nn
 from . import schema
 from .components import assign_parents, discover, resolve_heads
 from .probes import ForwardProbe, ParamProbe
+from .replicas import ReplicaProbe
 from .steprows import StepBuffer, StepRecord
 from .writer import TraceWriter
 
@@ -49,7 +50,7 @@ class Recorder:
                  world_size: int | None = None, heads: list[str] | None = None,
                  sample_size: int = 16, sketch_size: int = 256, flush_every_steps: int = 100,
                  flush_every_s: float = 30.0, start_step: int = 0, run_id: str | None = None,
-                 hooks_under_compile: str = "skip",
+                 hooks_under_compile: str = "skip", replicas: bool | None = None,
                  config: dict[str, Any] | None = None) -> None:
         if sample_size < 1 or sketch_size < 1 or flush_every_steps < 1 or flush_every_s <= 0:
             raise ValueError("sample_size, sketch_size and flush_every_steps must be >= 1 and "
@@ -68,6 +69,9 @@ class Recorder:
         self.device = params[0].device if params else torch.device("cpu")
         self.fwd = ForwardProbe(self.components, sample_size)
         self.params = ParamProbe(self.components, sketch_size)
+        # per-rank evidence (tracer/replicas.py): by default only when there are replicas to compare
+        on = self.world_size > 1 if replicas is None else replicas
+        self.replicas = ReplicaProbe(self.components, model, self.world_size) if on else None
         self.flush_every_steps, self.flush_every_s = flush_every_steps, flush_every_s
         self.step_count = start_step
         self._first_step = start_step + 1
@@ -85,13 +89,16 @@ class Recorder:
         cfg = {"sample_size": sample_size, "sketch_size": sketch_size,
                "flush_every_steps": flush_every_steps, "flush_every_s": flush_every_s,
                "heads": heads, "start_step": start_step,
-               "hooks_under_compile": hooks_under_compile, **(config or {})}
+               "hooks_under_compile": hooks_under_compile, "replicas": self.replicas is not None,
+               **(config or {})}
         self.writer = TraceWriter(path, self.rank, self.world_size, run_id or uuid.uuid4().hex[:12],
                                   type(model).__name__, cfg)
         self.incarnation = self.writer.incarnation
         self._event("start", detail=json.dumps(cfg, default=str))
         if self.incarnation > 1:
             self._event("restart", detail=f"incarnation {self.incarnation}")
+        if self.replicas is not None and self.replicas.hook_note:
+            self._event("warning", detail=self.replicas.hook_note)
         self._eager_under_compile = hooks_under_compile == "eager"
         self._handles = self._install_hooks()
         self._prev_sigterm = self._install_sigterm()
@@ -155,6 +162,8 @@ class Recorder:
         self._closed = True
         for h in self._handles:
             h.remove()
+        if self.replicas is not None:
+            self.replicas.close()
         self._restore_sigterm()
         atexit.unregister(self._at_exit)
         self._event("stop", detail=reason)
@@ -213,6 +222,8 @@ class Recorder:
         if not self._in_step:
             self._in_step = True
             self.params.begin()
+            if self.replicas is not None:
+                self.replicas.begin()
 
     def _pre_step(self) -> None:
         if self._closed:
@@ -235,6 +246,8 @@ class Recorder:
             if self.step_count == self._first_step:
                 self._settle_components()
             self.buffer.records.append(self._step_record(now))
+            if self.replicas is not None:
+                self.replicas.end_step(self.step_count)
         except Exception as exc:
             self._probe_failed(exc)
             self.writer.record_failure(f"step {self.step_count} not recorded", 1)
@@ -341,7 +354,10 @@ class Recorder:
                 self.writer.ready()
                 if self._closed:
                     return
-            self.writer.submit(self.buffer.take_segment(final), final=final)
+            segment = self.buffer.take_segment(final)
+            if self.replicas is not None:
+                segment.tables["replicas"] = self.replicas.take(segment.steps)
+            self.writer.submit(segment, final=final)
         except Exception as exc:  # the steps taken out of the buffer are gone: say how many
             self._probe_failed(exc)
             self.writer.record_failure(f"segment of {pending} steps not written: "
@@ -404,8 +420,9 @@ def watch(model: nn.Module, optimizer: torch.optim.Optimizer | str | os.PathLike
     sketch_size (coordinates per parameter), flush_every_steps, flush_every_s, start_step (steps
     already done when resuming), run_id, hooks_under_compile ("skip": forward hooks do nothing
     inside torch.compile'd code, which is named in a warning event; "eager": they run outside
-    the graph, one graph break per component, incompatible with fullgraph=True); anything else
-    is stored in the manifest's config.
+    the graph, one graph break per component, incompatible with fullgraph=True), replicas
+    (per-rank weight checksums and local gradient norms, tracer/replicas.py; default: on when
+    world_size > 1); anything else is stored in the manifest's config.
     """
     if isinstance(optimizer, (str, os.PathLike)):  # watch(model, "runs/x") without an optimizer
         if path is not None:  # watch(model, "runs/x", opt) would record no steps at all
@@ -415,7 +432,7 @@ def watch(model: nn.Module, optimizer: torch.optim.Optimizer | str | os.PathLike
     if path is None:
         raise ValueError("watch() needs a trace directory, e.g. watch(model, optimizer, 'runs/exp1')")
     known = ("rank", "world_size", "heads", "sample_size", "sketch_size", "flush_every_steps",
-             "flush_every_s", "start_step", "run_id", "hooks_under_compile")
+             "flush_every_s", "start_step", "run_id", "hooks_under_compile", "replicas")
     kwargs = {k: v for k, v in options.items() if k in known}
     config = {k: v for k, v in options.items() if k not in known}
     for key in config:  # a misspelt option would otherwise be stored silently as run config

@@ -98,9 +98,12 @@ def batches_in(trace: Trace, first: int, last: int) -> list[int] | None:
     return ids if ids or any(b is not None for (b,) in rows) else None
 
 
-def recommend(trace: Trace, checkpoints: list[Checkpoint], source: str, onset: int | None,
+def recommend(trace: Trace | None, checkpoints: list[Checkpoint], source: str, onset: int | None,
               alarm: int | None, loss_spike: int | None, last_step: int) -> Rollback:
-    """The rollback for a fault with `onset` raised at `alarm` (both None: nothing to roll back)."""
+    """The rollback for a fault with `onset` raised at `alarm` (both None: nothing to roll back).
+
+    `trace` None (the live monitor, which has no DuckDB trace): skip_batches is left None.
+    """
     steps = sorted(c.step for c in checkpoints)
     naive = _naive(checkpoints, onset, loss_spike, last_step)
     if onset is None or alarm is None:
@@ -117,7 +120,7 @@ def recommend(trace: Trace, checkpoints: list[Checkpoint], source: str, onset: i
                  + (f", which already held the damage (saved at or after onset {onset})" if naive.contaminated else "")
                  + (f" ({later} steps later than ours)" if later > 0 else ""))
     return Rollback(ckpt.step, ckpt.path, last_step - ckpt.step, [onset, alarm],
-                    batches_in(trace, onset, alarm), naive, source, note, steps)
+                    batches_in(trace, onset, alarm) if trace is not None else None, naive, source, note, steps)
 
 
 def _naive(checkpoints: list[Checkpoint], onset: int | None, loss_spike: int | None,

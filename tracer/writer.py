@@ -15,6 +15,7 @@ import queue
 import re
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -105,6 +106,8 @@ class TraceWriter:
         self._queue: queue.SimpleQueue[Segment | None] = queue.SimpleQueue()
         self._queue_size = queue_size
         self._lock = threading.RLock()
+        # called on this thread with each segment once its files are in place (live alarms)
+        self.on_segment: Callable[[Segment], None] | None = None
         self.manifest = self._load_manifest(run_id, world_size, model_class, config)
         self._entry: dict[str, object] = {
             "incarnation": self.incarnation, "started_at": time.time(), "ended_at": None,
@@ -149,6 +152,8 @@ class TraceWriter:
     def _run(self) -> None:
         while (seg := self._queue.get()) is not None:
             self._guard(self._write_segment, len(seg.steps), seg)
+            if self.on_segment is not None:
+                self._guard(self.on_segment, 0, seg)
 
     def _guard(self, fn, n_steps: int, *args: object) -> None:  # type: ignore[no-untyped-def]
         try:

@@ -56,12 +56,19 @@ class LiveMonitor:
                 warnings.warn(f"warninglight: on_alarm raised {type(exc).__name__}: {exc}; "
                               "training continues", RuntimeWarning, stacklevel=2)
 
-    def close(self, timeout_s: float = 30.0) -> None:
-        """Classify what is queued, hand it to the sinks, and wait for them (each at most `timeout_s`)."""
+    def close(self, classify_timeout_s: float = 30.0, sinks_timeout_s: float = 5.0) -> None:
+        """Classify what is queued, then give the sinks together at most `sinks_timeout_s` to deliver.
+
+        A hung endpoint costs the end of the run at most `sinks_timeout_s`; its alarms are in the
+        JSONL sink and `rec.alarms` all the same.
+        """
         self._segments.put(None)
-        self._thread.join(timeout_s)
+        self._thread.join(classify_timeout_s)
         for w in self.workers:
-            w.close(timeout_s)
+            w.stop()
+        deadline = time.monotonic() + sinks_timeout_s
+        for w in self.workers:
+            w.join(deadline)
             self.errors += w.errors
 
     def _run(self) -> None:

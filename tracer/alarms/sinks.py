@@ -13,11 +13,11 @@ Sinks are named by strings in `watch(..., alarms=[...])`: `jsonl:PATH`, `webhook
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import queue
 import threading
+import time
 import urllib.request
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
@@ -90,11 +90,16 @@ class SinkWorker:
         except queue.Full:
             self.dropped += 1
 
-    def close(self, timeout_s: float = 10.0) -> None:
-        """Deliver what is queued within `timeout_s`, then stop retrying and let the thread go."""
-        with contextlib.suppress(queue.Full):
-            self._queue.put(None, timeout=timeout_s)
-        self._thread.join(timeout_s)
+    def stop(self) -> None:
+        """Ask the thread to finish what is queued and end; returns at once."""
+        try:
+            self._queue.put_nowait(None)
+        except queue.Full:  # the thread is stuck on a hung endpoint: stop retrying instead
+            self._stop.set()
+
+    def join(self, deadline: float) -> None:
+        """Wait until the queue is delivered or `deadline` (time.monotonic) passes, then close the sink."""
+        self._thread.join(max(0.0, deadline - time.monotonic()))
         self._stop.set()  # a send still retrying gives up at its next backoff
         closer = getattr(self.sink, "close", None)
         if callable(closer) and not self._thread.is_alive():
@@ -102,6 +107,11 @@ class SinkWorker:
                 closer()
             except Exception as exc:
                 self._error(exc)
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        """`stop`, then `join` for at most `timeout_s`."""
+        self.stop()
+        self.join(time.monotonic() + timeout_s)
 
     def _run(self) -> None:
         while (alarm := self._queue.get()) is not None:

@@ -26,7 +26,7 @@ FAULT = 1  # --exit-code: a fault was found
 
 def _root_line(root: dict[str, Any]) -> str:
     z = "" if root["magnitude"] is None else f", magnitude z={root['magnitude']:.1f}"
-    seen = "" if root["observed_on"] == root["component"] else f" (observed on {root['observed_on']})"
+    seen = "" if root["observed_on"] == root["attributed_to"] else f" (observed on {root['observed_on']})"
     if root.get("scope") == "optimizer":
         seen = f" (led by {root['observed_on']})"
     if root["ranks_disagree"]:
@@ -37,13 +37,13 @@ def _root_line(root: dict[str, Any]) -> str:
 
 def rollback_text(d: dict[str, Any]) -> list[str]:
     """The rollback section: our checkpoint, then the loss-only operator's."""
-    r, n = d["rollback"], d["rollback"]["naive"]
+    r, n = d["rollback"], d["rollback"]["loss_only"]
     if r["checkpoint_step"] is None:
         return ["rollback: none needed"]
     where = f" ({r['checkpoint_path']})" if r["checkpoint_path"] else ""
     batches = "" if r["skip_batches"] is None else f", {len(r['skip_batches'])} batch ids to skip"
     lines = [f"rollback: checkpoint at step {r['checkpoint_step']}{where}, {r['steps_discarded']} steps "
-             f"discarded; skip steps {r['skip_steps'][0]}-{r['skip_steps'][1]}{batches}"]
+             f"discarded; skip steps {r['skip_step_range'][0]}-{r['skip_step_range'][1]}{batches}"]
     if n["alarm_step"] is None:
         lines.append("loss-only operator: the loss-spike rule never fired; no rollback")
     else:
@@ -61,7 +61,7 @@ def analysis_text(d: dict[str, Any]) -> str:
         lines.append(_root_line(d["root"]))
         lines.append(f"affected: {', '.join(d['affected']) or 'none'}")
         lines.append("alarms:")
-        cols = ["step", "onset_step", "component", "attributed_to", "condition", "metric", "magnitude"]
+        cols = ["step", "onset_step", "observed_on", "attributed_to", "condition", "metric", "magnitude"]
         lines += ["  " + line for line in table(d["alarms"], cols).splitlines()]
     lines += rollback_text(d)
     det = d["detectors"]
@@ -132,7 +132,7 @@ def replay_cmd(
     for e in result.events:
         if e.source == "light":
             z = "" if e.magnitude is None else f" z={e.magnitude:.1f}"
-            typer.echo(f"step {e.step:>6}  LIGHT  {e.component} {e.condition} ({e.metric}{z}), onset {e.onset_step}")
+            typer.echo(f"step {e.step:>6}  LIGHT  {e.observed_on} {e.condition} ({e.metric}{z}), onset {e.onset_step}")
         else:
             typer.echo(f"step {e.step:>6}  {e.source.replace('_', '-')} rule fires")
     if not result.events:

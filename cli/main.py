@@ -11,4 +11,4 @@ def main() -> None:
 
 
 # Command modules register themselves on `app`; importing them is all main has to do.
-from warninglight.cli import analyze_cmds, extra_cmds, trace_cmds  # noqa: E402,F401
+from warninglight.cli import analyze_cmds, lab_cmds, report_cmds, trace_cmds  # noqa: E402,F401

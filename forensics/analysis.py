@@ -23,8 +23,11 @@ from .conditions import Config, load_config
 from .localise import locate, root_cause
 from .store import Trace, health_frame, info, open_trace
 
-ALARM_KEYS = ("component", "condition", "step", "onset_step", "magnitude", "metric",
-              "attributed_to", "rank", "last_step", "value", "median")
+# Every alarm and the root say where the metric was measured (`observed_on`) and which component
+# the fault is attributed to (`attributed_to`); they differ when an activation's alarm is
+# attributed to the layer feeding it. No key is called plain `component`.
+ALARM_KEYS = ("observed_on", "attributed_to", "condition", "step", "onset_step", "magnitude", "metric",
+              "rank", "last_step", "value", "median")
 
 
 @dataclass
@@ -65,7 +68,7 @@ def root_name(root: Mapping[str, Any]) -> str:
     """How a root is named to a person: its module path, or what `""` (the whole model) means."""
     if root.get("scope") == "optimizer":
         return "optimizer-wide (every component's update)"
-    return root.get("component") or "(whole model)"
+    return root.get("attributed_to") or "(whole model)"
 
 
 def _plain(v: Any) -> Any:
@@ -78,12 +81,12 @@ def _root_dict(root: dict[str, Any] | None, located: pl.DataFrame, ranks: int) -
     if root is None:
         return None
     # an optimizer-wide root ("" = the whole model) is located where it was observed
-    where = root["attributed_to"] or root["component"]
+    where = root["attributed_to"] or root["observed_on"]
     on = located.filter(pl.col("attributed_to") == where)["rank"].unique().sort().to_list()
-    return {"component": root["attributed_to"], "condition": root["condition"],
-            "onset_step": root["onset_step"], "alarm_step": root["step"],
+    return {"attributed_to": root["attributed_to"], "observed_on": root["observed_on"],
+            "condition": root["condition"], "onset_step": root["onset_step"], "alarm_step": root["step"],
             "magnitude": _plain(root["magnitude"]), "metric": root["metric"],
-            "observed_on": root["component"], "rank": root["rank"], "ranks": on,
+            "rank": root["rank"], "ranks": on,
             "ranks_disagree": len(on) < ranks, "evidence": root["evidence"], "scope": root["scope"]}
 
 

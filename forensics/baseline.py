@@ -24,8 +24,8 @@ KEYS = ("rank", "component")
 IQR_TO_SIGMA = 1.349  # IQR of a unit Gaussian
 REL_FLOOR = 0.02      # scale >= 2% of |median|: weight norms barely move step to step
 ABS_FLOOR: dict[str, float] = {  # metric units; below these, changes are noise or rounding
+    **{m: 1.0 for m in schema.COUNT_METRICS},  # one value
     "out_zero_frac": 0.01, "out_sat_frac": 0.01, "out_dead_frac": 0.01,
-    "out_nonfinite_count": 1.0, "grad_nonfinite_count": 1.0,
     "update_cos": 0.05, "out_mean": 1e-3, "pred_maxprob": 0.005, "pred_entropy_nats": 0.01,
 }
 DEFAULT_ABS_FLOOR = 1e-8

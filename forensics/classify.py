@@ -13,19 +13,23 @@ an *alarm* is the first hit of an episode (hits of one component and condition n
 from __future__ import annotations
 
 import polars as pl
+from warninglight.tracer import schema
+from warninglight.tracer.schema import COUNT_METRICS, FORWARD, GRADIENT, HEAD, WEIGHTS
 
 from .baseline import KEYS, metrics_in, with_baseline
 from .conditions import DOWN, EITHER, NONFINITE, UNCLASSIFIED, UP, Condition, Config, Rule
 
-COUNT_METRICS = ("out_nonfinite_count", "grad_nonfinite_count")
-FORWARD, GRADIENT, WEIGHTS = "forward", "gradient", "weights"
+SIGNALS = (FORWARD, GRADIENT, WEIGHTS)
+# Metrics whose disturbance travels with the forward pass (a head's predictions included).
+FORWARD_METRICS = schema.metrics_of(FORWARD, HEAD)
 
 
 def signal_of(metric: str) -> str:
-    """Which way a metric's disturbance travels: forward outputs, gradients, or the weights."""
-    if metric.startswith(("out_", "pred_")):
-        return FORWARD
-    return GRADIENT if metric.startswith("grad_") else WEIGHTS
+    """Which way a metric's disturbance travels: one of SIGNALS (a head's predictions are forward)."""
+    kind = schema.kind_of(metric)
+    return FORWARD if kind == HEAD else kind
+
+
 HIT_COLUMNS = ("rank", "component", "step", "condition", "metric", "value", "median", "magnitude")
 ALARM_SCHEMA = {"rank": pl.Int64, "component": pl.String, "condition": pl.String,
                 "step": pl.Int64, "last_step": pl.Int64, "metric": pl.String,
@@ -130,7 +134,7 @@ def alarms(found: pl.DataFrame, config: Config) -> pl.DataFrame:
     ends = steps.group_by(*group, "episode").agg(pl.col("step").min(), pl.col("step").max().alias("last_step"))
     # The episode's metric: a forward signal first (it tells localisation where the values went
     # wrong), then a non-finite one, then the largest |z|.
-    forward = pl.col("metric").str.starts_with("out_") | pl.col("metric").str.starts_with("pred_")
+    forward = pl.col("metric").is_in(FORWARD_METRICS)
     strength = pl.when(pl.col("magnitude").is_null()).then(float("inf")).otherwise(pl.col("magnitude").abs())
     first = (found.join(ends.drop("last_step"), on=[*group, "step"])
              .sort(forward, strength, "metric", descending=[True, True, False])  # metric: ties, deterministic

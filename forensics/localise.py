@@ -33,9 +33,10 @@ from typing import Any
 
 import numpy as np
 import polars as pl
+from warninglight.tracer.schema import COUNT_METRICS, FORWARD, GRADIENT, WEIGHTS
 
 from .baseline import z_numpy
-from .classify import COUNT_METRICS, FORWARD, GRADIENT, WEIGHTS, signal_of
+from .classify import signal_of
 from .conditions import Config
 
 UPDATE_METRICS = frozenset({"update_norm_l2", "update_ratio", "update_cos"})
@@ -125,7 +126,7 @@ def locate(alarms: pl.DataFrame, scored: pl.DataFrame, components: pl.DataFrame,
                      "forward_index": fi if fi is not None else 1 << 30})
     schema = {**dict(alarms.schema), "onset_step": pl.Int64, "attributed_to": pl.String,
               "drift": pl.Boolean, "signal": pl.String, "forward_index": pl.Int64}
-    return pl.DataFrame(rows, schema=schema)
+    return pl.DataFrame(rows, schema=schema).rename({"component": "observed_on"})
 
 
 def _explained(a: dict[str, Any], others: list[dict[str, Any]]) -> bool:

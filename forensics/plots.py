@@ -186,16 +186,19 @@ def loss_and_grad(steps: pl.DataFrame, marks: Sequence[Mark] = (), never: Sequen
 
 def condition_map(alarms: pl.DataFrame, order: Sequence[str], last_step: int,
                   marks: Sequence[Mark] = (), kinds: dict[str, str] | None = None) -> Figure:
-    """Component × step map coloured by the alarmed condition, from each alarm's onset to its last step."""
+    """Component × step map coloured by the alarmed condition, from each alarm's onset to its last step.
+
+    `alarms`: rows with observed_on, condition, onset_step and (optionally) last_step.
+    """
     conditions = sorted(set(alarms["condition"].to_list())) if len(alarms) else []
     index = {c: i for i, c in enumerate(order)}
     grid = np.full((len(order), last_step), np.nan)
     # unclassified first, so a named condition on the same component and steps is drawn over it
     ordered = alarms.sort(pl.col("condition") != "unclassified")
     for row in ordered.iter_rows(named=True):
-        if row["component"] in index and row["onset_step"] is not None:
+        if row["observed_on"] in index and row["onset_step"] is not None:
             end = row.get("last_step") or last_step  # the episode's last alarming step, if known
-            grid[index[row["component"]], int(row["onset_step"]) - 1:int(end)] = conditions.index(row["condition"])
+            grid[index[row["observed_on"]], int(row["onset_step"]) - 1:int(end)] = conditions.index(row["condition"])
     height = min(14.0, 1.6 + 0.28 * len(order))
     fig, ax = plt.subplots(figsize=(11, height), layout="constrained")
     palette = ListedColormap(plt.get_cmap("tab10").colors[: max(1, len(conditions))]).with_extremes(bad="#f4f4f4")

@@ -28,7 +28,7 @@ class Event:
 
     step: int
     source: str  # "light" | "loss_spike" | "grad_norm_spike"
-    component: str | None = None
+    observed_on: str | None = None  # the component whose metric alarmed
     condition: str | None = None
     onset_step: int | None = None
     magnitude: float | None = None
@@ -77,7 +77,7 @@ def replay(trace_dir: str | Path, *, config: Config | str | Path | None = None, 
         compared = comparators(trace, root["onset_step"] if root else None)
     finally:
         trace.close()
-    events = [Event(a["step"], "light", a["component"], a["condition"], a["onset_step"],
+    events = [Event(a["step"], "light", a["observed_on"], a["condition"], a["onset_step"],
                     a["magnitude"], a["metric"]) for a in located.iter_rows(named=True)]
     for key, source in (("loss_spike_step", "loss_spike"), ("grad_norm_spike_step", "grad_norm_spike")):
         if compared[key] is not None:

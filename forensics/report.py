@@ -92,9 +92,9 @@ def gather(trace: Path | str, analysis: Any = None) -> ReportData:
     kinds = dict(zip(components["component"], components["kind"], strict=True))
     root = result.get("root") or {}
     band = None
-    if root.get("component") is not None and root.get("metric"):
+    if root.get("attributed_to") is not None and root.get("metric"):
         # the metric was measured on `observed_on` (e.g. the ReLU after the root Linear)
-        band = analysis.baseline_frame(root.get("observed_on") or root["component"], root["metric"])
+        band = analysis.baseline_frame(root["observed_on"], root["metric"])
     return ReportData(trace, result, steps, order, kinds,
                       heat_scores(analysis), band, static_alarms(trace), read_truth(trace))
 
@@ -103,7 +103,7 @@ def marks(data: ReportData) -> list[plots.Mark]:
     """Every dated event the step-axis figures draw: onset, alarm, detectors, rollbacks, truth."""
     r = data.result
     root, det, rb = r.get("root") or {}, r.get("detectors") or {}, r.get("rollback") or {}
-    naive = rb.get("naive") or {}
+    loss_only = rb.get("loss_only") or {}
     first_static = data.static[0].step if data.static else None
     candidates = [
         ("injected", (data.truth or {}).get("step")),
@@ -114,7 +114,7 @@ def marks(data: ReportData) -> list[plots.Mark]:
         ("grad-norm rule", det.get("grad_norm_spike_step")),
         ("static rules", first_static),
         ("rollback (ours)", rb.get("checkpoint_step")),
-        ("rollback (loss-only)", naive.get("checkpoint_step")),
+        ("rollback (loss-only)", loss_only.get("checkpoint_step")),
     ]
     return [plots.Mark(label, int(step)) for label, step in candidates if step is not None]
 
@@ -136,13 +136,13 @@ def figures(data: ReportData) -> dict[str, Figure]:
                                         kinds=data.kinds)
     root = data.result.get("root") or {}
     if data.root_band is not None and len(data.root_band):
-        observed = root.get("observed_on") or root["component"]
-        name = root_name(root) if observed == root["component"] else f"{root_name(root)}, seen on {observed}"
+        observed = root["observed_on"]
+        name = root_name(root) if observed == root["attributed_to"] else f"{root_name(root)}, seen on {observed}"
         figs["root_metric"] = plots.baseline_band(data.root_band, name, root["metric"],
                                                   [x for x in m if x.label in ("injected", "onset", "first alarm", "alarm")])
     figs["loss"] = plots.loss_and_grad(data.steps, m, never_fired(data))
     alarms = pl.DataFrame(data.result.get("alarms") or [], infer_schema_length=None)
-    if len(alarms) and {"component", "condition", "onset_step"} <= set(alarms.columns):
+    if len(alarms) and {"observed_on", "condition", "onset_step"} <= set(alarms.columns):
         figs["conditions"] = plots.condition_map(alarms, data.order, int(data.steps["step"].max()),
                                                  [x for x in m if x.label in ("onset", "first alarm", "alarm")],
                                                  kinds=data.kinds)
@@ -162,10 +162,10 @@ def _fmt(v: Any) -> str:
 def summary_line(result: Mapping[str, Any]) -> str:
     """The verdict as one line an operator can act on: what, where, since when, and where to go back to."""
     root = result.get("root") or {}
-    if not root.get("component") and root.get("component") != "":
+    if root.get("attributed_to") is None:
         return f"{str(result.get('verdict', 'clean')).upper()}: no component left its baseline; no rollback needed."
     rb = result.get("rollback") or {}
-    naive = rb.get("naive") or {}
+    loss_only = rb.get("loss_only") or {}
     line = (f"ALARM {root_name(root)}: {root.get('condition')} "
             f"(|z| {_fmt(root.get('magnitude'))} on {root.get('metric')}), "
             f"onset step {root.get('onset_step')}, alarm step {root.get('alarm_step')}")
@@ -176,16 +176,16 @@ def summary_line(result: Mapping[str, Any]) -> str:
         return line + " — no checkpoint before the onset: restart from scratch."
     line += (f" — roll back to step {rb['checkpoint_step']} ({rb.get('checkpoint_path') or 'checkpoint'}), "
              f"discard {rb.get('steps_discarded')} steps")
-    if rb.get("skip_steps"):
-        line += f", skip the batches of steps {_fmt(rb['skip_steps'])}"
-    if naive and naive.get("alarm_step") is None and naive.get("checkpoint_step") is None:
+    if rb.get("skip_step_range"):
+        line += f", skip the batches of steps {_fmt(rb['skip_step_range'])}"
+    if loss_only and loss_only.get("alarm_step") is None and loss_only.get("checkpoint_step") is None:
         line += "; the loss-spike rule never fired"
-    elif naive.get("contaminated"):
-        line += f"; the loss-only choice (step {naive.get('checkpoint_step')}) already held the damage"
-    elif naive.get("steps_discarded") is not None and rb.get("steps_discarded") is not None:
-        saved = naive["steps_discarded"] - rb["steps_discarded"]
-        line += (f"; the loss-only choice (step {naive.get('checkpoint_step')}, clean) "
-                 f"would discard {naive['steps_discarded']}: {saved} steps saved")
+    elif loss_only.get("contaminated"):
+        line += f"; the loss-only choice (step {loss_only.get('checkpoint_step')}) already held the damage"
+    elif loss_only.get("steps_discarded") is not None and rb.get("steps_discarded") is not None:
+        saved = loss_only["steps_discarded"] - rb["steps_discarded"]
+        line += (f"; the loss-only choice (step {loss_only.get('checkpoint_step')}, clean) "
+                 f"would discard {loss_only['steps_discarded']}: {saved} steps saved")
     return line + "."
 
 
@@ -209,7 +209,7 @@ def _table(rows: list[Mapping[str, Any]], columns: list[str]) -> str:
 def _comparators(data: ReportData) -> list[dict[str, Any]]:
     det, root = data.result.get("detectors") or {}, data.result.get("root") or {}
     ours = det.get("first_alarm_step") or root.get("alarm_step")
-    rows = [{"detector": "Warning Light", "first alarm step": ours, "names a component": root.get("component")}]
+    rows = [{"detector": "Warning Light", "first alarm step": ours, "names a component": root_name(root) if root else None}]
     for name, key in (("loss spike (mean + 6σ, 128 steps)", "loss_spike_step"),
                       ("gradient-norm spike", "grad_norm_spike_step")):
         rows.append({"detector": name, "first alarm step": det.get(key) or "never fired", "names a component": "no"})
@@ -221,7 +221,7 @@ def _comparators(data: ReportData) -> list[dict[str, Any]]:
 
 
 # alarm key in the `analyze --json` object -> column header in the report
-ALARM_HEADERS = {"component": "observed on", "attributed_to": "attributed to", "condition": "condition",
+ALARM_HEADERS = {"observed_on": "observed on", "attributed_to": "attributed to", "condition": "condition",
                  "metric": "metric", "onset_step": "onset step", "step": "alarm step",
                  "last_step": "last step", "magnitude": "|z|", "value": "value", "median": "baseline median"}
 
@@ -244,7 +244,7 @@ _CAPTIONS = {  # figure stem -> (heading, note under the image)
 }
 _ROLLBACK_HEADERS = {"choice": "choice", "alarm_step": "alarm step", "checkpoint_step": "resume from step",
                      "checkpoint_path": "checkpoint", "steps_discarded": "steps discarded",
-                     "skip_steps": "skip steps", "skip_batches": "skip batches", "contaminated": "holds the damage"}
+                     "skip_step_range": "skip steps", "skip_batches": "skip batches", "contaminated": "holds the damage"}
 
 
 def _header(data: ReportData) -> list[str]:
@@ -276,9 +276,9 @@ def _figures(images: Mapping[str, bytes]) -> list[str]:
 
 def _rollback(result: Mapping[str, Any]) -> str:
     rb = dict(result.get("rollback") or {})
-    naive = rb.pop("naive", None) or {}
+    loss_only = rb.pop("loss_only", None) or {}
     choices = [{"choice": "Warning Light", **rb, "alarm_step": (result.get("root") or {}).get("alarm_step")},
-               {"choice": "loss-only operator", **naive}]
+               {"choice": "loss-only operator", **loss_only}]
     rows = [{header: c.get(key) for key, header in _ROLLBACK_HEADERS.items()} for c in choices]
     return "<h2>Rollback</h2>" + _table(rows, list(_ROLLBACK_HEADERS.values()))
 

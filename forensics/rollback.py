@@ -32,8 +32,8 @@ class Checkpoint:
 
 
 @dataclass(frozen=True)
-class Naive:
-    """What an operator with only the loss curve would do."""
+class LossOnlyChoice:
+    """What an operator with only the loss curve would do: roll back before the loss spike."""
 
     alarm_step: int | None
     checkpoint_step: int | None
@@ -46,9 +46,9 @@ class Rollback:
     checkpoint_step: int | None  # None: no clean checkpoint; 0 means restart from initialisation
     checkpoint_path: str | None
     steps_discarded: int | None
-    skip_steps: list[int] | None
+    skip_step_range: list[int] | None  # [first, last] step whose batches to skip, both included
     skip_batches: list[int] | None
-    naive: Naive
+    loss_only: LossOnlyChoice
     checkpoint_source: str = "trace"
     note: str = ""
     checkpoints: list[int] = field(default_factory=list)
@@ -105,28 +105,29 @@ def recommend(trace: Trace | None, checkpoints: list[Checkpoint], source: str, o
     `trace` None (the live monitor, which has no DuckDB trace): skip_batches is left None.
     """
     steps = sorted(c.step for c in checkpoints)
-    naive = _naive(checkpoints, onset, loss_spike, last_step)
+    loss_only = _loss_only(checkpoints, onset, loss_spike, last_step)
     if onset is None or alarm is None:
-        return Rollback(None, None, None, None, None, naive, source, "healthy: nothing to roll back", steps)
+        return Rollback(None, None, None, None, None, loss_only, source, "healthy: nothing to roll back", steps)
     ckpt = _before(checkpoints, onset)
     note = (f"resume from the checkpoint at step {ckpt.step}" if ckpt.step else
             "no checkpoint before the onset: restart from initialisation")
     note += f"; skip steps {onset}-{alarm}"
-    if naive.alarm_step is None:
+    if loss_only.alarm_step is None:
         note += "; the loss-spike rule never fired, so a loss-only operator would not roll back"
-    elif naive.checkpoint_step is not None:
-        later = naive.checkpoint_step - ckpt.step
-        note += (f"; a loss-only operator would roll back to step {naive.checkpoint_step}"
-                 + (f", which already held the damage (saved at or after onset {onset})" if naive.contaminated else "")
+    elif loss_only.checkpoint_step is not None:
+        later = loss_only.checkpoint_step - ckpt.step
+        note += (f"; a loss-only operator would roll back to step {loss_only.checkpoint_step}"
+                 + (f", which already held the damage (saved at or after onset {onset})" if loss_only.contaminated else "")
                  + (f" ({later} steps later than ours)" if later > 0 else ""))
     return Rollback(ckpt.step, ckpt.path, last_step - ckpt.step, [onset, alarm],
-                    batches_in(trace, onset, alarm) if trace is not None else None, naive, source, note, steps)
+                    batches_in(trace, onset, alarm) if trace is not None else None, loss_only, source,
+                    note, steps)
 
 
-def _naive(checkpoints: list[Checkpoint], onset: int | None, loss_spike: int | None,
-           last_step: int) -> Naive:
+def _loss_only(checkpoints: list[Checkpoint], onset: int | None, loss_spike: int | None,
+               last_step: int) -> LossOnlyChoice:
     if loss_spike is None:
-        return Naive(None, None, None, None)
+        return LossOnlyChoice(None, None, None, None)
     ckpt = _before(checkpoints, loss_spike)
     contaminated = None if onset is None else ckpt.step >= onset
-    return Naive(loss_spike, ckpt.step, contaminated, last_step - ckpt.step)
+    return LossOnlyChoice(loss_spike, ckpt.step, contaminated, last_step - ckpt.step)

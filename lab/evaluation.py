@@ -55,8 +55,8 @@ class RunScore:
     alarms: int
     component_steps: int
     discarded_ours: int | None
-    discarded_naive: int | None
-    naive_contaminated: bool | None
+    discarded_loss_only: int | None
+    loss_only_contaminated: bool | None
     static_step: int | None  # first static-rule firing at or after the injection (any step if clean)
     static_rule: str | None
     static_correct: bool | None  # the truth component, and it alone, fired first
@@ -118,9 +118,9 @@ def score(scenario: str, seed: int, truth: Mapping[str, Any], result: Mapping[st
     injected = None if clean else int(truth["step"])
     want = None if clean else truth.get("component")  # "" = a drill on the whole model (e.g. every LR)
     root = result.get("root") or {}
-    named = root.get("component") is not None
+    named = root.get("attributed_to") is not None
     rb = result.get("rollback") or {}
-    naive = (rb.get("naive") or {}) if named else {}
+    loss_only = (rb.get("loss_only") or {}) if named else {}
     # the light lights at its first alarm of any kind; older engines only give the root's step
     alarm = ((result.get("detectors") or {}).get("first_alarm_step") or root.get("alarm_step")) if named else None
     onset_error = abs(_diff(root.get("onset_step"), injected)) if named and not clean and root.get("onset_step") is not None else None
@@ -129,8 +129,8 @@ def score(scenario: str, seed: int, truth: Mapping[str, Any], result: Mapping[st
     return RunScore(
         scenario=scenario, seed=seed, fault=CLEAN if clean else fault, kind=kind,
         truth_component=want, injected=injected,
-        fault_verdict=named, root_component=root.get("component"), root_condition=root.get("condition"),
-        root_correct=None if want is None else (named and root.get("component") == want),
+        fault_verdict=named, root_component=root.get("attributed_to"), root_condition=root.get("condition"),
+        root_correct=None if want is None else (named and root.get("attributed_to") == want),
         onset_error=onset_error,
         onset_ok=None if clean else (onset_error is not None and onset_error <= ONSET_TOLERANCE.get(kind, 2)),
         latency=None if clean else _diff(alarm, injected),
@@ -140,7 +140,7 @@ def score(scenario: str, seed: int, truth: Mapping[str, Any], result: Mapping[st
         lead_loss=_diff(loss_step, alarm), lead_grad=_diff(grad_step, alarm),
         alarms=len(result.get("alarms") or []), component_steps=component_steps,
         discarded_ours=rb.get("steps_discarded") if named else None,
-        discarded_naive=naive.get("steps_discarded"), naive_contaminated=naive.get("contaminated"),
+        discarded_loss_only=loss_only.get("steps_discarded"), loss_only_contaminated=loss_only.get("contaminated"),
         static_step=static_step, static_rule=static_rule,
         static_correct=None if clean else static_correct,
         seconds=seconds,
@@ -284,14 +284,14 @@ def summarise_faults(runs: Sequence[RunScore]) -> dict[str, Any]:
 
 def summarise_recovery(runs: Sequence[RunScore]) -> dict[str, Any]:
     """Rollback and fixed-rule row of the fault table."""
-    rb_ours, rb_naive = _median(r.discarded_ours for r in runs), _median(r.discarded_naive for r in runs)
+    rb_ours, rb_loss_only = _median(r.discarded_ours for r in runs), _median(r.discarded_loss_only for r in runs)
     hits = [r for r in runs if r.static_step is not None]
     rules = ", ".join(sorted({r.static_rule for r in hits if r.static_rule}))
     return {
         "runs": len(runs),
-        "discarded ours/loss-only (med)": f"{_plain(rb_ours)}/{_plain(rb_naive)}",
-        "loss-only rolled back": f"{sum(r.discarded_naive is not None for r in runs)}/{len(runs)}",
-        "loss-only ckpt damaged": _ratio(_count(r.naive_contaminated for r in runs)),
+        "discarded ours/loss-only (med)": f"{_plain(rb_ours)}/{_plain(rb_loss_only)}",
+        "loss-only rolled back": f"{sum(r.discarded_loss_only is not None for r in runs)}/{len(runs)}",
+        "loss-only ckpt damaged": _ratio(_count(r.loss_only_contaminated for r in runs)),
         "static rules fired": f"{len(hits)}/{len(runs)}" + (f" ({rules})" if rules else ""),
         "static named root alone": _ratio(_count(r.static_correct for r in hits)),
         "static latency med": _plain(_median(_diff(r.static_step, r.injected) for r in hits)),

@@ -39,6 +39,10 @@ INCARNATION_DOCS: dict[str, str] = {
 _NOTES = """\
 ## How the numbers are measured
 
+- **Kinds.** Each `health` metric says what it measures: `forward` (the component's forward
+  output), `head` (the softmax of an output head), `gradient` (its parameter gradients at
+  `optimizer.step()`), `weights` (its parameters and their change across the step); `count`
+  marks counts of values that are 0 when all is well. `schema.metrics_of(kind)` lists them.
 - **Steps.** A step ends at `optimizer.step()` (or `rec.step()` when no optimizer is given) and
   is counted from 1 (`watch(..., start_step=N)` continues from N when resuming). `rec.log` and
   `rec.batch` belong to the step in progress if a training forward ran since the last step, else
@@ -97,11 +101,18 @@ def _cell(text: str) -> str:
     return text.replace("|", "\\|")  # a literal | would end the table cell
 
 
+def _kind(c: schema.Column) -> str:
+    return "" if not c.kind else c.kind + (", count" if c.count else "")
+
+
 def _table(columns: tuple[schema.Column, ...]) -> list[str]:
-    lines = ["| column | type | unit | meaning |", "|---|---|---|---|"]
-    lines += [f"| `{c.name}` | {_type_name(c.type)} | {_cell(c.unit)} | {_cell(c.doc)} |"
-              for c in columns]
-    return lines
+    if not any(c.kind for c in columns):
+        lines = ["| column | type | unit | meaning |", "|---|---|---|---|"]
+        return lines + [f"| `{c.name}` | {_type_name(c.type)} | {_cell(c.unit)} | {_cell(c.doc)} |"
+                        for c in columns]
+    lines = ["| column | type | unit | kind | meaning |", "|---|---|---|---|---|"]
+    return lines + [f"| `{c.name}` | {_type_name(c.type)} | {_cell(c.unit)} | {_kind(c)} | {_cell(c.doc)} |"
+                    for c in columns]
 
 
 def _layout() -> list[str]:

@@ -21,7 +21,7 @@ from warninglight.tracer.recorder import LIVE_FLUSH_S
 from webhook_server import WebhookServer
 
 FAULT_STEP, STEPS = 100, 130
-KEYS = ("step", "component", "condition", "onset_step", "attributed_to", "metric")
+KEYS = ("step", "observed_on", "condition", "onset_step", "attributed_to", "metric")
 
 
 class Received:
@@ -92,17 +92,17 @@ def test_live_alarms_equal_replay(live: dict[str, Any]) -> None:
                        for a in offline.alarms.iter_rows(named=True))
     assert as_live == as_replay
     last_root = rec.alarms[-1]["root"]
-    assert (last_root["component"], last_root["onset_step"], last_root["condition"]) == (
+    assert (last_root["attributed_to"], last_root["onset_step"], last_root["condition"]) == (
         offline.root["attributed_to"], offline.root["onset_step"], offline.root["condition"])
 
 
 def test_every_sink_got_every_alarm_in_order(live: dict[str, Any]) -> None:
     alarms = live["rec"].alarms
     lines = [json.loads(s) for s in (live["root"] / "alarms.jsonl").read_text().splitlines()]
-    assert [(a["step"], a["component"], a["condition"]) for a in lines] == \
-           [(a["step"], a["component"], a["condition"]) for a in alarms]
-    assert [b["component"] for _, b in live["webhook"]] == [a["component"] for a in alarms]
-    assert [a["component"] for _, a in live["received"]] == [a["component"] for a in alarms]
+    assert [(a["step"], a["observed_on"], a["condition"]) for a in lines] == \
+           [(a["step"], a["observed_on"], a["condition"]) for a in alarms]
+    assert [b["observed_on"] for _, b in live["webhook"]] == [a["observed_on"] for a in alarms]
+    assert [a["observed_on"] for _, a in live["received"]] == [a["observed_on"] for a in alarms]
 
 
 def test_jsonl_alarm_has_analyze_fields_root_and_rollback(live: dict[str, Any]) -> None:

@@ -43,7 +43,7 @@ def test_drill_produces_its_condition_on_its_component(scenario: str) -> None:
     result = analysed(scenario)
     root = result.to_dict()["root"]
     assert result.verdict == "fault"
-    assert (root["component"], root["condition"]) == (component, condition), root
+    assert (root["attributed_to"], root["condition"]) == (component, condition), root
     assert abs(root["onset_step"] - t["step"]) <= ONSET_TOLERANCE[t["kind"]], root
     assert root["alarm_step"] >= root["onset_step"]
 

@@ -14,15 +14,15 @@ TRUTH_CLEAN = {"scenario": "mlp_clean", "healthy": True, "faults": []}
 def result(component: str | None = "2", onset: int = 151, alarm: int = 153, loss: int | None = 200,
            grad: int | None = None, alarms: int = 2) -> dict:
     """An `analyze --json`-shaped dict."""
-    root = None if component is None else {"component": component, "condition": "exploding",
+    root = None if component is None else {"attributed_to": component, "observed_on": component, "condition": "exploding",
                                             "onset_step": onset, "alarm_step": alarm, "magnitude": 30.0,
                                             "metric": "weight_drift_l2"}
     return {
-        "verdict": "clean" if root is None else "fault", "root": root,
-        "alarms": [{"component": "x"}] * alarms,
+        "verdict": "healthy" if root is None else "fault", "root": root,
+        "alarms": [{"observed_on": "x", "attributed_to": "x"}] * alarms,
         "rollback": None if root is None else {
             "checkpoint_step": 100, "steps_discarded": 53,
-            "naive": {"alarm_step": loss, "checkpoint_step": 200, "contaminated": True, "steps_discarded": 0}},
+            "loss_only": {"alarm_step": loss, "checkpoint_step": 200, "contaminated": True, "steps_discarded": 0}},
         "detectors": {"loss_spike_step": loss, "grad_norm_spike_step": grad},
     }
 
@@ -32,7 +32,7 @@ def test_score_abrupt_fault_run() -> None:
     r = evaluation.score("mlp_x", 0, TRUTH_ABRUPT, result(), static, component_steps=2100)
     assert (r.root_correct, r.onset_error, r.onset_ok, r.latency) == (True, 1, True, 3)
     assert (r.lead_loss, r.lead_grad, r.grad_rule_step) == (47, None, None)
-    assert (r.discarded_ours, r.discarded_naive, r.naive_contaminated) == (53, 0, True)
+    assert (r.discarded_ours, r.discarded_loss_only, r.loss_only_contaminated) == (53, 0, True)
     # the static firing at step 90 predates the fault; the first at or after 150 counts
     assert (r.static_step, r.static_rule, r.static_correct) == (160, "exploding_tensor", True)
     # when other components fire at the same step, the fixed rule has not named the root

@@ -10,7 +10,7 @@ from warninglight.forensics.localise import Series, drift_run_start
 def test_middle_layer_corruption_is_attributed_to_that_layer() -> None:
     result = analysed("mlp_weight_corruption")
     d = result.to_dict()
-    assert d["root"]["component"] == "2"
+    assert d["root"]["attributed_to"] == "2"
     assert d["root"]["onset_step"] == truth(trace("mlp_weight_corruption"))["step"]
     assert "weight drift" in d["root"]["evidence"]
     # Downstream layers felt it, and their numbers moved more than the harmed layer's did.
@@ -26,7 +26,7 @@ def test_middle_layer_corruption_is_attributed_to_that_layer() -> None:
 
 def test_nan_is_traced_to_the_module_whose_output_went_non_finite() -> None:
     d = analysed("mlp_nan").to_dict()
-    assert (d["root"]["component"], d["root"]["condition"]) == ("2", "exploding")
+    assert (d["root"]["attributed_to"], d["root"]["condition"]) == ("2", "exploding")
     assert d["root"]["metric"] == "out_nonfinite_count"
     assert d["root"]["onset_step"] == d["root"]["alarm_step"] == 150  # non-finite alarms at once
     # Upstream layers got NaN gradients in the same step: affected through the backward pass.
@@ -35,15 +35,15 @@ def test_nan_is_traced_to_the_module_whose_output_went_non_finite() -> None:
 
 def test_dead_activation_is_reported_on_the_layer_feeding_it() -> None:
     d = analysed("mlp_dying_layer").to_dict()
-    assert d["root"]["component"] == "2"          # the Linear whose bias drifted
+    assert d["root"]["attributed_to"] == "2"          # the Linear whose bias drifted
     assert d["root"]["condition"] == "dead"
-    observed = {a["component"] for a in d["alarms"] if a["attributed_to"] == "2"}
+    observed = {a["observed_on"] for a in d["alarms"] if a["attributed_to"] == "2"}
     assert "3" in observed                         # seen on the ReLU after it
 
 
 def test_corrupt_batches_are_found_at_the_first_layer() -> None:
     d = analysed("mlp_corrupt_batches").to_dict()
-    assert (d["root"]["component"], d["root"]["onset_step"]) == ("0", 150)
+    assert (d["root"]["attributed_to"], d["root"]["onset_step"]) == ("0", 150)
 
 
 def test_drift_run_start_walks_back_over_consecutive_drift() -> None:
@@ -66,14 +66,14 @@ def test_a_fault_on_one_rank_names_that_rank() -> None:
     rehearse("mlp_weight_corruption", out, steps=220, rank=1, world_size=2)
     d = analyze(out).to_dict()
     assert d["trace_info"]["ranks"] == 2
-    assert (d["root"]["component"], d["root"]["rank"], d["root"]["onset_step"]) == ("2", 1, 150)
+    assert (d["root"]["attributed_to"], d["root"]["rank"], d["root"]["onset_step"]) == ("2", 1, 150)
     assert d["root"]["ranks"] == [1] and d["root"]["ranks_disagree"] is True
     assert {a["rank"] for a in d["alarms"]} == {1}
 
 
 def test_lr_spike_is_optimizer_wide_but_a_one_layer_fault_is_not() -> None:
     d = analysed("mlp_lr_spike").to_dict()
-    assert (d["root"]["component"], d["root"]["scope"]) == ("", "optimizer")
+    assert (d["root"]["attributed_to"], d["root"]["scope"]) == ("", "optimizer")
     assert d["root"]["onset_step"] == 150 and d["root"]["metric"].startswith("update_")
     assert "optimizer-wide" in d["root"]["evidence"]
     # The same many-component disturbance from corrupted data starts in the gradients: not the optimizer.

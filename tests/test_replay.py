@@ -7,7 +7,7 @@ from rehearsed import ROOT, analysed, trace
 from warninglight.forensics import analyze, open_trace, replay
 from warninglight.lab.rehearsal import rehearse
 
-KEYS = ["rank", "component", "condition", "step", "onset_step", "attributed_to", "metric"]
+KEYS = ["rank", "observed_on", "condition", "step", "onset_step", "attributed_to", "metric"]
 
 
 @pytest.mark.parametrize("scenario", ["mlp_weight_corruption", "mlp_dying_layer", "mlp_nan", "mlp_bitflip",
@@ -19,7 +19,7 @@ def test_replay_agrees_with_analyze(scenario: str) -> None:
     assert live.alarms.select(KEYS).equals(offline.alarms.select(KEYS))
     lights = [e for e in live.events if e.source == "light"]
     assert [e.step for e in lights] == sorted(offline.alarms["step"].to_list())
-    assert live.root is not None and live.root["attributed_to"] == offline.root["component"]
+    assert live.root is not None and live.root["attributed_to"] == offline.root["attributed_to"]
 
 
 def test_replay_timeline_names_the_comparators() -> None:

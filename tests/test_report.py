@@ -36,9 +36,10 @@ def test_html_is_self_contained_and_names_the_root(fault_trace: Path, tmp_path: 
     assert not re.search(r"(src|href)=['\"]https?:", text)  # nothing fetched from the network
     result = analyze(fault_trace).to_dict()
     assert report.summary_line(result) in text.replace("&#x27;", "'")
-    if result.get("root"):
-        assert f"<td>{result['root']['component']}</td>" in text  # in the alarm table
-        assert result["root"]["evidence"] in text
+    assert result["root"]["attributed_to"] == "2"  # the injected layer is the root...
+    root = result["root"]  # ...and is named in the alarm table: observed on, attributed to, condition
+    assert f"<td>{root['observed_on']}</td><td>2</td><td>{root['condition']}</td>" in text
+    assert result["root"]["evidence"] in text
     assert '"fault": "weight_corruption"' in text.replace("&quot;", '"')  # the answer key is shown
 
 
@@ -61,22 +62,22 @@ def test_cli_rejects_a_folder_that_is_not_a_trace(tmp_path: Path) -> None:
 def test_summary_line_is_actionable() -> None:
     result = {
         "verdict": "fault",
-        "root": {"component": "h.0.mlp.c_fc", "condition": "exploding", "onset_step": 150,
+        "root": {"attributed_to": "h.0.mlp.c_fc", "observed_on": "h.0.mlp.c_fc", "condition": "exploding", "onset_step": 150,
                  "alarm_step": 151, "magnitude": 41.27, "metric": "weight_drift_l2"},
         "rollback": {"checkpoint_step": 100, "checkpoint_path": "ck/step-000100.pt", "steps_discarded": 51,
-                     "skip_steps": [150, 151],
-                     "naive": {"checkpoint_step": 200, "contaminated": True, "steps_discarded": 12}},
+                     "skip_step_range": [150, 151],
+                     "loss_only": {"checkpoint_step": 200, "contaminated": True, "steps_discarded": 12}},
     }
     assert report.summary_line(result) == (
         "ALARM h.0.mlp.c_fc: exploding (|z| 41.3 on weight_drift_l2), onset step 150, alarm step 151"
         " — roll back to step 100 (ck/step-000100.pt), discard 51 steps, skip the batches of steps 150–151;"
         " the loss-only choice (step 200) already held the damage."
     )
-    result["rollback"]["naive"] = {"checkpoint_step": 0, "contaminated": False, "steps_discarded": 212}
+    result["rollback"]["loss_only"] = {"checkpoint_step": 0, "contaminated": False, "steps_discarded": 212}
     assert report.summary_line(result).endswith(
         "the loss-only choice (step 0, clean) would discard 212: 161 steps saved.")
     assert report.summary_line({"verdict": "healthy", "root": None}).startswith("HEALTHY: no component")
-    optimizer = {**result, "root": {**result["root"], "component": "", "scope": "optimizer"}}
+    optimizer = {**result, "root": {**result["root"], "attributed_to": "", "scope": "optimizer"}}
     assert report.summary_line(optimizer).startswith("ALARM optimizer-wide (every component's update): exploding")
     result["detectors"] = {"first_alarm_step": 149}
     assert "alarm step 151 (the light first lit at step 149) — roll back" in report.summary_line(result)

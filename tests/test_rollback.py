@@ -23,14 +23,14 @@ def test_checkpoint_is_before_the_true_onset(scenario: str) -> None:
 
 def test_skip_window_and_batches_span_onset_to_alarm() -> None:
     d = analysed("mlp_corrupt_batches").to_dict()
-    first, last = d["rollback"]["skip_steps"]
+    first, last = d["rollback"]["skip_step_range"]
     assert (first, last) == (d["root"]["onset_step"], d["root"]["alarm_step"])
     assert len(d["rollback"]["skip_batches"]) == 32 * (last - first + 1)  # batch_size ids per step
 
 
 def test_gradual_fault_loss_only_never_fires_and_report_says_so() -> None:
     d = analysed("mlp_dying_layer").to_dict()
-    assert d["rollback"]["naive"]["alarm_step"] is None
+    assert d["rollback"]["loss_only"]["alarm_step"] is None
     assert "loss-spike rule never fired" in d["rollback"]["note"]
     assert d["rollback"]["checkpoint_step"] < truth(trace("mlp_dying_layer"))["step"]
 
@@ -38,8 +38,8 @@ def test_gradual_fault_loss_only_never_fires_and_report_says_so() -> None:
 def test_creeping_fault_loss_only_is_later_and_already_damaged() -> None:
     d = analysed("mlp_creeping_corruption").to_dict()
     onset = truth(trace("mlp_creeping_corruption"))["step"]
-    ours, naive = d["rollback"]["checkpoint_step"], d["rollback"]["naive"]
-    assert abs(d["root"]["onset_step"] - onset) <= 10 and d["root"]["component"] == "2"
+    ours, naive = d["rollback"]["checkpoint_step"], d["rollback"]["loss_only"]
+    assert abs(d["root"]["onset_step"] - onset) <= 10 and d["root"]["attributed_to"] == "2"
     assert ours < onset
     assert naive["alarm_step"] > d["root"]["alarm_step"]          # the light lit first
     assert naive["checkpoint_step"] > ours and naive["contaminated"] is True
@@ -53,7 +53,7 @@ def test_naive_checkpoint_after_onset_is_marked_contaminated() -> None:
     d = analyze(trace("mlp_weight_corruption"), checkpoint_every=1).to_dict()
     r = d["rollback"]
     assert r["checkpoint_step"] == d["root"]["onset_step"] - 1
-    n = r["naive"]
+    n = r["loss_only"]
     assert n["alarm_step"] is not None and n["alarm_step"] > d["root"]["onset_step"]
     assert n["checkpoint_step"] == n["alarm_step"] - 1 and n["contaminated"] is True
     assert "already held the damage" in r["note"]

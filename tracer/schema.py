@@ -45,14 +45,30 @@ _SEGMENT_NAME = re.compile(r"^part-(\d{6,})(?:-s(\d+)-(\d+))?\.parquet$")
 PARQUET_WRITE_OPTIONS: dict[str, object] = {"compression": "zstd"}
 
 
+# What a health metric measures, by where its value comes from. Recorder and engine both ask
+# `metrics_of` / `kind_of` instead of keeping their own lists.
+FORWARD = "forward"    # a component's forward output (forward hook)
+HEAD = "head"          # the softmax of an output head's forward output
+GRADIENT = "gradient"  # the component's parameter gradients at optimizer.step
+WEIGHTS = "weights"    # the component's parameters and their change across the step
+METRIC_KINDS = (FORWARD, HEAD, GRADIENT, WEIGHTS)
+
+
 @dataclass(frozen=True)
 class Column:
-    """One column of a trace table: its name, Arrow type, unit and meaning."""
+    """One column of a trace table: its name, Arrow type, unit and meaning.
+
+    Health metrics also say what they measure (`kind`, one of METRIC_KINDS) and whether they
+    are a `count` of values (an integer that is 0 when all is well, e.g. non-finite values)
+    rather than a measured value.
+    """
 
     name: str
     type: pa.DataType
     unit: str
     doc: str
+    kind: str = ""
+    count: bool = False
 
 
 def _schema(columns: tuple[Column, ...]) -> pa.Schema:
@@ -74,22 +90,22 @@ COMPONENT_COLUMNS: tuple[Column, ...] = (
 HEALTH_COLUMNS: tuple[Column, ...] = (
     Column("step", I64, "optimizer steps", "optimizer step, counted from 1"),
     Column("component", STR, "", "module path, a key of `components`"),
-    Column("out_mean", F32, "activation units", "mean of the forward output (finite values of the subsample)"),
-    Column("out_rms", F32, "activation units", "root mean square of the forward output"),
-    Column("out_absmax", F32, "activation units", "largest |value| of the forward output"),
-    Column("out_zero_frac", F32, "fraction", "share of output values exactly 0"),
-    Column("out_sat_frac", F32, "fraction", "share of outputs within 1% of a bounded activation's bounds; null if unbounded"),
-    Column("out_dead_frac", F32, "fraction", "share of output units (last dim; channels for conv) whose |output| <= 1e-6 for every sampled row"),
-    Column("out_nonfinite_count", I64, "values", "NaN/Inf values in the whole forward output (all micro-batches)"),
-    Column("grad_norm_l2", F32, "gradient units", "L2 norm of this module's own parameter gradients at optimizer.step (unscaled)"),
-    Column("grad_nonfinite_count", I64, "values", "NaN/Inf values in this module's parameter gradients"),
-    Column("weight_norm_l2", F32, "weight units", "L2 norm of this module's parameters after the step"),
-    Column("update_norm_l2", F32, "weight units", "L2 norm of this step's parameter change, estimated from a fixed coordinate sketch (exact for small tensors)"),
-    Column("update_ratio", F32, "ratio", "update_norm_l2 / weight_norm_l2"),
-    Column("update_cos", F32, "cosine", "cosine between this step's and the previous step's update on the sketch, in [-1, 1]"),
-    Column("weight_drift_l2", F32, "weight units", "change of the weights between the end of the previous optimizer step and this step's first forward: non-zero means something other than the optimizer wrote them"),
-    Column("pred_entropy_nats", F32, "nats", "mean entropy of the softmax over the head's last dim (heads only)"),
-    Column("pred_maxprob", F32, "probability", "mean largest softmax probability (heads only)"),
+    Column("out_mean", F32, "activation units", "mean of the forward output (finite values of the subsample)", FORWARD),
+    Column("out_rms", F32, "activation units", "root mean square of the forward output", FORWARD),
+    Column("out_absmax", F32, "activation units", "largest |value| of the forward output", FORWARD),
+    Column("out_zero_frac", F32, "fraction", "share of output values exactly 0", FORWARD),
+    Column("out_sat_frac", F32, "fraction", "share of outputs within 1% of a bounded activation's bounds; null if unbounded", FORWARD),
+    Column("out_dead_frac", F32, "fraction", "share of output units (last dim; channels for conv) whose |output| <= 1e-6 for every sampled row", FORWARD),
+    Column("out_nonfinite_count", I64, "values", "NaN/Inf values in the whole forward output (all micro-batches)", FORWARD, count=True),
+    Column("grad_norm_l2", F32, "gradient units", "L2 norm of this module's own parameter gradients at optimizer.step (unscaled)", GRADIENT),
+    Column("grad_nonfinite_count", I64, "values", "NaN/Inf values in this module's parameter gradients", GRADIENT, count=True),
+    Column("weight_norm_l2", F32, "weight units", "L2 norm of this module's parameters after the step", WEIGHTS),
+    Column("update_norm_l2", F32, "weight units", "L2 norm of this step's parameter change, estimated from a fixed coordinate sketch (exact for small tensors)", WEIGHTS),
+    Column("update_ratio", F32, "ratio", "update_norm_l2 / weight_norm_l2", WEIGHTS),
+    Column("update_cos", F32, "cosine", "cosine between this step's and the previous step's update on the sketch, in [-1, 1]", WEIGHTS),
+    Column("weight_drift_l2", F32, "weight units", "change of the weights between the end of the previous optimizer step and this step's first forward: non-zero means something other than the optimizer wrote them", WEIGHTS),
+    Column("pred_entropy_nats", F32, "nats", "mean entropy of the softmax over the head's last dim (heads only)", HEAD),
+    Column("pred_maxprob", F32, "probability", "mean largest softmax probability (heads only)", HEAD),
 )
 
 STEP_COLUMNS: tuple[Column, ...] = (
@@ -127,8 +143,40 @@ COLUMNS: dict[str, tuple[Column, ...]] = {
 }
 SCHEMAS: dict[str, pa.Schema] = {table: _schema(cols) for table, cols in COLUMNS.items()}
 
-# Metric columns of `health`: everything but the keys.
-HEALTH_METRICS: tuple[str, ...] = tuple(c.name for c in HEALTH_COLUMNS if c.name not in ("step", "component"))
+# Metric columns of `health`: everything but the keys, in table order.
+HEALTH_METRICS: tuple[str, ...] = tuple(c.name for c in HEALTH_COLUMNS if c.kind)
+_METRIC_COLUMNS: dict[str, Column] = {c.name: c for c in HEALTH_COLUMNS if c.kind}
+
+
+def metrics_of(*kinds: str, count: bool | None = None) -> tuple[str, ...]:
+    """The health metrics of the given kinds (all kinds if none), in table order.
+
+    `count=True` keeps only counts, `count=False` only measured values, None both.
+    """
+    unknown = set(kinds) - set(METRIC_KINDS)
+    if unknown:
+        raise ValueError(f"unknown metric kind {sorted(unknown)[0]!r}; expected one of {', '.join(METRIC_KINDS)}")
+    wanted = kinds or METRIC_KINDS
+    return tuple(c.name for c in _METRIC_COLUMNS.values()
+                 if c.kind in wanted and (count is None or c.count == count))
+
+
+def kind_of(metric: str) -> str:
+    """What a health metric measures: one of METRIC_KINDS."""
+    try:
+        return _METRIC_COLUMNS[metric].kind
+    except KeyError:
+        raise ValueError(f"{metric!r} is not a health metric; expected one of {', '.join(HEALTH_METRICS)}") from None
+
+
+def is_count(metric: str) -> bool:
+    """True for a metric that counts values (0 when all is well), e.g. non-finite values."""
+    kind_of(metric)  # raises for an unknown name
+    return _METRIC_COLUMNS[metric].count
+
+
+# Counts of non-finite values: their baseline is 0 and any count above it is the alarm.
+COUNT_METRICS: tuple[str, ...] = metrics_of(count=True)
 
 # Keys of the manifest JSON (one file per rank). Documented in docs/trace-format.md.
 MANIFEST_KEYS = (

@@ -74,7 +74,7 @@ class LiveClassifier:
         new = pl.DataFrame(rows, schema=every.schema)
         fresh_located = list(locate(new, self._scored, self.components, self.config).iter_rows(named=True))
         for a in fresh_located:
-            self._seen.add((a["component"], a["condition"], a["step"]))
+            self._seen.add((a["observed_on"], a["condition"], a["step"]))
         self._located += fresh_located
         located = pl.DataFrame(self._located, strict=False)
         # the root as it stands with every alarm so far (it can move as later alarms come in)
@@ -90,7 +90,7 @@ class LiveClassifier:
         out["root"] = _root_dict(root, located, 1)
         out["rollback"] = self._rollback(root).to_dict() if root else None
         if out["rollback"] is not None:
-            out["rollback"]["naive"] = None  # the loss-only comparator is judged after the run
+            out["rollback"]["loss_only"] = None  # the loss-only comparator is judged after the run
         out["text"] = summary_line({"verdict": "fault", "root": out["root"], "rollback": out["rollback"]})
         return out
 

@@ -1,0 +1,57 @@
+"""`warninglight report`: a thin shell over forensics.report."""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from warninglight.cli.common import (
+    CheckpointsOpt,
+    ConfigOpt,
+    EveryOpt,
+    SetOpt,
+    TraceArg,
+    analysis_from,
+    bad_input,
+    fail,
+)
+from warninglight.cli.main import app
+
+
+class Format(StrEnum):
+    html = "html"
+    png = "png"
+
+
+@app.command("report")
+def report_cmd(
+    trace: TraceArg,
+    out: Annotated[Path, typer.Option("-o", "--out", help="Where to write: an .html file, or a folder for --format png.")] = Path("report.html"),
+    fmt: Annotated[Format, typer.Option("--format", help="html: one self-contained file; png: the figures alone, into a folder.")] = Format.html,
+    config: ConfigOpt = None,
+    overrides: SetOpt = None,
+    checkpoints: CheckpointsOpt = None,
+    every: EveryOpt = None,
+) -> None:
+    """Write a report of a trace: health heatmap, root metric, loss with every detector, rollback, alarms.
+
+    It reports the same analysis `warninglight analyze` prints with the same options.
+    """
+    from warninglight.forensics import report
+
+    if fmt is Format.html and out.is_dir():
+        raise fail(f"--out {out} is a folder; pass an .html file, e.g. -o {out / 'report.html'}, "
+                   "or use --format png to write the figures into it")
+    if fmt is Format.png and out.exists() and not out.is_dir():
+        raise fail(f"--out {out} is a file; --format png writes into a folder, e.g. -o {out.with_suffix('')}_figures")
+    analysis = analysis_from(trace, config, overrides, checkpoints, every)
+    with bad_input():
+        try:
+            paths = (report.write_pngs(trace, out, analysis) if fmt is Format.png
+                     else [report.write_html(trace, out, analysis)])
+        except OSError as exc:
+            raise fail(f"cannot write the report to {out}: {exc.strerror or exc} — pass a writable -o path") from None
+    for path in paths:
+        typer.echo(str(path))

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import os
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -60,26 +63,45 @@ def _train(path: Path, sinks: list[Any], on_alarm: Any, step_times: list[float],
                 step_times.append(time.time() - start)
             # training is over while the hung endpoint still holds its request: it slowed nothing
             during.append(hung.hanging.is_set() and not hung.release.is_set())
+            hung.release.set()  # so closing does not wait out the sinks' deadline for it
     finally:
         drill.detach()
     return rec
 
 
+def _trackers(root: Path) -> list[str]:
+    """The tracker sinks whose extras are installed (CI installs them all)."""
+    found = []
+    if importlib.util.find_spec("mlflow"):
+        found.append(f"mlflow:sqlite:///{root}/mlflow.db")
+    if importlib.util.find_spec("tensorboard"):
+        found.append(f"tensorboard:{root}/tb")
+    if importlib.util.find_spec("wandb"):
+        found.append("wandb:offline")
+    return found
+
+
 @pytest.fixture(scope="module")
-def live(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     root = tmp_path_factory.mktemp("live")
     received, calls, step_times, during = Received(), [], [], []
+    saved = {k: os.environ.get(k) for k in ("WANDB_MODE", "WANDB_DIR", "WANDB_SILENT")}
+    os.environ.update(WANDB_MODE="offline", WANDB_DIR=str(root), WANDB_SILENT="true")
     with WebhookServer() as good, WebhookServer(["hang"]) as hung:
 
         def on_alarm(alarm: dict[str, Any]) -> None:  # called inside opt.step() of step len+1
             calls.append((threading.get_ident(), len(step_times) + 1, alarm))
 
         rec = _train(root / "trace", [f"jsonl:{root}/alarms.jsonl", f"webhook:{good.url}",
-                                      f"webhook:{hung.url}", received], on_alarm, step_times,
-                     during, hung)
-        hung.release.set()
-    return {"rec": rec, "root": root, "received": received.got, "webhook": good.received,
-            "calls": calls, "step_times": step_times, "during": during}
+                                      f"webhook:{hung.url}", received, *_trackers(root)],
+                     on_alarm, step_times, during, hung)
+    if importlib.util.find_spec("wandb"):
+        import wandb
+        wandb.teardown()  # the offline run's records are complete once its service has stopped
+    yield {"rec": rec, "root": root, "received": received.got, "webhook": good.received,
+           "calls": calls, "step_times": step_times, "during": during}
+    for k, v in saved.items():
+        os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
 
 
 def test_live_alarms_equal_replay(live: dict[str, Any]) -> None:
@@ -196,3 +218,47 @@ def test_webhook_url_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> No
     monkeypatch.setenv("WL_TEST_HOOK", "http://127.0.0.1:9/hook")
     assert sink_from_spec("webhook:$WL_TEST_HOOK").url == "http://127.0.0.1:9/hook"
     assert isinstance(sink_from_spec("jsonl:/tmp/x/a.jsonl"), JsonlSink)
+
+
+def _alarm_steps(live: dict[str, Any]) -> list[int]:
+    return [a["step"] for a in live["rec"].alarms]
+
+
+def test_mlflow_run_has_the_alarms(live: dict[str, Any]) -> None:
+    pytest.importorskip("mlflow")
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=f"sqlite:///{live['root']}/mlflow.db")
+    exp = client.get_experiment_by_name("warninglight")
+    (run,) = client.search_runs([exp.experiment_id])
+    root = live["rec"].alarms[-1]["root"]
+    assert run.data.tags["warninglight.root"] == root["attributed_to"]
+    assert run.data.tags["warninglight.last_alarm"].startswith("ALARM ")
+    history = client.get_metric_history(run.info.run_id, "warninglight/alarms")
+    assert [(m.step, m.value) for m in history] == [
+        (s, float(i + 1)) for i, s in enumerate(_alarm_steps(live))]
+
+
+def test_tensorboard_events_read_back(live: dict[str, Any]) -> None:
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(live["root"] / "tb"), size_guidance={"tensors": 0, "scalars": 0})
+    events.Reload()
+    texts = events.Tensors("warninglight/alarm/text_summary")
+    assert [t.step for t in texts] == _alarm_steps(live)
+    assert all(t.tensor_proto.string_val[0].startswith(b"ALARM ") for t in texts)
+    magnitudes = events.Scalars("warninglight/alarm_magnitude")
+    assert [round(m.value, 3) for m in magnitudes] == [
+        round(a["magnitude"], 3) for a in live["rec"].alarms]
+
+
+def test_wandb_offline_run_holds_the_alarms(live: dict[str, Any]) -> None:
+    pytest.importorskip("wandb")
+    from wandb_records import records
+
+    (path,) = (live["root"] / "wandb").glob("offline-run-*/run-*.wandb")
+    logged = [r.history for r in records(path) if r.WhichOneof("record_type") == "history"]
+    steps = [int(float(i.value_json)) for h in logged for i in h.item
+             if i.nested_key == ["warninglight/alarm_step"] or i.key == "warninglight/alarm_step"]
+    assert steps == _alarm_steps(live)

@@ -56,7 +56,7 @@ class LiveMonitor:
                 warnings.warn(f"warninglight: on_alarm raised {type(exc).__name__}: {exc}; "
                               "training continues", RuntimeWarning, stacklevel=2)
 
-    def close(self, classify_timeout_s: float = 30.0, sinks_timeout_s: float = 5.0) -> None:
+    def close(self, classify_timeout_s: float = 30.0, sinks_timeout_s: float = 15.0) -> None:
         """Classify what is queued, then give the sinks together at most `sinks_timeout_s` to deliver.
 
         A hung endpoint costs the end of the run at most `sinks_timeout_s`; its alarms are in the

@@ -88,8 +88,11 @@ class WarningLightCallback(pl.Callback):
         if self.rec is None:
             return
         for cb in trainer.checkpoint_callbacks:
-            for path in [*getattr(cb, "best_k_models", {}), getattr(cb, "last_model_path", "")]:
-                if path and path not in self._saved and os.path.exists(path):
+            # without a monitored metric only best_model_path names the file just saved
+            paths = [*getattr(cb, "best_k_models", {}), getattr(cb, "best_model_path", ""),
+                     getattr(cb, "last_model_path", "")]
+            for path in sorted(set(paths) - self._saved - {""}):
+                if os.path.exists(path):
                     self._saved.add(path)
                     self._guard(self.rec.checkpoint, path)
 

@@ -1,11 +1,11 @@
-"""What every command shares: the one-line error convention and plain-text tables."""
+"""What every command shares: the one-line error convention, the shared options, the analysis."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated
 
 import duckdb
 import typer
@@ -18,6 +18,7 @@ from warninglight.forensics import (
     analyze,
     load_config,
 )
+from warninglight.forensics.wording import text_table as table  # noqa: F401  (the commands' tables)
 
 BAD_INPUT = 2  # exit code for input we cannot use (not a trace, bad SQL, bad option)
 
@@ -57,21 +58,6 @@ def config_from(path: Path | None, overrides: list[str] | None) -> Config:
     """The thresholds the command runs with."""
     with bad_input():
         return load_config(path, overrides)
-
-
-def _cell(v: Any) -> str:
-    if isinstance(v, float):
-        return f"{v:.4g}"
-    return "" if v is None else str(v)
-
-
-def table(rows: Sequence[dict[str, Any]], columns: Sequence[str]) -> str:
-    """A plain aligned text table (header, then rows)."""
-    cells = [[_cell(r.get(c)) for c in columns] for r in rows]
-    widths = [max([len(c), *(len(row[i]) for row in cells)]) for i, c in enumerate(columns)]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(columns, widths, strict=True)).rstrip()]
-    lines += ["  ".join(v.ljust(w) for v, w in zip(row, widths, strict=True)).rstrip() for row in cells]
-    return "\n".join(lines)
 
 
 def analysis_from(trace: Path, config: Path | None, overrides: list[str] | None,

@@ -1,14 +1,14 @@
 """`analyze(trace_dir)`: classify, localise, recommend a rollback and run the comparators, in one call.
 
-`Analysis.to_dict()` is exactly the object `warninglight analyze --json` prints (documented in
-docs/analysis-json.md); `alarms` is a Polars frame; `baseline_frame(component, metric)` gives a
-metric with its baseline band, for plots.
+`Analysis` is typed (`Root`, `Alarm`, `Detectors`, `rollback.Rollback`); `Analysis.to_dict()` is
+exactly the object `warninglight analyze --json` prints (documented in docs/analysis-json.md);
+`alarms` is a Polars frame; `baseline_frame(component, metric)` gives a metric with its baseline
+band, for plots. How a verdict is worded for a person lives in `wording`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -23,34 +23,107 @@ from .conditions import Config, load_config
 from .localise import locate, root_cause
 from .store import Trace, health_frame, info, open_trace
 
+
+@dataclass(frozen=True)
+class Root:
+    """The root cause: which component the fault is attributed to, since when, and why."""
+
+    attributed_to: str  # module path; "" = the whole model (scope "optimizer")
+    observed_on: str  # the component whose metric alarmed
+    condition: str
+    onset_step: int
+    alarm_step: int
+    magnitude: float | None  # robust z (a count for non-finite counts; None for a NaN/Inf value)
+    metric: str
+    rank: int
+    ranks: list[int]  # every rank on which the attributed component alarmed
+    ranks_disagree: bool  # it alarmed on some ranks only
+    evidence: str
+    scope: str  # "component" | "optimizer"
+
+    @property
+    def name(self) -> str:
+        """How the root is named to a person: its module path, or what "" (the whole model) means."""
+        if self.scope == "optimizer":
+            return "optimizer-wide (every component's update)"
+        return self.attributed_to or "(whole model)"
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class Alarm:
+    """One alarm: where it was observed, what it is attributed to, when it began and fired."""
+
+    observed_on: str
+    attributed_to: str
+    condition: str
+    step: int  # when the light lit
+    onset_step: int
+    magnitude: float | None
+    metric: str
+    rank: int
+    last_step: int  # last step of the episode
+    value: float | None
+    median: float | None  # None for non-finite rules
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
 # Every alarm and the root say where the metric was measured (`observed_on`) and which component
 # the fault is attributed to (`attributed_to`); they differ when an activation's alarm is
 # attributed to the layer feeding it. No key is called plain `component`.
-ALARM_KEYS = ("observed_on", "attributed_to", "condition", "step", "onset_step", "magnitude", "metric",
-              "rank", "last_step", "value", "median")
+ALARM_KEYS = tuple(f.name for f in fields(Alarm))
+
+
+@dataclass(frozen=True)
+class Detectors:
+    """When the comparator rules fired on the same trace, and the light's lead over them."""
+
+    loss_spike_step: int | None  # first firing at or after the onset (at all when healthy)
+    grad_norm_spike_step: int | None
+    loss_spike_first_step: int | None  # first firing anywhere
+    grad_norm_spike_first_step: int | None
+    loss_spike_count: int
+    grad_norm_spike_count: int
+    light_lead_over_loss_spike: int | None  # positive: the light lit first
+    light_lead_over_grad_norm_spike: int | None
+    first_alarm_step: int | None  # the earliest alarm of any condition
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
 
 
 @dataclass
 class Analysis:
-    """The forensic verdict on one trace."""
+    """The forensic verdict on one trace, and the frames it was reached from."""
 
     trace_dir: Path
     verdict: str  # "healthy" | "fault"
-    root: dict[str, Any] | None
+    root: Root | None
     affected: list[str]
-    alarms: pl.DataFrame
+    alarms: pl.DataFrame  # one row per alarm, columns ALARM_KEYS
     rollback: rb.Rollback
-    detectors: dict[str, Any]
-    scored: pl.DataFrame = field(repr=False)
-    summary: dict[str, Any] = field(default_factory=dict)
+    detectors: Detectors
+    scored: pl.DataFrame = field(repr=False)  # health rows with baseline columns
+    summary: dict[str, Any] = field(default_factory=dict)  # store.info(): what `info` prints
+    components: pl.DataFrame = field(default_factory=pl.DataFrame, repr=False)  # the components table
+    steps: pl.DataFrame = field(default_factory=pl.DataFrame, repr=False)  # the steps table, by step
+    warmup_steps: int = 0  # recorded steps before a component is first judged (baseline min_samples + lag)
+
+    def alarm_list(self) -> list[Alarm]:
+        """The alarms as records, in step order (non-finite floats as None)."""
+        return [Alarm(**{k: _plain(a[k]) for k in ALARM_KEYS}) for a in self.alarms.iter_rows(named=True)]
 
     def to_dict(self) -> dict[str, Any]:
         """The `--json` object (docs/analysis-json.md)."""
         return {
-            "trace": str(self.trace_dir), "verdict": self.verdict, "root": self.root,
-            "affected": self.affected,
-            "alarms": [{k: _plain(a[k]) for k in ALARM_KEYS} for a in self.alarms.iter_rows(named=True)],
-            "rollback": self.rollback.to_dict(), "detectors": self.detectors, "trace_info": self.summary,
+            "trace": str(self.trace_dir), "verdict": self.verdict,
+            "root": None if self.root is None else self.root.to_dict(),
+            "affected": self.affected, "alarms": [a.to_dict() for a in self.alarm_list()],
+            "rollback": self.rollback.to_dict(), "detectors": self.detectors.to_dict(), "trace_info": self.summary,
         }
 
     def baseline_frame(self, component: str, metric: str, rank: int = 0,
@@ -64,30 +137,22 @@ class Analysis:
         return band(rows, metric, width_z)
 
 
-def root_name(root: Mapping[str, Any]) -> str:
-    """How a root is named to a person: its module path, or what `""` (the whole model) means."""
-    if root.get("scope") == "optimizer":
-        return "optimizer-wide (every component's update)"
-    return root.get("attributed_to") or "(whole model)"
-
-
 def _plain(v: Any) -> Any:
     if isinstance(v, float) and not np.isfinite(v):
         return None
     return v
 
 
-def _root_dict(root: dict[str, Any] | None, located: pl.DataFrame, ranks: int) -> dict[str, Any] | None:
+def _root(root: dict[str, Any] | None, located: pl.DataFrame, ranks: int) -> Root | None:
     if root is None:
         return None
     # an optimizer-wide root ("" = the whole model) is located where it was observed
     where = root["attributed_to"] or root["observed_on"]
     on = located.filter(pl.col("attributed_to") == where)["rank"].unique().sort().to_list()
-    return {"attributed_to": root["attributed_to"], "observed_on": root["observed_on"],
-            "condition": root["condition"], "onset_step": root["onset_step"], "alarm_step": root["step"],
-            "magnitude": _plain(root["magnitude"]), "metric": root["metric"],
-            "rank": root["rank"], "ranks": on,
-            "ranks_disagree": len(on) < ranks, "evidence": root["evidence"], "scope": root["scope"]}
+    return Root(attributed_to=root["attributed_to"], observed_on=root["observed_on"],
+                condition=root["condition"], onset_step=root["onset_step"], alarm_step=root["step"],
+                magnitude=_plain(root["magnitude"]), metric=root["metric"], rank=root["rank"], ranks=on,
+                ranks_disagree=len(on) < ranks, evidence=root["evidence"], scope=root["scope"])
 
 
 def param_components(components: pl.DataFrame) -> int:
@@ -136,6 +201,7 @@ def analyze(trace_dir: str | Path, *, config: Config | str | Path | None = None,
         summary = info(trace)
         scored, alarms = classify(health_frame(trace), cfg)
         components = trace.frame("components").collect()
+        steps = trace.frame("steps").collect().sort("step")
         located = locate(alarms, scored, components, cfg)
         root, affected = root_cause(located, cfg, param_components(components))
         onset = root["onset_step"] if root else None
@@ -147,10 +213,10 @@ def analyze(trace_dir: str | Path, *, config: Config | str | Path | None = None,
     finally:
         trace.close()
     first_light = located.select(pl.col("step").min()).item() if root is not None else None
-    for key, step in (("light_lead_over_loss_spike", found["loss_spike_step"]),
-                      ("light_lead_over_grad_norm_spike", found["grad_norm_spike_step"])):
-        found[key] = None if first_light is None or step is None else step - first_light
-    found["first_alarm_step"] = first_light
+    leads = {key: None if first_light is None or step is None else step - first_light
+             for key, step in (("light_lead_over_loss_spike", found["loss_spike_step"]),
+                               ("light_lead_over_grad_norm_spike", found["grad_norm_spike_step"]))}
     return Analysis(Path(trace_dir), "fault" if root else "healthy",
-                    _root_dict(root, located, summary["ranks"]), affected,
-                    located.drop("drift", "signal", "forward_index"), rollback, found, scored, summary)
+                    _root(root, located, summary["ranks"]), affected,
+                    located.select(ALARM_KEYS), rollback, Detectors(**found, **leads, first_alarm_step=first_light),
+                    scored, summary, components, steps, cfg.baseline.min_samples + cfg.baseline.lag)

@@ -28,6 +28,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import polars as pl
+from warninglight.tracer.schema import HEALTH_METRICS
 
 VANISHING_GRAD_RMS = 1e-7  # SageMaker VanishingGradient default threshold
 LAYER_FRACTION = 0.5  # SageMaker threshold_layer default: 50% of the layer's units
@@ -104,7 +105,14 @@ def _tables(trace: Path) -> tuple[pl.DataFrame, pl.DataFrame]:
 
 def static_alarms(trace: Path | str) -> list[StaticAlarm]:
     """Every (rule, component) that fired in the trace, with its first step, earliest first."""
-    components, health = _tables(Path(trace))
+    return static_alarms_in(*_tables(Path(trace)))
+
+
+def static_alarms_in(components: pl.DataFrame, health: pl.DataFrame) -> list[StaticAlarm]:
+    """`static_alarms` of frames already read: the components table and health rows (any extra
+    columns of an analysis' scored frame are ignored)."""
+    components = components.unique("component", keep="first")
+    health = health.select("step", "component", *[m for m in HEALTH_METRICS if m in health.columns])
     health = health.join(components.select("component", "param_count", "bound"), on="component", how="inner")
     alarms: list[StaticAlarm] = []
     for rule in RULES:

@@ -64,7 +64,7 @@ def run_demo(out: Path | str, scenario: str = DEMO_SCENARIO, seed: int = 0,
 
 
 def _run(out: Path, scenario: str, seed: int, steps: int | None) -> DemoResult:
-    from warninglight.forensics import analyze, report
+    from warninglight.forensics import analyze, report, wording
     from warninglight.lab.rehearsal import rehearse
 
     trace, ckpt = out / "trace", out / "checkpoints"
@@ -77,12 +77,11 @@ def _run(out: Path, scenario: str, seed: int, steps: int | None) -> DemoResult:
     seconds["train"] = time.perf_counter() - t0
     t0 = time.perf_counter()
     analysis = analyze(trace)
-    result = analysis.to_dict()
     seconds["analyze"] = time.perf_counter() - t0
     t0 = time.perf_counter()
     html = report.write_html(trace, out / "report.html", analysis)
     seconds["report"] = time.perf_counter() - t0
-    return DemoResult(trace, html, report.summary_line(result), truth, result, seconds)
+    return DemoResult(trace, html, wording.analysis_summary_line(analysis), truth, analysis.to_dict(), seconds)
 
 
 def describe_truth(truth: dict[str, Any]) -> str:

@@ -10,7 +10,7 @@ import pytest
 import torch
 from typer.testing import CliRunner
 from warninglight.cli.main import app
-from warninglight.forensics import plots, report
+from warninglight.forensics import plots, report, wording
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -34,12 +34,14 @@ def test_html_is_self_contained_and_names_the_root(fault_trace: Path, tmp_path: 
     images = re.findall(r"src='data:image/png;base64,([A-Za-z0-9+/=]+)'", text)
     assert len(images) >= 3  # heatmap, root metric, loss (+ conditions when alarms have onsets)
     assert not re.search(r"(src|href)=['\"]https?:", text)  # nothing fetched from the network
-    result = analyze(fault_trace).to_dict()
-    assert report.summary_line(result) in text.replace("&#x27;", "'")
-    assert result["root"]["attributed_to"] == "2"  # the injected layer is the root...
-    root = result["root"]  # ...and is named in the alarm table: observed on, attributed to, condition
-    assert f"<td>{root['observed_on']}</td><td>2</td><td>{root['condition']}</td>" in text
-    assert result["root"]["evidence"] in text
+    analysis = analyze(fault_trace)
+    assert wording.analysis_summary_line(analysis) in text.replace("&#x27;", "'")
+    root = analysis.root
+    assert root is not None and root.attributed_to == "2"  # the injected layer is the root...
+    assert abs(root.onset_step - 150) <= 2
+    # ...and is named in the alarm table: observed on, attributed to, condition
+    assert f"<td>{root.observed_on}</td><td>2</td><td>{root.condition}</td>" in text
+    assert root.evidence in text
     assert '"fault": "weight_corruption"' in text.replace("&quot;", '"')  # the answer key is shown
 
 
@@ -57,30 +59,6 @@ def test_cli_rejects_a_folder_that_is_not_a_trace(tmp_path: Path) -> None:
     assert res.exit_code == 2
     assert "is this a trace directory?" in res.output
     assert "Traceback" not in res.output
-
-
-def test_summary_line_is_actionable() -> None:
-    result = {
-        "verdict": "fault",
-        "root": {"attributed_to": "h.0.mlp.c_fc", "observed_on": "h.0.mlp.c_fc", "condition": "exploding", "onset_step": 150,
-                 "alarm_step": 151, "magnitude": 41.27, "metric": "weight_drift_l2"},
-        "rollback": {"checkpoint_step": 100, "checkpoint_path": "ck/step-000100.pt", "steps_discarded": 51,
-                     "skip_step_range": [150, 151],
-                     "loss_only": {"checkpoint_step": 200, "contaminated": True, "steps_discarded": 12}},
-    }
-    assert report.summary_line(result) == (
-        "ALARM h.0.mlp.c_fc: exploding (|z| 41.3 on weight_drift_l2), onset step 150, alarm step 151"
-        " — roll back to step 100 (ck/step-000100.pt), discard 51 steps, skip the batches of steps 150–151;"
-        " the loss-only choice (step 200) already held the damage."
-    )
-    result["rollback"]["loss_only"] = {"checkpoint_step": 0, "contaminated": False, "steps_discarded": 212}
-    assert report.summary_line(result).endswith(
-        "the loss-only choice (step 0, clean) would discard 212: 161 steps saved.")
-    assert report.summary_line({"verdict": "healthy", "root": None}).startswith("HEALTHY: no component")
-    optimizer = {**result, "root": {**result["root"], "attributed_to": "", "scope": "optimizer"}}
-    assert report.summary_line(optimizer).startswith("ALARM optimizer-wide (every component's update): exploding")
-    result["detectors"] = {"first_alarm_step": 149}
-    assert "alarm step 151 (the light first lit at step 149) — roll back" in report.summary_line(result)
 
 
 def test_components_in_forward_order_and_short_names() -> None:
@@ -122,8 +100,8 @@ def test_report_takes_the_same_options_as_analyze(fault_trace: Path, tmp_path: P
     out = tmp_path / "r.html"
     res = CliRunner().invoke(app, ["report", str(fault_trace), "-o", str(out), "--checkpoint-every", "70"])
     assert res.exit_code == 0, res.output
-    expected = analyze(fault_trace, checkpoint_every=70).to_dict()
-    assert expected["rollback"]["checkpoint_step"] == 140  # the latest multiple of 70 before step 150
-    assert report.summary_line(expected) in out.read_text().replace("&#x27;", "'")
+    expected = analyze(fault_trace, checkpoint_every=70)
+    assert expected.rollback.checkpoint_step == 140  # the latest multiple of 70 before step 150
+    assert wording.analysis_summary_line(expected) in out.read_text().replace("&#x27;", "'")
     bad = CliRunner().invoke(app, ["report", str(fault_trace), "-o", str(out), "--set", "nope.x=1"])
     assert bad.exit_code == 2 and "Traceback" not in bad.output

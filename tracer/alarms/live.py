@@ -16,12 +16,13 @@ from typing import Any
 
 import numpy as np
 import polars as pl
+from warninglight.forensics import detectors
 from warninglight.forensics import rollback as rb
-from warninglight.forensics.analysis import ALARM_KEYS, _root_dict, param_components
+from warninglight.forensics.analysis import ALARM_KEYS, Alarm, Detectors, _root, param_components
 from warninglight.forensics.classify import alarms, hits, score
 from warninglight.forensics.conditions import Config, load_config
 from warninglight.forensics.localise import locate, root_cause
-from warninglight.forensics.report import summary_line
+from warninglight.forensics.wording import alarm_line, summary_line
 
 from ..writer import Segment, health_table
 
@@ -46,6 +47,7 @@ class LiveClassifier:
         self._checkpoints: list[rb.Checkpoint] = []
         self._batches: dict[int, list[int] | None] = {}
         self._wall: dict[int, float] = {}
+        self._losses: dict[int, float | None] = {}  # every logged loss (one float a step)
         self.last_step = 0
 
     def feed(self, seg: Segment) -> list[dict[str, Any]]:
@@ -83,20 +85,39 @@ class LiveClassifier:
 
     def _alarm(self, a: dict[str, Any], root: dict[str, Any] | None,
                located: pl.DataFrame) -> dict[str, Any]:
-        out: dict[str, Any] = {"text": ""}
-        out.update({k: _plain(a.get(k)) for k in ALARM_KEYS})
-        out["last_step"] = None  # the episode is still open: its end is not known live
-        out["step_wall_time_s"] = self._wall.get(a["step"])
-        out["root"] = _root_dict(root, located, 1)
-        out["rollback"] = self._rollback(root).to_dict() if root else None
-        if out["rollback"] is not None:
-            out["rollback"]["loss_only"] = None  # the loss-only comparator is judged after the run
-        out["text"] = summary_line({"verdict": "fault", "root": out["root"], "rollback": out["rollback"]})
+        """The JSON of one alarm: `analyze --json`'s alarm fields, the root and rollback as they
+        stand now, and `text` (the verdict line and this alarm's line, worded by the engine)."""
+        alarm = Alarm(**{k: _plain(a.get(k)) for k in ALARM_KEYS})
+        alarm = replace(alarm, last_step=alarm.step)  # the episode is still open
+        typed_root = _root(root, located, 1)
+        loss_spike = self._loss_spike(root["onset_step"] if root else None)
+        rollback = self._rollback(root, loss_spike) if root else None
+        out: dict[str, Any] = {"text": "", **alarm.to_dict(),
+                               "step_wall_time_s": self._wall.get(alarm.step),
+                               "root": typed_root.to_dict() if typed_root else None,
+                               "rollback": rollback.to_dict() if rollback else None}
+        if typed_root is not None and rollback is not None:
+            first = min(r["step"] for r in self._located)
+            found = Detectors(  # as far as the run has gone; the gradient-norm rule is judged offline
+                loss_spike_step=loss_spike, grad_norm_spike_step=None, loss_spike_first_step=loss_spike,
+                grad_norm_spike_first_step=None, loss_spike_count=int(loss_spike is not None),
+                grad_norm_spike_count=0, first_alarm_step=first, light_lead_over_grad_norm_spike=None,
+                light_lead_over_loss_spike=None if loss_spike is None else loss_spike - first)
+            out["text"] = f"{summary_line(typed_root, rollback, found, 'fault')}\n{alarm_line(alarm)}"
+        else:
+            out["text"] = alarm_line(alarm)
         return out
 
-    def _rollback(self, root: dict[str, Any]) -> rb.Rollback:
+    def _loss_spike(self, onset: int | None) -> int | None:
+        """The loss-spike comparator on the losses logged so far (first firing at or after onset)."""
+        steps = sorted(s for s, v in self._losses.items() if v is not None)
+        fired = detectors.loss_spikes(np.array(steps, dtype=np.int64),
+                                      np.array([self._losses[s] for s in steps], dtype=np.float64))
+        return detectors.first_at_or_after(fired, onset)
+
+    def _rollback(self, root: dict[str, Any], loss_spike: int | None) -> rb.Rollback:
         onset, step = int(root["onset_step"]), int(root["step"])
-        rec = rb.recommend(None, self._checkpoints, "trace", onset, step, None, self.last_step)
+        rec = rb.recommend(None, self._checkpoints, "trace", onset, step, loss_spike, self.last_step)
         ids = [self._batches.get(s) for s in range(onset, step + 1)]
         return replace(rec, skip_batches=[i for b in ids if b for i in b] if any(b is not None for b in ids) else None)
 
@@ -110,9 +131,11 @@ class LiveClassifier:
             if kind == "checkpoint" and step is not None:
                 self._checkpoints.append(rb.Checkpoint(int(step), path))
         steps = seg.tables.get("steps", {})
-        for s, ids, t in zip(steps.get("step", []), steps.get("batch_ids", []),
-                             steps.get("wall_time_s", []), strict=False):
+        for s, ids, t, loss in zip(steps.get("step", []), steps.get("batch_ids", []),
+                                   steps.get("wall_time_s", []), steps.get("loss", []), strict=False):
             self._batches[int(s)], self._wall[int(s)] = ids, t
+            if loss is not None:
+                self._losses[int(s)] = loss
         for s in [s for s in self._batches if s <= self.last_step - self.reach]:
             del self._batches[s], self._wall[s]
 

@@ -90,7 +90,9 @@ class LiveClassifier:
         alarm = Alarm(**{k: _plain(a.get(k)) for k in ALARM_KEYS})
         alarm = replace(alarm, last_step=alarm.step)  # the episode is still open
         typed_root = _root(root, located, 1)
-        loss_spike = self._loss_spike(root["onset_step"] if root else None)
+        loss_steps, losses = self._loss_series()
+        fired = detectors.loss_spikes(loss_steps, losses)  # on the losses logged so far
+        loss_spike = detectors.first_at_or_after(fired, root["onset_step"] if root else None)
         rollback = self._rollback(root, loss_spike) if root else None
         out: dict[str, Any] = {"text": "", **alarm.to_dict(),
                                "step_wall_time_s": self._wall.get(alarm.step),
@@ -102,18 +104,18 @@ class LiveClassifier:
                 loss_spike_step=loss_spike, grad_norm_spike_step=None, loss_spike_first_step=loss_spike,
                 grad_norm_spike_first_step=None, loss_spike_count=int(loss_spike is not None),
                 grad_norm_spike_count=0, first_alarm_step=first, light_lead_over_grad_norm_spike=None,
+                loss_points=len(loss_steps),
+                loss_steps_judged=detectors.loss_steps_judged(loss_steps, losses),
                 light_lead_over_loss_spike=None if loss_spike is None else loss_spike - first)
             out["text"] = f"{summary_line(typed_root, rollback, found, 'fault')}\n{alarm_line(alarm)}"
         else:
             out["text"] = alarm_line(alarm)
         return out
 
-    def _loss_spike(self, onset: int | None) -> int | None:
-        """The loss-spike comparator on the losses logged so far (first firing at or after onset)."""
-        steps = sorted(s for s, v in self._losses.items() if v is not None)
-        fired = detectors.loss_spikes(np.array(steps, dtype=np.int64),
-                                      np.array([self._losses[s] for s in steps], dtype=np.float64))
-        return detectors.first_at_or_after(fired, onset)
+    def _loss_series(self) -> tuple[np.ndarray, np.ndarray]:
+        steps = sorted(self._losses)
+        return (np.array(steps, dtype=np.int64),
+                np.array([self._losses[s] for s in steps], dtype=np.float64))
 
     def _rollback(self, root: dict[str, Any], loss_spike: int | None) -> rb.Rollback:
         onset, step = int(root["onset_step"]), int(root["step"])

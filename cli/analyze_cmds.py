@@ -16,6 +16,7 @@ from warninglight.cli.common import (
     bad_input,
     config_from,
     table,
+    warn,
 )
 from warninglight.cli.main import app
 from warninglight.forensics import replay, wording
@@ -36,6 +37,7 @@ def analyze_cmd(
 ) -> None:
     """Is this run failing? Which component, since when, how badly, and how far to roll back."""
     analysis = analysis_from(trace, config, overrides, checkpoints, every)
+    warn(analysis.warnings)
     typer.echo(json.dumps(analysis.to_dict(), indent=2) if as_json else wording.analysis_text(analysis))
     if exit_code and analysis.verdict == "fault":
         raise typer.Exit(FAULT)
@@ -51,7 +53,9 @@ def rollback_cmd(
     every: EveryOpt = None,
 ) -> None:
     """The smallest rollback that removes the fault, beside what a loss-curve-only operator would do."""
-    rollback = analysis_from(trace, config, overrides, checkpoints, every).rollback
+    analysis = analysis_from(trace, config, overrides, checkpoints, every)
+    warn(analysis.warnings)
+    rollback = analysis.rollback
     typer.echo(json.dumps(rollback.to_dict(), indent=2) if as_json else "\n".join(wording.rollback_lines(rollback)))
 
 
@@ -66,6 +70,7 @@ def replay_cmd(
     cfg = config_from(config, overrides)
     with bad_input():
         result = replay(trace, config=cfg)
+    warn(result.warnings)
     if as_json:
         typer.echo(json.dumps(result.to_dict(), indent=2))
         return

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated
@@ -39,6 +39,19 @@ def fail(message: str, code: int = BAD_INPUT) -> typer.Exit:
     """Print `message` as one line on stderr; return the Exit to raise."""
     typer.echo(f"error: {' '.join(message.split())}", err=True)
     return typer.Exit(code)
+
+
+def warn(warnings: Sequence[str]) -> None:
+    """Print each warning about the trace as one `warning: ...` line on stderr."""
+    for w in warnings:
+        typer.echo(f"warning: {' '.join(w.split())}", err=True)
+
+
+def refuse_overwrite(path: Path, force: bool, flag: str = "-o") -> None:
+    """Fail unless `path` is new or `--force` was given: no command overwrites a file unasked."""
+    if path.exists() and not force:
+        raise fail(f"{flag} {path} already exists — pass --force to overwrite it, or choose "
+                   "another path")
 
 
 @contextmanager

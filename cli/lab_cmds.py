@@ -7,13 +7,13 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from warninglight.cli.common import fail
+from warninglight.cli.common import fail, refuse_overwrite
 from warninglight.cli.main import app
 
 
 @app.command("demo")
 def demo_cmd(
-    out: Annotated[Path, typer.Option("--out", help="Folder for the trace, checkpoints and report.html.")] = Path("runs/demo"),
+    out: Annotated[Path, typer.Option("--out", help="Folder for the trace, checkpoints and report.html: new, empty, or a previous demo's (whose files it replaces).")] = Path("runs/demo"),
     scenario: Annotated[str, typer.Option(help="Rehearsal scenario to run (see `warninglight eval --list`).")] = "gpt_weight_corruption",
     seed: Annotated[int, typer.Option(help="Seed of the model, data and drill.")] = 0,
 ) -> None:
@@ -21,9 +21,6 @@ def demo_cmd(
     from warninglight.lab import demo
     from warninglight.lab.rehearsal import ScenarioError
 
-    if out.exists() and not out.is_dir():
-        raise fail(f"--out {out} is a file; the demo writes a folder (trace, checkpoints, report.html), "
-                   "e.g. --out runs/demo")
     try:
         result = demo.run_demo(out, scenario, seed)
     except (demo.DemoError, ScenarioError) as e:
@@ -45,6 +42,7 @@ def eval_cmd(
     list_: Annotated[bool, typer.Option("--list", help="List the scenarios and exit.")] = False,
     twins: Annotated[bool, typer.Option("--clean-twins/--no-clean-twins",
                                         help="Also run a drill-free copy of every training set-up no clean scenario covers.")] = True,
+    force: Annotated[bool, typer.Option("--force", help="Overwrite the --json file if it exists.")] = False,
 ) -> None:
     """Run scenarios over seeds and print detection accuracy, onset error, lead over other detectors, rollback."""
     from warninglight.lab import evaluation
@@ -56,6 +54,11 @@ def eval_cmd(
         return
     if json_out is not None and not json_out.parent.is_dir():  # checked before minutes of training
         raise fail(f"--json {json_out}: folder {json_out.parent} does not exist — create it or pass another path")
+    if json_out is not None:
+        refuse_overwrite(json_out, force, "--json")
+    if workdir is not None and workdir.exists() and (not workdir.is_dir() or any(workdir.iterdir())):
+        raise fail(f"--workdir {workdir} is not an empty folder — the benchmark writes traces and "
+                   "checkpoints there and would mix with what it holds; pass a new or empty folder")
     names = scenarios or list(SCENARIOS)
     unknown = [n for n in names if n not in SCENARIOS]
     if unknown:

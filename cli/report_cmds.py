@@ -16,8 +16,11 @@ from warninglight.cli.common import (
     analysis_from,
     bad_input,
     fail,
+    refuse_overwrite,
+    warn,
 )
 from warninglight.cli.main import app
+from warninglight.forensics.checks import is_trace_file
 
 
 class Format(StrEnum):
@@ -34,6 +37,7 @@ def report_cmd(
     overrides: SetOpt = None,
     checkpoints: CheckpointsOpt = None,
     every: EveryOpt = None,
+    force: Annotated[bool, typer.Option("--force", help="Overwrite an existing report file (or the figures in an existing folder).")] = False,
 ) -> None:
     """Write a report of a trace: health heatmap, root metric, loss with every detector, rollback, alarms.
 
@@ -46,7 +50,16 @@ def report_cmd(
                    "or use --format png to write the figures into it")
     if fmt is Format.png and out.exists() and not out.is_dir():
         raise fail(f"--out {out} is a file; --format png writes into a folder, e.g. -o {out.with_suffix('')}_figures")
+    if is_trace_file(trace, out):
+        raise fail(f"--out {out} is inside the trace's own files; write the report elsewhere, "
+                   f"e.g. -o {trace / 'report.html'}")
+    if fmt is Format.png and out.is_dir() and any(out.iterdir()) and not force:
+        raise fail(f"--out {out} is a folder that is not empty — pass --force to overwrite the "
+                   "figures in it, or choose a new folder")
+    if fmt is Format.html:
+        refuse_overwrite(out, force, "--out")
     analysis = analysis_from(trace, config, overrides, checkpoints, every)
+    warn(analysis.warnings)
     with bad_input():
         try:
             paths = (report.write_pngs(trace, out, analysis) if fmt is Format.png

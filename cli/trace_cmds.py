@@ -6,9 +6,10 @@ from enum import StrEnum
 from typing import Annotated
 
 import typer
-from warninglight.cli.common import TraceArg, bad_input, fail, table
+from warninglight.cli.common import TraceArg, bad_input, fail, table, warn
 from warninglight.cli.main import app
 from warninglight.forensics import open_trace
+from warninglight.forensics.query import run_query
 from warninglight.forensics.store import info
 
 
@@ -27,6 +28,9 @@ def info_cmd(trace: TraceArg) -> None:
             summary = info(t)
         finally:
             t.close()
+    warn(t.warnings)
+    if summary["dropped_steps"] is None:
+        summary["dropped_steps"] = "unknown (a rank has no manifest)"
     labels = {"run_id": "run", "size_bytes": "size (bytes)", "dropped_steps": "dropped steps",
               "first_step": "first step", "last_step": "last step"}
     for key, value in summary.items():
@@ -38,18 +42,21 @@ def query_cmd(
     trace: TraceArg,
     sql: Annotated[str, typer.Argument(help="SQL over the views health, steps, components, events, checkpoints, scalars (and *_all for every incarnation).")],
     fmt: Annotated[Format, typer.Option("--format", help="How to print the result: an aligned table, CSV or a JSON list of rows.")] = Format.table,
+    allow_external: Annotated[bool, typer.Option(
+        "--allow-external", help="Allow statements that write (COPY, CREATE, ...) and reading files "
+                                 "outside the trace directory; by default a query only reads the trace.")] = False,
 ) -> None:
-    """Run SQL over a trace's DuckDB views and print the result."""
+    """Run SQL over a trace's DuckDB views and print the result (read-only unless --allow-external)."""
     with bad_input():
         t = open_trace(trace)
         try:
-            relation = t.sql(sql)
-            if relation is None:  # empty SQL, a comment, or a statement that makes no rows
-                raise fail(f"query {sql!r} returns no result to print — give a SELECT, "
-                           "e.g. 'SELECT * FROM health LIMIT 5'")
-            frame = relation.pl()
+            frame = run_query(t, sql, allow_external)
         finally:
             t.close()
+    warn(t.warnings)
+    if frame is None:  # empty SQL, a comment, or a statement that makes no rows
+        raise fail(f"query {sql!r} returns no result to print — give a SELECT, "
+                   "e.g. 'SELECT * FROM health LIMIT 5'")
     if fmt == Format.csv:
         nested = [name for name, dtype in frame.schema.items() if dtype.is_nested()]
         if nested:

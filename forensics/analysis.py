@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import polars as pl
 
-from . import detectors
+from . import checks, detectors
 from . import rollback as rb
 from .baseline import band
 from .classify import classify
@@ -114,6 +114,7 @@ class Analysis:
     components: pl.DataFrame = field(default_factory=pl.DataFrame, repr=False)  # the components table
     steps: pl.DataFrame = field(default_factory=pl.DataFrame, repr=False)  # the steps table, by step
     warmup_steps: int = 0  # recorded steps before a component is first judged (baseline min_samples + lag)
+    warnings: list[str] = field(default_factory=list)  # problems of the trace the analysis went past
 
     def alarm_list(self) -> list[Alarm]:
         """The alarms as records, in step order (non-finite floats as None)."""
@@ -126,6 +127,7 @@ class Analysis:
             "root": None if self.root is None else self.root.to_dict(),
             "affected": self.affected, "alarms": [a.to_dict() for a in self.alarm_list()],
             "rollback": self.rollback.to_dict(), "detectors": self.detectors.to_dict(), "trace_info": self.summary,
+            "warnings": self.warnings,
         }
 
     def baseline_frame(self, component: str, metric: str, rank: int = 0,
@@ -185,14 +187,14 @@ def comparators(trace: Trace, onset: int | None) -> dict[str, Any]:
 
 
 def _checkpoints(trace: Trace, checkpoints_glob: str | None, checkpoint_every: int | None,
-                 last_step: int) -> tuple[list[rb.Checkpoint], str]:
+                 last_step: int, before: list[int | None]) -> tuple[list[rb.Checkpoint], str]:
     if checkpoints_glob and checkpoint_every:
         raise rb.CheckpointError(f"--checkpoints {checkpoints_glob!r} and --checkpoint-every {checkpoint_every} "
                                  "both say where the checkpoints are; pass one of them")
     if checkpoints_glob:
         return rb.from_glob(checkpoints_glob), "glob"
     if checkpoint_every:
-        return rb.every(checkpoint_every, last_step), "every"
+        return rb.every(checkpoint_every, last_step, before), "every"
     return rb.from_trace(trace), "trace"
 
 
@@ -211,9 +213,14 @@ def analyze(trace_dir: str | Path, *, config: Config | str | Path | None = None,
         onset = root["onset_step"] if root else None
         found = comparators(trace, onset)
         last = int(summary["last_step"] or 0)
-        ckpts, source = _checkpoints(trace, checkpoints_glob, checkpoint_every, last)
+        ckpts, source = _checkpoints(trace, checkpoints_glob, checkpoint_every, last,
+                                     [onset, found["loss_spike_step"]])
         rollback = rb.recommend(trace, ckpts, source, onset, root["step"] if root else None,
                                 found["loss_spike_step"], last)
+        warnings = list(trace.warnings)
+        missing = checks.checkpoint_warning(rollback.checkpoint_path, rollback.checkpoint_step,
+                                            trace.root)
+        warnings += [missing] if missing else []
     finally:
         trace.close()
     first_light = located.select(pl.col("step").min()).item() if root is not None else None
@@ -223,4 +230,4 @@ def analyze(trace_dir: str | Path, *, config: Config | str | Path | None = None,
     return Analysis(Path(trace_dir), "fault" if root else "healthy",
                     _root(root, located, summary["ranks"]), affected,
                     located.select(ALARM_KEYS), rollback, Detectors(**found, **leads, first_alarm_step=first_light),
-                    scored, summary, components, steps, cfg.baseline.min_samples + cfg.baseline.lag)
+                    scored, summary, components, steps, cfg.baseline.min_samples + cfg.baseline.lag, warnings)

@@ -25,6 +25,7 @@ rules has fired on `persistence` consecutive steps.
 
 from __future__ import annotations
 
+import math
 import tomllib
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -35,6 +36,11 @@ UP, DOWN, EITHER, NONFINITE = "up", "down", "either", "nonfinite"
 
 class ConfigError(ValueError):
     """A threshold file or override names something unknown or holds a bad value."""
+
+
+# Largest step count a setting may take (window, lag, persistence...): far beyond any useful
+# baseline, and small enough that the rolling windows it sizes stay within memory.
+MAX_STEPS = 100_000
 
 
 @dataclass(frozen=True)
@@ -97,6 +103,9 @@ class BaselineConfig:
                 raise ConfigError(f"baseline.{name} must be >= 1, got {getattr(self, name)}")
         if self.lag < 0:
             raise ConfigError(f"baseline.lag must be >= 0 steps, got {self.lag}")
+        for name in ("window", "lag", "min_samples", "episode_gap"):
+            if getattr(self, name) > MAX_STEPS:
+                raise ConfigError(f"baseline.{name} must be at most {MAX_STEPS} steps, got {getattr(self, name)}")
         if self.min_samples > self.window:
             raise ConfigError(f"baseline.min_samples ({self.min_samples}) must not exceed baseline.window ({self.window})")
 
@@ -183,8 +192,16 @@ def _coerce(key: str, value: Any, current: Any) -> Any:
             raise ConfigError(f"{key} must be a number, got {value!r}") from exc
     if not isinstance(value, int | float) or isinstance(value, bool):
         raise ConfigError(f"{key} must be a number, got {value!r}")
+    try:
+        finite = math.isfinite(value)
+    except OverflowError:  # an int beyond any float
+        finite = False
+    if not finite:  # a NaN threshold compares false: it would disable the rule
+        raise ConfigError(f"{key} must be a finite number, got {value!r}")
     if want is int and not float(value).is_integer():  # int(1.7) would silently become 1
         raise ConfigError(f"{key} must be a whole number, got {value!r}")
+    if want is int and not 0 <= value <= MAX_STEPS:
+        raise ConfigError(f"{key} must be between 0 and {MAX_STEPS} steps, got {value!r}")
     return want(value)
 
 

@@ -43,9 +43,11 @@ class Replay:
     alarms: pl.DataFrame
     root: dict[str, Any] | None
     detectors: dict[str, Any] = field(default_factory=dict)
+    warnings: list[str] = field(default_factory=list)  # problems of the trace the replay went past
 
     def to_dict(self) -> dict[str, Any]:
         return {"events": [e.__dict__ for e in self.events], "detectors": self.detectors,
+                "warnings": self.warnings,
                 "root": None if self.root is None else
                 {k: self.root[k] for k in ("attributed_to", "condition", "onset_step", "step")}}
 
@@ -83,4 +85,5 @@ def replay(trace_dir: str | Path, *, config: Config | str | Path | None = None, 
         if compared[key] is not None:
             events.append(Event(compared[key], source))
     events.sort(key=lambda e: (e.step, e.source != "light"))
-    return Replay(events, located.drop("drift", "signal", "forward_index"), root, compared)
+    return Replay(events, located.drop("drift", "signal", "forward_index"), root, compared,
+                  trace.warnings)

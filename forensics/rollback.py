@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import glob
 import re
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from .store import Trace
 
+_MAX_ASSUMED = 100_000  # checkpoints listed one by one for --checkpoint-every
 _STEP_IN_NAME = re.compile(r"(\d+)(?!.*\d)")  # the last number in a file name
 
 
@@ -78,11 +80,19 @@ def from_glob(pattern: str) -> list[Checkpoint]:
     return sorted(found, key=lambda c: c.step)
 
 
-def every(n: int, last_step: int) -> list[Checkpoint]:
-    """Checkpoints assumed at every `n` steps up to the last step."""
+def every(n: int, last_step: int, before: Iterable[int | None] = ()) -> list[Checkpoint]:
+    """Checkpoints assumed at every `n` steps up to the last step.
+
+    All of them for a run of at most `_MAX_ASSUMED` of them; past that only the ones a rollback can
+    choose (the latest before each step in `before`, and the last), so a step number near 2**62
+    costs a few divisions, not a list of 2**62 checkpoints.
+    """
     if n < 1:
         raise CheckpointError(f"--checkpoint-every must be >= 1 step, got {n}")
-    return [Checkpoint(s, None) for s in range(n, last_step + 1, n)]
+    if last_step // n <= _MAX_ASSUMED:
+        return [Checkpoint(s, None) for s in range(n, last_step + 1, n)]
+    steps = {(last_step // n) * n} | {((s - 1) // n) * n for s in before if s is not None and s > n}
+    return [Checkpoint(s, None) for s in sorted(steps) if 0 < s <= last_step]
 
 
 def _before(checkpoints: list[Checkpoint], step: int) -> Checkpoint:

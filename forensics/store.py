@@ -11,7 +11,10 @@ Views (every one has `rank` and `incarnation` columns, from the hive partitions)
 - `checkpoints`: the `checkpoint` events of the effective timeline (step, path, detail).
 
 Checks on open (each a named `TraceError` whose message names the file and the fix): not a trace
-directory, no segments, a segment that is not readable Parquet, an unknown format version.
+directory, no segments, a segment that is not readable Parquet or lacks its key columns, an unknown
+format version. Which files are read is decided by `segments.list_segments` (committed segments
+only, as an explicit list: a path is never a glob); what the reading went past is named in
+`Trace.warnings` (forensics/checks.py).
 """
 
 from __future__ import annotations
@@ -23,8 +26,10 @@ from typing import Any
 
 import duckdb
 import polars as pl
-import pyarrow.parquet as pq
 from warninglight.tracer import schema
+
+from . import checks
+from .segments import list_segments
 
 _DUCK_TYPES = {"int64": "BIGINT", "float": "FLOAT", "double": "DOUBLE", "string": "VARCHAR",
                "bool": "BOOLEAN", "list<item: int64>": "BIGINT[]"}
@@ -59,6 +64,7 @@ class Trace:
     con: duckdb.DuckDBPyConnection
     manifests: list[dict[str, Any]] = field(default_factory=list)
     segments: list[Path] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)  # named problems the reading went past
 
     def sql(self, query: str) -> duckdb.DuckDBPyRelation:
         """Run SQL over the views."""
@@ -79,22 +85,23 @@ class Trace:
         self.con.close()
 
 
-def _segments(root: Path, table: str) -> list[Path]:
-    base = root / table
-    if not base.is_dir():
-        return []
-    return sorted(p for p in base.glob("rank=*/incarnation=*/*") if schema.is_segment_name(p.name))
-
-
-def _read_manifests(root: Path) -> list[dict[str, Any]]:
+def _read_manifests(root: Path, warnings: list[str]) -> list[dict[str, Any]]:
     manifests = []
     for path in sorted((root / schema.MANIFEST_DIR).glob("rank=*.json")):
+        if not path.is_file():  # a FIFO would block read_text forever
+            warnings.append(f"manifest {path} is not a regular file; ignored")
+            continue
         try:
             manifest = json.loads(path.read_text())
         except (OSError, ValueError) as exc:
             raise CorruptSegmentError(
                 f"manifest {path} is not valid JSON ({exc}) — restore it or delete it; "
                 "the Parquet segments can be read without it") from exc
+        problem = checks.manifest_problem(manifest)
+        if problem:
+            warnings.append(f"unusable manifest: {path} {problem}; ignored, so dropped steps and "
+                            "the run's status are unknown")
+            continue
         version = manifest.get("format_version")
         if version not in schema.SUPPORTED_FORMAT_VERSIONS:
             known = ", ".join(str(v) for v in sorted(schema.SUPPORTED_FORMAT_VERSIONS))
@@ -105,25 +112,23 @@ def _read_manifests(root: Path) -> list[dict[str, Any]]:
     return manifests
 
 
-def _check_segments(segments: list[Path]) -> None:
-    for path in segments:
-        try:
-            pq.read_metadata(path)
-        except Exception as exc:  # pyarrow raises several types for a damaged footer
-            raise CorruptSegmentError(
-                f"segment {path} is not readable Parquet ({type(exc).__name__}) — move it out of "
-                "the trace directory to analyse the rest (a crash loses at most that segment)") from exc
-
-
 def _empty_select(table: str) -> str:
     cols = [f"CAST(NULL AS {_DUCK_TYPES[str(c.type)]}) AS {c.name}" for c in schema.COLUMNS[table]]
     return f"SELECT {', '.join(cols)}, CAST(NULL AS BIGINT) AS rank, CAST(NULL AS BIGINT) AS incarnation WHERE false"
 
 
-def _raw_view(con: duckdb.DuckDBPyConnection, root: Path, table: str, present: bool) -> None:
-    if present:
-        glob = schema.segment_glob(root, table).replace("'", "''")
-        src = f"SELECT * FROM read_parquet('{glob}', hive_partitioning = true, union_by_name = true)"
+def _literal(path: Path) -> str:
+    """`path` as a DuckDB file name that matches only itself: DuckDB globs every name it is given,
+    so a trace under `runs/exp[1]` would also read `runs/exp1`; each glob character becomes a
+    one-character class (`[` -> `[[]`), and quotes are doubled for the SQL string."""
+    return "'" + "".join(f"[{c}]" if c in "[*?{" else c for c in str(path)).replace("'", "''") + "'"
+
+
+def _raw_view(con: duckdb.DuckDBPyConnection, table: str, files: list[Path]) -> None:
+    if files:  # an explicit list of literal names: never another run's files
+        listed = ", ".join(_literal(p) for p in files)
+        src = (f"SELECT * FROM read_parquet([{listed}], hive_partitioning = true, "
+               "hive_types = {'rank': BIGINT, 'incarnation': BIGINT}, union_by_name = true)")
     else:
         src = _empty_select(table)
     con.execute(f"CREATE VIEW {table}_all AS {src}")
@@ -161,9 +166,15 @@ def open_trace(path: str | Path) -> Trace:
     root = Path(path)
     if not root.is_dir():
         raise NotATraceError(f"{root} is not a directory — pass the trace directory given to watch(...)")
-    manifests = _read_manifests(root)
-    by_table = {t: _segments(root, t) for t in schema.TABLES}
-    if not by_table["health"]:
+    warnings: list[str] = []
+    manifests = _read_manifests(root, warnings)
+    listing = list_segments(root, manifests)
+    by_table = listing.by_table
+    if not listing.files and manifests:  # a run killed before its first segment: say so, not fail
+        warnings.append(f"no committed segments under {root}: the run recorded no complete steps "
+                        "yet (the first segment closes after 10 steps or 5 s, then every "
+                        "flush_every_steps)")
+    elif not by_table["health"]:
         example = schema.segment_path(Path(root), "health", 0, 1, 0).relative_to(root)
         if manifests or by_table["steps"]:
             raise EmptyTraceError(
@@ -172,13 +183,17 @@ def open_trace(path: str | Path) -> Trace:
         raise NotATraceError(
             f"no trace segments under {root / 'health'} — is this a trace directory? "
             f"expected files like {example}")
-    segments = [p for t in schema.TABLES for p in by_table[t]]
-    _check_segments(segments)
+    segments = listing.files
+    checks.check_files(by_table)
     con = duckdb.connect()
     for table in schema.TABLES:
-        _raw_view(con, root, table, bool(by_table[table]))
+        _raw_view(con, table, by_table[table])
     _timeline_views(con)
-    return Trace(root=root, con=con, manifests=manifests, segments=segments)
+    trace = Trace(root=root, con=con, manifests=manifests, segments=segments)
+    trace.warnings = warnings + listing.warnings
+    if listing.files:
+        trace.warnings += checks.trace_warnings(trace, by_table)
+    return trace
 
 
 def info(trace: Trace) -> dict[str, Any]:
@@ -186,8 +201,11 @@ def info(trace: Trace) -> dict[str, Any]:
     row = trace.one("SELECT count(DISTINCT step), min(step), max(step), count(DISTINCT rank) FROM steps")
     incarnations = trace.one("SELECT count(*) FROM incarnations")
     components = trace.one("SELECT count(DISTINCT component) FROM components")
-    dropped = sum(int(inc.get("dropped_steps") or 0) for m in trace.manifests
-                  for inc in m.get("incarnations", []))
+    ranks = set(checks.data_ranks(trace))
+    dropped: int | None = sum(int(inc.get("dropped_steps") or 0) for m in trace.manifests
+                              for inc in m.get("incarnations", []))
+    if not ranks <= checks.manifest_ranks(trace):
+        dropped = None  # a rank without a manifest: its dropped steps are unknown, not 0
     return {
         "trace": str(trace.root),
         "run_id": next((m.get("run_id") for m in trace.manifests), None),
@@ -209,7 +227,8 @@ def health_frame(trace: Trace) -> pl.LazyFrame:
         steps = trace.one("SELECT count(*) FROM steps")[0]
         why = (f"it recorded {steps} steps but no component (the model has no submodules or "
                "parameters to watch)" if steps else
-               "the run recorded no complete steps (it closed before its first optimizer step)")
+               "the run recorded no complete steps (it stopped before its first optimizer step, "
+               "or was killed before its first segment was written)")
         raise EmptyTraceError(f"no health rows in {trace.root}: {why} — nothing to analyse; "
                               "`warninglight info` shows what it holds")
     comps = trace.frame("components")

@@ -6,17 +6,22 @@ run under `watch`, with a drill), `analyze`, `report.write_html`. It writes unde
     OUT/trace/          the recorded trace (plus truth.json, the drill's answer key)
     OUT/checkpoints/    real checkpoint files, every 100 steps
     OUT/report.html     the self-contained report
+    OUT/.warninglight-demo.json   the list of files the demo wrote
+
+It never deletes a file it did not write: a rerun into the same folder replaces the files the
+previous demo listed, and refuses a folder holding anything else.
 """
 
 from __future__ import annotations
 
-import shutil
+import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 DEMO_SCENARIO = "gpt_weight_corruption"  # memory corruption of one MLP layer's weights mid-run
+DEMO_RECORD = ".warninglight-demo.json"  # what the demo wrote into OUT: the only files it may replace
 
 
 class DemoError(ValueError):
@@ -35,15 +40,50 @@ class DemoResult:
     seconds: dict[str, float] = field(default_factory=dict)  # train / analyze / report
 
 
-def _fresh(path: Path) -> None:
-    """Remove a previous demo's trace or checkpoints; refuse to delete anything else."""
-    if not path.exists():
+def _own_files(out: Path) -> set[Path]:
+    """Files a previous demo recorded writing into `out` (none if it has no record)."""
+    try:
+        listed = json.loads((out / DEMO_RECORD).read_text())["files"]
+        return {out / f for f in listed}
+    except (OSError, ValueError, KeyError, TypeError):
+        return set()
+
+
+def _clear(out: Path) -> None:
+    """Make `out` ready for a demo: new, empty, or holding only a previous demo's own files.
+
+    A previous demo's files (listed in its record) are replaced; anything else in the folder is a
+    user's, so the demo refuses rather than delete or mix with it. Nothing is removed unless every
+    file in the folder is the demo's own.
+    """
+    if not out.exists():
         return
-    ours = (path / "manifest").is_dir() or all(p.suffix == ".pt" for p in path.iterdir())
-    if not ours:
-        raise DemoError(f"{path} exists and is not a previous demo's output; "
-                        f"pass --out with an empty or new folder")
-    shutil.rmtree(path)
+    if not out.is_dir():
+        raise DemoError(f"--out {out} is a file; the demo writes a folder (trace, checkpoints, "
+                        "report.html), e.g. --out runs/demo")
+    present = {p for p in out.rglob("*") if not p.is_dir()}
+    ours = _own_files(out)
+    others = sorted(present - ours - {out / DEMO_RECORD})
+    if others:
+        shown = ", ".join(str(p.relative_to(out)) for p in others[:3])
+        more = f" and {len(others) - 3} more" if len(others) > 3 else ""
+        raise DemoError(f"--out {out} is not empty and holds files the demo did not write "
+                        f"({shown}{more}); nothing was deleted — pass --out with a new or empty folder")
+    for path in sorted(present, key=lambda p: len(p.parts), reverse=True):
+        path.unlink()
+    for folder in sorted((d for d in out.rglob("*") if d.is_dir()), key=lambda p: len(p.parts),
+                         reverse=True):
+        folder.rmdir()  # empty now: every file in it was the demo's
+
+
+def _record(out: Path) -> None:
+    """List every file the demo wrote, so a later run may replace exactly those.
+
+    Written once the demo is done: the files of a demo stopped half-way are not listed, and a
+    later run refuses the folder rather than guess which files were its own.
+    """
+    files = sorted(str(p.relative_to(out)) for p in out.rglob("*") if not p.is_dir())
+    (out / DEMO_RECORD).write_text(json.dumps({"files": files}, indent=1))
 
 
 def run_demo(out: Path | str, scenario: str = DEMO_SCENARIO, seed: int = 0,
@@ -68,8 +108,7 @@ def _run(out: Path, scenario: str, seed: int, steps: int | None) -> DemoResult:
     from warninglight.lab.rehearsal import rehearse
 
     trace, ckpt = out / "trace", out / "checkpoints"
-    _fresh(trace)
-    _fresh(ckpt)
+    _clear(out)
     out.mkdir(parents=True, exist_ok=True)
     seconds: dict[str, float] = {}
     t0 = time.perf_counter()
@@ -81,6 +120,7 @@ def _run(out: Path, scenario: str, seed: int, steps: int | None) -> DemoResult:
     t0 = time.perf_counter()
     html = report.write_html(trace, out / "report.html", analysis)
     seconds["report"] = time.perf_counter() - t0
+    _record(out)
     return DemoResult(trace, html, wording.analysis_summary_line(analysis), truth, analysis.to_dict(), seconds)
 
 

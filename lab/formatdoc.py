@@ -31,8 +31,10 @@ INCARNATION_DOCS: dict[str, str] = {
     "first_step": "first step written by this incarnation",
     "last_step": "last step written (in a closed segment)",
     "steps_recorded": "steps written in closed segments",
-    "dropped_steps": "steps lost to write failures, a full queue or probe errors",
-    "segments": "segments written (one Parquet file per table each)",
+    "dropped_steps": "steps lost to write failures, a writer that fell behind, or probe errors",
+    "segments": "segments committed (one Parquet file per table each, and one commit record)",
+    "flush_wait_s": "seconds the training thread waited, in total, for the previous segment to be "
+                    "committed before handing over the next (normally 0)",
     "warnings": "the first write or probe errors, as text",
 }
 
@@ -82,14 +84,26 @@ _NOTES = """\
 
 ## Durability
 
-Every `flush_every_steps` steps (default 100) or `flush_every_s` seconds (default 30), the
-finished steps are handed to a background thread that writes one segment: for every table a
-`part-NNNNNN.parquet.tmp` file, renamed to `part-NNNNNN.parquet` when complete, then the
-manifest (also written to a temporary name and renamed). `close()`, leaving the `with` block,
-SIGTERM (the handler chains to any previous one, then the default action ends the process) and
-interpreter exit flush everything. A SIGKILL loses the steps not yet in a closed segment. Any
-write error drops that segment's steps, counts them in `dropped_steps` and warns once; training
-is never interrupted. Temporary files left by a kill are not segments and readers ignore them.
+Every `flush_every_steps` steps (default 100) or `flush_every_s` seconds (default 30) the
+finished steps are handed to a background thread as one segment; the first segment of a run
+closes early, after min(10, `flush_every_steps`) steps or min(5 s, `flush_every_s`), so that a run
+killed in its first seconds still leaves a readable trace. For every table the writer writes
+`part-NNNNNN-sA-B.parquet.tmp` and renames it when complete; when all the segment's tables are in
+place it writes the segment's commit record `commits/rank=R/incarnation=I/part-NNNNNN-sA-B.json`
+(to a temporary name, then renamed), then the manifest. Readers of a version-2 trace use only
+committed segments, and name in a warning any segment file without a commit record (a kill
+between two renames): a segment's `steps` rows never appear without its `health` rows.
+Plain DuckDB or Polars globbing `health/rank=*/incarnation=*/*.parquet` sees every renamed file,
+committed or not; filter on the names under `commits/` for the same guarantee.
+
+One segment is written at a time: a flush that finds the previous segment still being written
+waits for it (normally not at all; `flush_wait_s` in the manifest sums the waits), at most 2 s,
+and past that drops the new segment's steps and counts them rather than hold unwritten steps in
+memory. A SIGKILL therefore loses the open segment and at most the one segment being written;
+`close()`, leaving the `with` block, SIGTERM (the handler chains to any previous one, then the
+default action ends the process) and interpreter exit flush everything. Any write error drops
+that segment's steps, counts them in `dropped_steps` and warns once; training is never
+interrupted. Temporary files left by a kill are not segments and readers ignore them.
 """
 
 

@@ -54,13 +54,17 @@ def broken(tmp_path: Path):
 @pytest.mark.parametrize("command", ["info", "analyze", "rollback", "replay"])
 @pytest.mark.parametrize(("kind", "fragments"), [
     ("not_a_trace", ["is this a trace directory?", "expected files like health/rank=0"]),
-    ("empty", ["no health segments under", "recorded no complete steps"]),
+    ("empty", ["no health rows in", "recorded no complete steps"]),
     ("corrupt", ["is not readable Parquet", "part-000000", "move it out"]),
     ("version", ["format_version 7", "rank=0.json", "upgrade warninglight"]),
 ])
 def test_bad_input_is_one_line_exit_2(command: str, kind: str, fragments: list[str], broken, tmp_path) -> None:
     path = tmp_path if kind == "not_a_trace" else broken(kind)
     result = run(command, path)
+    if (kind, command) == ("empty", "info"):  # a run killed before its first segment: info still works
+        assert result.exit_code == 0 and "steps: 0\n" in result.stdout
+        assert result.stderr.startswith("warning: no committed segments under ")
+        return
     assert_one_line_error(result, *fragments)
     if kind != "not_a_trace":
         assert str(path) in result.stderr

@@ -32,7 +32,7 @@ def test_demo_writes_trace_checkpoints_and_report(tmp_path: Path) -> None:
 def test_demo_refuses_to_delete_a_folder_it_did_not_make(tmp_path: Path) -> None:
     (tmp_path / "trace").mkdir()
     (tmp_path / "trace" / "notes.txt").write_text("mine")
-    with pytest.raises(demo.DemoError, match="is not a previous demo's output"):
+    with pytest.raises(demo.DemoError, match="holds files the demo did not write"):
         demo.run_demo(tmp_path, scenario="mlp_clean", steps=10)
     assert (tmp_path / "trace" / "notes.txt").read_text() == "mine"
 

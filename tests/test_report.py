@@ -48,7 +48,7 @@ def test_html_is_self_contained_and_names_the_root(fault_trace: Path, tmp_path: 
 def test_png_format_via_cli(fault_trace: Path, tmp_path: Path) -> None:
     res = CliRunner().invoke(app, ["report", str(fault_trace), "--format", "png", "-o", str(tmp_path / "figs")])
     assert res.exit_code == 0, res.output
-    written = sorted(Path(line).name for line in res.output.split())
+    written = sorted(Path(line).name for line in res.stdout.split())
     assert {"heatmap.png", "loss.png"} <= set(written)
     for name in written:
         assert (tmp_path / "figs" / name).read_bytes()[:8] == PNG_MAGIC

@@ -38,6 +38,9 @@ _PARAM_METRICS = ("grad_norm_l2", "grad_nonfinite_count", "weight_norm_l2", "upd
 _METRIC_POS = {m: i for i, m in enumerate(schema.HEALTH_METRICS)}
 _MAX_WARNING_EVENTS = 20
 LIVE_FLUSH_STEPS, LIVE_FLUSH_S = 10, 2.0  # flush cadence when live alarms are on
+# The first segment closes after this many steps or seconds (if sooner than the flush settings).
+_FIRST_FLUSH_STEPS = 10
+_FIRST_FLUSH_S = 5.0
 
 
 class Recorder:
@@ -80,6 +83,7 @@ class Recorder:
         self._warning_events = 0
         self._errors_seen = 0
         self._closed = False
+        self._flushed = False
         self._last_step_time = self._last_flush = time.time()
         cfg = {"sample_size": sample_size, "sketch_size": sketch_size,
                "flush_every_steps": flush_every_steps, "flush_every_s": flush_every_s,
@@ -271,8 +275,10 @@ class Recorder:
         if self._monitor is not None and self._monitor.on_alarm is not None:
             self._monitor.deliver()
         pending = len(self.buffer.records)
-        if pending > self.flush_every_steps or (
-                pending > 1 and now - self._last_flush >= self.flush_every_s):
+        every_steps, every_s = self.flush_every_steps, self.flush_every_s
+        if not self._flushed:  # the first segment closes early: a short-lived run leaves a trace
+            every_steps, every_s = min(every_steps, _FIRST_FLUSH_STEPS), min(every_s, _FIRST_FLUSH_S)
+        if pending > every_steps or (pending > 1 and now - self._last_flush >= every_s):
             self._flush(final=False)
 
     def _step_record(self, now: float) -> StepRecord:
@@ -359,8 +365,15 @@ class Recorder:
         pending = len(self.buffer.records) if final else max(0, len(self.buffer.records) - 1)
         try:
             self._last_flush = time.time()
+            self._flushed = True
             self.params.refresh()
-            self.writer.submit(self.buffer.take_segment(final))
+            if not final:
+                # wait for the previous segment before taking these steps out of the buffer: a
+                # SIGTERM during the wait flushes them itself (close() below sets _closed)
+                self.writer.ready()
+                if self._closed:
+                    return
+            self.writer.submit(self.buffer.take_segment(final), final=final)
         except Exception as exc:  # the steps taken out of the buffer are gone: say how many
             self._probe_failed(exc)
             self.writer.record_failure(f"segment of {pending} steps not written: "

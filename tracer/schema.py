@@ -10,11 +10,17 @@ A trace is a directory::
       scalars/rank=0/incarnation=1/part-000000-s1-10.parquet      one row per (step, logged name)
       events/rank=0/incarnation=1/part-000000-s1-10.parquet       start, stop, checkpoint, ...
 
+      commits/rank=0/incarnation=1/part-000000-s1-10.json       commit record, written last
+
 `rank` and `incarnation` are hive partitions: they live in the path, not in the files, and
 DuckDB (`hive_partitioning=true`) and Polars (`hive_partitioning=True`) turn them into columns.
-Segments are written complete under a temporary name and then renamed, so a reader never sees a
-half-written Parquet file and a killed process loses at most the segment it had not closed. A
-segment's file name carries its number and the first and last optimizer step it holds
+Each table's file of a segment is written complete under a temporary name and then renamed, so
+a reader never sees a half-written Parquet file. A segment becomes visible as one unit: after all
+its files are in place the writer writes its commit record (`commits/`, named like the segment,
+holding the rows written per table), atomically. Readers of a version-2 trace use only segments
+that have a commit record and name the files they ignore; a killed process therefore leaves
+either all of a segment's tables or none of them (version-1 traces have no commit records and
+are read file by file). A segment's file name carries its number and the first and last optimizer step it holds
 (`-s<first>-<last>`), so a reader can pick the files of a step window without opening any; a
 segment that holds no step (a run closed before its first step) has no step range in its name,
 and neither do the segments of format version 1.
@@ -36,6 +42,8 @@ FORMAT_VERSION = 2
 SUPPORTED_FORMAT_VERSIONS = frozenset({1, 2})
 
 MANIFEST_DIR = "manifest"
+COMMIT_DIR = "commits"
+COMMIT_SUFFIX = ".json"
 TABLES = ("components", "health", "steps", "scalars", "events")
 SEGMENT_SUFFIX = ".parquet"
 TMP_SUFFIX = ".tmp"
@@ -186,7 +194,7 @@ MANIFEST_KEYS = (
 # Keys of each entry of manifest["incarnations"].
 INCARNATION_KEYS = (
     "incarnation", "started_at", "ended_at", "status", "first_step", "last_step",
-    "steps_recorded", "dropped_steps", "segments", "warnings",
+    "steps_recorded", "dropped_steps", "segments", "flush_wait_s", "warnings",
 )
 
 
@@ -207,6 +215,14 @@ def segment_path(root: Path, table: str, rank: int, incarnation: int, seq: int,
     """The path of segment number `seq` (0, 1, ...) of one table; `steps` = (first, last) it holds."""
     span = "" if steps is None else f"-s{steps[0]}-{steps[1]}"
     return segment_dir(root, table, rank, incarnation) / f"part-{seq:06d}{span}{SEGMENT_SUFFIX}"
+
+
+def commit_path(root: Path, rank: int, incarnation: int, seq: int,
+                steps: tuple[int, int] | None = None) -> Path:
+    """The commit record of segment `seq`: its presence makes every table file of the segment visible."""
+    name = segment_path(root, "health", rank, incarnation, seq, steps).name
+    return (Path(root) / COMMIT_DIR / f"rank={rank}" / f"incarnation={incarnation}"
+            / (name.removesuffix(SEGMENT_SUFFIX) + COMMIT_SUFFIX))
 
 
 def segment_glob(root: Path, table: str) -> str:

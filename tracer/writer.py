@@ -1,13 +1,17 @@
-"""Background writer: turns step records into complete Parquet segments and keeps the manifest.
+"""Background writer: turns step records into committed Parquet segments and keeps the manifest.
 
-Training never waits on the disk: segments go through a bounded queue to one daemon thread. A
-segment is written as `*.tmp` and renamed, one file per table, so readers only ever see closed
-files. Any failure (unwritable directory, full disk) drops that segment's steps, counts them, and
-keeps going; the recorder turns the first failure into a warning on the training thread.
+Training never waits on the disk in normal operation: a segment is handed to one daemon thread,
+which writes every table's file as `*.tmp`, renames them, and then writes the segment's commit
+record (schema.commit_path), so a reader sees all of a segment's tables or none of them. One
+segment is in flight at a time: the next flush waits for it (capped at `max_wait_s`), so a kill
+loses at most the open segment and the one being written, never a backlog. Any failure
+(unwritable directory, full disk, a writer stuck past the cap) drops that segment's steps, counts
+them, and keeps going; the recorder turns the first failure into a warning on the training thread.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import platform
@@ -83,6 +87,12 @@ def _versions() -> dict[str, str]:
     return {"python": platform.python_version(), "torch": torch.__version__, "warninglight": own}
 
 
+def _remove(path: Path) -> None:
+    """Delete a file this writer made, if it can (its folder may be gone)."""
+    with contextlib.suppress(OSError):
+        path.unlink()
+
+
 def _atomic_write(path: Path, data: bytes) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + schema.TMP_SUFFIX)
@@ -91,20 +101,26 @@ def _atomic_write(path: Path, data: bytes) -> None:
 
 
 class TraceWriter:
-    """Owns one rank's part of a trace directory: its segments and its manifest."""
+    """Owns one rank's part of a trace directory: its segments, commit records and manifest."""
 
     def __init__(self, root: str | os.PathLike[str], rank: int, world_size: int, run_id: str,
-                 model_class: str, config: dict[str, object], queue_size: int = 8) -> None:
+                 model_class: str, config: dict[str, object], max_wait_s: float = 2.0) -> None:
         self.root = Path(root)
         self.rank = rank
         self.incarnation = next_incarnation(self.root, rank)
         self.dropped_steps = 0
         self.errors: list[str] = []
+        self.max_wait_s = max_wait_s
+        self.waited_s = 0.0  # training-thread time spent waiting for the previous segment
         self._seq = 0
-        # SimpleQueue and RLock are safe to re-enter from the SIGTERM handler, which may interrupt
-        # the training thread inside submit() or record_failure(); the bound is kept by hand
+        # Segments handed over / finished: each counter has one writing thread (the training
+        # thread and the writer thread), so no lock is needed to compare them. The wait polls
+        # instead of blocking on a Condition: the SIGTERM handler may interrupt the training
+        # thread inside the wait and flush again, and a Condition's lock is not re-entrant.
+        self._submitted = 0
+        self._finished = 0
+        self._behind = False  # the last wait hit the cap: don't wait again until it catches up
         self._queue: queue.SimpleQueue[Segment | None] = queue.SimpleQueue()
-        self._queue_size = queue_size
         self._lock = threading.RLock()
         # called on this thread with each segment once its files are in place (live alarms)
         self.on_segment: Callable[[Segment], None] | None = None
@@ -112,12 +128,17 @@ class TraceWriter:
         self._entry: dict[str, object] = {
             "incarnation": self.incarnation, "started_at": time.time(), "ended_at": None,
             "status": "running", "first_step": None, "last_step": None, "steps_recorded": 0,
-            "dropped_steps": 0, "segments": 0, "warnings": [],
+            "dropped_steps": 0, "segments": 0, "flush_wait_s": 0.0, "warnings": [],
         }
         self.manifest["incarnations"].append(self._entry)
         self._guard(self._write_manifest, 0)
         self._thread = threading.Thread(target=self._run, name="warninglight-writer", daemon=True)
         self._thread.start()
+
+    @property
+    def busy(self) -> bool:
+        """A segment handed over is not yet committed (or failed)."""
+        return self._finished < self._submitted
 
     def _load_manifest(self, run_id: str, world_size: int, model_class: str,
                        config: dict[str, object]) -> dict[str, object]:
@@ -131,17 +152,43 @@ class TraceWriter:
                 "world_size": world_size, "started_at": started, "model_class": model_class,
                 "versions": _versions(), "config": config, "incarnations": incarnations}
 
-    def submit(self, seg: Segment) -> bool:
-        """Queue a segment for writing; False (and its steps counted as dropped) if the queue is full."""
-        if self._queue.qsize() >= self._queue_size:
-            self.record_failure(f"writer queue full ({self._queue_size} segments): dropped "
-                                f"{len(seg.steps)} steps", len(seg.steps))
+    def ready(self) -> bool:
+        """Wait (at most `max_wait_s`) until the previous segment is committed; False if it is not.
+
+        Normally returns at once: a segment is written in milliseconds and flushes are many steps
+        apart. After a wait hits the cap, later calls return False without waiting until the
+        writer has caught up, so a stalled disk costs the training thread one cap, not one per flush.
+        """
+        if not self.busy:
+            self._behind = False
+            return True
+        if self._behind or not self._thread.is_alive():
             return False
+        t0 = time.perf_counter()
+        deadline = t0 + self.max_wait_s
+        while self.busy and time.perf_counter() < deadline:
+            time.sleep(0.001)
+        self.waited_s += time.perf_counter() - t0
+        self._entry["flush_wait_s"] = round(self.waited_s, 6)
+        self._behind = self.busy
+        return not self._behind
+
+    def submit(self, seg: Segment, final: bool = False) -> bool:
+        """Hand a segment to the writer; False (its steps counted as dropped) if it cannot take it.
+
+        `final`: the last segment, handed over by `close()`, which waits for the writer anyway.
+        """
+        if not self._thread.is_alive() or not (final or self.ready()):
+            why = ("writer stopped" if not self._thread.is_alive() else
+                   f"previous segment still being written after {self.max_wait_s:g} s")
+            self.record_failure(f"{why}: dropped {len(seg.steps)} steps", len(seg.steps))
+            return False
+        self._submitted += 1
         self._queue.put(seg)
         return True
 
     def close(self, status: str, timeout_s: float = 60.0) -> None:
-        """Write everything queued, then the final manifest; waits at most `timeout_s`."""
+        """Write what was handed over, then the final manifest; waits at most `timeout_s`."""
         if self._thread.is_alive():
             self._queue.put(None)
             self._thread.join(timeout_s)
@@ -152,6 +199,7 @@ class TraceWriter:
     def _run(self) -> None:
         while (seg := self._queue.get()) is not None:
             self._guard(self._write_segment, len(seg.steps), seg)
+            self._finished += 1
             if self.on_segment is not None:
                 self._guard(self.on_segment, 0, seg)
 
@@ -174,10 +222,22 @@ class TraceWriter:
         seq = self._seq
         self._seq += 1  # a failed segment's number is not reused: names stay unique
         span = (int(seg.steps[0]), int(seg.steps[-1])) if len(seg.steps) else None
-        tables = dict(seg.tables)
-        for name, cols in tables.items():
-            self._write_table(name, pa.Table.from_pydict(cols, schema=schema.SCHEMAS[name]), seq, span)
-        self._write_table("health", health_table(seg), seq, span)
+        tables = {name: pa.Table.from_pydict(cols, schema=schema.SCHEMAS[name])
+                  for name, cols in seg.tables.items()}
+        tables["health"] = health_table(seg)
+        placed: list[Path] = []
+        try:
+            for name, data in tables.items():
+                placed.append(self._write_table(name, data, seq, span))
+            record = {"tables": {name: data.num_rows for name, data in tables.items()},
+                      "steps": list(span) if span else None}
+            # the commit: from here on the segment's files are visible to readers, all at once
+            _atomic_write(schema.commit_path(self.root, self.rank, self.incarnation, seq, span),
+                          json.dumps(record).encode())
+        except BaseException:
+            for path in placed:  # our own uncommitted files: readers would ignore them anyway
+                _remove(path)
+            raise
         if len(seg.steps):
             first = self._entry["first_step"]
             self._entry["first_step"] = int(seg.steps[0]) if first is None else first
@@ -187,12 +247,17 @@ class TraceWriter:
         self._write_manifest()
 
     def _write_table(self, table: str, data: pa.Table, seq: int,
-                     span: tuple[int, int] | None) -> None:
+                     span: tuple[int, int] | None) -> Path:
         path = schema.segment_path(self.root, table, self.rank, self.incarnation, seq, span)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(path.name + schema.TMP_SUFFIX)
-        pq.write_table(data, tmp, **schema.PARQUET_WRITE_OPTIONS)
+        try:
+            pq.write_table(data, tmp, **schema.PARQUET_WRITE_OPTIONS)
+        except BaseException:
+            _remove(tmp)
+            raise
         os.replace(tmp, path)
+        return path
 
     def _write_manifest(self) -> None:
         with self._lock:

@@ -1,0 +1,154 @@
+"""Sanity checks on a trace as read: what is wrong with it, said by name.
+
+Two kinds of answer. A file that cannot be part of any analysis (not Parquet, a table's key column
+missing, an unknown format version) is a `TraceError` whose message names the file and the fix:
+the CLI prints it in one line and exits 2. Anything the analysis can go past (no manifest for a
+rank, duplicate or non-positive steps, a missing metric column or table, a checkpoint file that is
+not there) is a warning: one line of text that starts with what is wrong, carried in
+`Trace.warnings`, printed by every command and listed in `analyze --json` under `warnings`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import pyarrow.parquet as pq
+from warninglight.tracer import schema
+
+if TYPE_CHECKING:
+    from .store import Trace
+
+# Columns without which a table's rows mean nothing (the step or the name they belong to).
+KEY_COLUMNS: dict[str, tuple[str, ...]] = {
+    "health": ("step", "component"), "steps": ("step",), "scalars": ("step", "name"),
+    "events": ("step", "kind"), "components": ("component",),
+}
+# Manifest fields that must be whole numbers (or null) for counts and step ranges to mean anything.
+_MANIFEST_INTS = ("rank", "world_size")
+_INCARNATION_INTS = ("incarnation", "first_step", "last_step", "steps_recorded", "dropped_steps",
+                     "segments")
+# What a reader loses when a table is missing, said to the user.
+_MISSING_TABLE = {
+    "steps": "loss, learning rate and the comparators (loss-spike and gradient-norm rules) are "
+             "not available, and batch ids to skip are unknown",
+    "components": "component roles, bounds and forward order are unknown, so rules that need a "
+                  "role (activations, heads) do not run and the root is the first alarm",
+    "events": "recorded checkpoints and stop reasons are unknown; pass --checkpoints or "
+              "--checkpoint-every for a rollback",
+}
+
+
+def _is_int(v: Any) -> bool:
+    return v is None or (isinstance(v, int) and not isinstance(v, bool))
+
+
+def manifest_problem(manifest: Any) -> str | None:
+    """What makes a parsed manifest unusable (its shape, a field that is not a number), or None."""
+    if not isinstance(manifest, dict):
+        return f"is a JSON {type(manifest).__name__}, not an object"
+    bad = [k for k in _MANIFEST_INTS if not _is_int(manifest.get(k))]
+    incarnations = manifest.get("incarnations", [])
+    if not isinstance(incarnations, list) or not all(isinstance(i, dict) for i in incarnations):
+        return "has `incarnations` that is not a list of objects"
+    bad += [f"incarnations[{n}].{k}" for n, inc in enumerate(incarnations)
+            for k in _INCARNATION_INTS if not _is_int(inc.get(k))]
+    if bad:
+        return f"has non-integer field(s) {', '.join(bad[:5])}"
+    return None
+
+
+def check_files(by_table: dict[str, list[Path]]) -> None:
+    """Raise `CorruptSegmentError` for a segment that is not Parquet or lacks its table's keys."""
+    from .store import CorruptSegmentError
+
+    for table, files in by_table.items():
+        for path in files:
+            try:
+                names = pq.read_schema(path).names
+            except Exception as exc:  # pyarrow raises several types for a damaged footer
+                raise CorruptSegmentError(
+                    f"segment {path} is not readable Parquet ({type(exc).__name__}) — move it out "
+                    "of the trace directory to analyse the rest (a crash loses at most that "
+                    "segment)") from exc
+            missing = [k for k in KEY_COLUMNS[table] if k not in names]
+            if missing:
+                raise CorruptSegmentError(
+                    f"segment {path} has no {' or '.join(f'`{k}`' for k in missing)} column, so "
+                    f"its {table} rows belong to no step — it was not written by warninglight; "
+                    "move it out of the trace directory to analyse the rest")
+
+
+def manifest_ranks(trace: Trace) -> set[int]:
+    """Ranks that have a usable manifest."""
+    return {m["rank"] for m in trace.manifests if isinstance(m.get("rank"), int)}
+
+
+def data_ranks(trace: Trace) -> list[int]:
+    """Ranks that recorded health or step rows."""
+    rows = trace.con.execute("SELECT DISTINCT rank FROM (SELECT rank FROM health_all UNION ALL "
+                             "SELECT rank FROM steps_all) ORDER BY rank").fetchall()
+    return [int(r) for (r,) in rows if r is not None]
+
+
+def _manifest_warnings(trace: Trace) -> list[str]:
+    have = manifest_ranks(trace)
+    lacking = [r for r in data_ranks(trace) if r not in have]
+    if not lacking:
+        return []
+    others = f" (manifests found only for rank {', '.join(map(str, sorted(have)))})" if have else ""
+    return [f"no manifest for rank {', '.join(map(str, lacking))}{others}: dropped steps and the "
+            "run's status are unknown, not 0"]
+
+
+def _step_warnings(trace: Trace) -> list[str]:
+    out = []
+    for table, keys in (("steps", "rank, incarnation, step"),
+                        ("health", "rank, incarnation, step, component")):
+        dup = trace.one(f"SELECT count(*), min(step) FROM (SELECT {keys} FROM {table}_all "
+                        f"GROUP BY ALL HAVING count(*) > 1)")
+        if dup[0]:
+            out.append(f"duplicate steps: {dup[0]} step(s) of `{table}` recorded more than once in "
+                       f"the same incarnation (first: step {dup[1]}); each is analysed as many "
+                       "times as it appears")
+        low = trace.one(f"SELECT count(*), min(step) FROM {table}_all WHERE step < 1")
+        if low[0]:
+            out.append(f"non-positive steps: {low[0]} row(s) of `{table}` with step < 1 (lowest "
+                       f"{low[1]}); steps count from 1, so these rows come from a different writer")
+    return out
+
+
+def _column_warnings(trace: Trace) -> list[str]:
+    have = {r[0] for r in trace.con.execute("DESCRIBE health_all").fetchall()}
+    missing = [m for m in schema.HEALTH_METRICS if m not in have]
+    if not missing:
+        return []
+    return [f"missing metric columns: health has no {', '.join(missing)}; the conditions that "
+            "read them cannot fire"]
+
+
+def trace_warnings(trace: Trace, by_table: dict[str, list[Path]]) -> list[str]:
+    """Every warning about a trace that opened: manifests, tables, columns, step numbers."""
+    out = _manifest_warnings(trace)
+    out += [f"no {t} table: {why}" for t, why in _MISSING_TABLE.items() if not by_table.get(t)]
+    out += _column_warnings(trace)
+    out += _step_warnings(trace)
+    return out
+
+
+def checkpoint_warning(path: str | None, step: int | None, trace_root: Path) -> str | None:
+    """A warning when the recommended checkpoint file is not where the run recorded it."""
+    if not path:
+        return None
+    p = Path(path)
+    if p.exists() or (not p.is_absolute() and (trace_root / p).exists()):
+        return None
+    return (f"missing checkpoint file: the rollback names {path} (step {step}), which does not "
+            "exist here — find the file or pass --checkpoints with a glob of the files you have")
+
+
+def is_trace_file(trace_root: Path, path: Path) -> bool:
+    """True if `path` is, or lies under, one of the trace's own folders (tables, manifests, commits)."""
+    own = [Path(trace_root) / d for d in (*schema.TABLES, schema.MANIFEST_DIR, schema.COMMIT_DIR)]
+    target = Path(path).resolve()
+    return any(target == d.resolve() or d.resolve() in target.parents for d in own)

@@ -1,0 +1,62 @@
+"""SQL over a trace's views, read-only and confined to the trace directory unless asked otherwise.
+
+By default a query may only read: one or more SELECT (or EXPLAIN) statements, and DuckDB's file
+access is limited to the trace directory (`allowed_directories` with `enable_external_access`
+off, then the configuration locked), so `COPY ... TO`, `read_csv('/etc/passwd')` or `glob('/*')`
+are refused rather than writing over a file or reading one the user did not point at.
+`allow_external=True` lifts both limits for a user who wants to export or join other files.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import duckdb
+import polars as pl
+
+from .store import TraceError
+
+if TYPE_CHECKING:
+    from .store import Trace
+
+_READ_ONLY = (duckdb.StatementType.SELECT, duckdb.StatementType.EXPLAIN)
+
+
+class QueryRefusedError(TraceError):
+    """A query that would write, or read outside the trace directory, without permission."""
+
+
+def confine(trace: Trace) -> None:
+    """Limit the trace's connection to reading files under its own directory, for good."""
+    con = trace.con
+    if con.execute("SELECT current_setting('lock_configuration')").fetchall() == [(True,)]:
+        return  # already confined (a locked configuration cannot be changed again)
+    root = str(trace.root.resolve()).rstrip("/") + "/"
+    # the views name files with glob characters escaped (store._literal), and DuckDB checks the
+    # name as written: allow the escaped spelling of the same directory too
+    escaped = "".join(f"[{c}]" if c in "[*?{" else c for c in root)
+    con.execute("SET allowed_directories = ?", [sorted({root, escaped})])
+    con.execute("SET enable_external_access = false")
+    con.execute("SET lock_configuration = true")
+
+
+def run_query(trace: Trace, sql: str, allow_external: bool = False) -> pl.DataFrame | None:
+    """The result of `sql` over the trace's views as a frame; None when it makes no rows."""
+    if not allow_external:
+        try:
+            kinds = [s.type for s in duckdb.extract_statements(sql)]
+        except duckdb.Error:
+            kinds = []  # let DuckDB word the syntax error below
+        writes = [k.name for k in kinds if k not in _READ_ONLY]
+        if writes:
+            raise QueryRefusedError(
+                f"query is read-only: {writes[0]} statements are refused — use SELECT over the "
+                "views, or pass --allow-external to run statements that write or read other files")
+        confine(trace)
+    try:
+        relation = trace.con.sql(sql)
+        return None if relation is None else relation.pl()
+    except duckdb.PermissionException as exc:
+        raise QueryRefusedError(
+            f"{str(exc).splitlines()[0]} — query reads only files under {trace.root}; pass "
+            "--allow-external to read or write other files") from None

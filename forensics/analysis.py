@@ -88,11 +88,11 @@ class Detectors:
     grad_norm_spike_first_step: int | None
     loss_spike_count: int
     grad_norm_spike_count: int
-    loss_points: int  # steps with a logged loss (Trainer logs one every logging_steps)
-    loss_steps_judged: int  # of those, how many the loss rule had enough past losses to judge
     light_lead_over_loss_spike: int | None  # positive: the light lit first
     light_lead_over_grad_norm_spike: int | None
     first_alarm_step: int | None  # the earliest alarm of any condition
+    loss_points: int | None = None  # steps with a logged loss (Trainer logs one every logging_steps)
+    loss_steps_judged: int | None = None  # of those, how many the loss rule had enough past losses to judge
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

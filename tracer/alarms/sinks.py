@@ -77,8 +77,9 @@ class SinkWorker:
         self.backoff_s, self.max_backoff_s = backoff_s, max_backoff_s
         self.delivered = self.dropped = self.failed = 0
         self.errors: list[str] = []
-        self._queue: queue.Queue[dict[str, Any] | None] = queue.Queue(queue_size)
-        self._stop = threading.Event()
+        self._queue: queue.Queue[dict[str, Any]] = queue.Queue(queue_size)
+        self._stopping = threading.Event()  # end when the queue is empty
+        self._stop = threading.Event()  # give up retrying now
         self._thread = threading.Thread(target=self._run, name=f"warninglight-sink-{self.name}",
                                         daemon=True)
         self._thread.start()
@@ -91,11 +92,8 @@ class SinkWorker:
             self.dropped += 1
 
     def stop(self) -> None:
-        """Ask the thread to finish what is queued and end; returns at once."""
-        try:
-            self._queue.put_nowait(None)
-        except queue.Full:  # the thread is stuck on a hung endpoint: stop retrying instead
-            self._stop.set()
+        """Ask the thread to end once the queue is delivered; returns at once."""
+        self._stopping.set()
 
     def join(self, deadline: float) -> None:
         """Wait until the queue is delivered or `deadline` (time.monotonic) passes, then close the sink."""
@@ -114,10 +112,19 @@ class SinkWorker:
         self.join(time.monotonic() + timeout_s)
 
     def _run(self) -> None:
-        while (alarm := self._queue.get()) is not None:
+        while True:
+            try:
+                alarm = self._queue.get(timeout=0.1)  # s: how soon an idle worker sees `stop`
+            except queue.Empty:
+                if self._stopping.is_set():
+                    return
+                continue
             self._deliver(alarm)
 
     def _deliver(self, alarm: dict[str, Any]) -> None:
+        if self._stop.is_set():  # closed past its deadline: what is left is not sent
+            self.failed += 1
+            return
         delay = self.backoff_s
         for attempt in range(self.retries + 1):
             try:

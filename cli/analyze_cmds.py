@@ -20,9 +20,10 @@ from warninglight.cli.common import (
 )
 from warninglight.cli.main import app
 from warninglight.forensics import replay, wording
+from warninglight.forensics.analysis import FAULT
 from warninglight.forensics.conditions import registry_rows
 
-FAULT = 1  # --exit-code: a fault was found
+FAULT_EXIT = 1  # --exit-code: a fault was found
 
 
 @app.command("analyze")
@@ -39,8 +40,8 @@ def analyze_cmd(
     analysis = analysis_from(trace, config, overrides, checkpoints, every)
     warn(analysis.warnings)
     typer.echo(json.dumps(analysis.to_dict(), indent=2) if as_json else wording.analysis_text(analysis))
-    if exit_code and analysis.verdict == "fault":
-        raise typer.Exit(FAULT)
+    if exit_code and analysis.verdict == FAULT:
+        raise typer.Exit(FAULT_EXIT)
 
 
 @app.command("rollback")

@@ -20,8 +20,10 @@ from . import rollback as rb
 from .baseline import band
 from .classify import classify
 from .conditions import Config, load_config
-from .localise import locate, root_cause
+from .localise import Located, RootCause, locate, located_frame, root_cause
 from .store import Trace, health_frame, info, open_trace
+
+HEALTHY, FAULT = "healthy", "fault"  # the two verdicts
 
 
 @dataclass(frozen=True)
@@ -103,7 +105,7 @@ class Analysis:
     """The forensic verdict on one trace, and the frames it was reached from."""
 
     trace_dir: Path
-    verdict: str  # "healthy" | "fault"
+    verdict: str  # HEALTHY | FAULT
     root: Root | None
     affected: list[str]
     alarms: pl.DataFrame  # one row per alarm, columns ALARM_KEYS
@@ -147,16 +149,17 @@ def _plain(v: Any) -> Any:
     return v
 
 
-def _root(root: dict[str, Any] | None, located: pl.DataFrame, ranks: int) -> Root | None:
-    if root is None:
+def _root(cause: RootCause | None, located: list[Located], ranks: int) -> Root | None:
+    if cause is None:
         return None
+    root = cause.alarm
     # an optimizer-wide root ("" = the whole model) is located where it was observed
-    where = root["attributed_to"] or root["observed_on"]
-    on = located.filter(pl.col("attributed_to") == where)["rank"].unique().sort().to_list()
-    return Root(attributed_to=root["attributed_to"], observed_on=root["observed_on"],
-                condition=root["condition"], onset_step=root["onset_step"], alarm_step=root["step"],
-                magnitude=_plain(root["magnitude"]), metric=root["metric"], rank=root["rank"], ranks=on,
-                ranks_disagree=len(on) < ranks, evidence=root["evidence"], scope=root["scope"])
+    where = root.attributed_to or root.observed_on
+    on = sorted({a.rank for a in located if a.attributed_to == where})
+    return Root(attributed_to=root.attributed_to, observed_on=root.observed_on,
+                condition=root.condition, onset_step=root.onset_step, alarm_step=root.step,
+                magnitude=_plain(root.magnitude), metric=root.metric, rank=root.rank, ranks=on,
+                ranks_disagree=len(on) < ranks, evidence=cause.evidence, scope=cause.scope)
 
 
 def param_components(components: pl.DataFrame) -> int:
@@ -210,12 +213,12 @@ def analyze(trace_dir: str | Path, *, config: Config | str | Path | None = None,
         steps = trace.frame("steps").collect().sort("step")
         located = locate(alarms, scored, components, cfg)
         root, affected = root_cause(located, cfg, param_components(components))
-        onset = root["onset_step"] if root else None
+        onset = root.alarm.onset_step if root else None
         found = comparators(trace, onset)
         last = int(summary["last_step"] or 0)
         ckpts, source = _checkpoints(trace, checkpoints_glob, checkpoint_every, last,
                                      [onset, found["loss_spike_step"]])
-        rollback = rb.recommend(trace, ckpts, source, onset, root["step"] if root else None,
+        rollback = rb.recommend(trace, ckpts, source, onset, root.alarm.step if root else None,
                                 found["loss_spike_step"], last)
         warnings = list(trace.warnings)
         missing = checks.checkpoint_warning(rollback.checkpoint_path, rollback.checkpoint_step,
@@ -223,11 +226,11 @@ def analyze(trace_dir: str | Path, *, config: Config | str | Path | None = None,
         warnings += [missing] if missing else []
     finally:
         trace.close()
-    first_light = located.select(pl.col("step").min()).item() if root is not None else None
+    first_light = min(a.step for a in located) if root is not None else None
     leads = {key: None if first_light is None or step is None else step - first_light
              for key, step in (("light_lead_over_loss_spike", found["loss_spike_step"]),
                                ("light_lead_over_grad_norm_spike", found["grad_norm_spike_step"]))}
-    return Analysis(Path(trace_dir), "fault" if root else "healthy",
+    return Analysis(Path(trace_dir), FAULT if root else HEALTHY,
                     _root(root, located, summary["ranks"]), affected,
-                    located.select(ALARM_KEYS), rollback, Detectors(**found, **leads, first_alarm_step=first_light),
+                    located_frame(located).select(ALARM_KEYS), rollback, Detectors(**found, **leads, first_alarm_step=first_light),
                     scored, summary, components, steps, cfg.baseline.min_samples + cfg.baseline.lag, warnings)

@@ -1,6 +1,9 @@
-"""The report's figures: matplotlib on the Agg backend, one function per figure, data in, Figure out.
+"""The report's figures: one function per figure, data in, matplotlib `Figure` out.
 
-Nothing here reads a trace or decides anything; `report` gathers the frames and the marks.
+Figures are built with the object-oriented API (`Figure(...)`, never pyplot), so importing or
+using this module changes no global state: the caller's matplotlib backend and pyplot's list of
+open figures are left alone, and a figure is freed when it is no longer referenced. Nothing here
+reads a trace or decides anything; `report` gathers the frames and the marks.
 """
 
 from __future__ import annotations
@@ -11,14 +14,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import matplotlib
-
-matplotlib.use("Agg")  # files only, never a window; must precede pyplot
-
-import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
-import polars as pl  # noqa: E402
-from matplotlib.colors import BoundaryNorm, ListedColormap  # noqa: E402
-from matplotlib.figure import Figure  # noqa: E402
+import numpy as np
+import polars as pl
+from matplotlib.axes import Axes
+from matplotlib.colors import BoundaryNorm, ListedColormap
+from matplotlib.figure import Figure
+from matplotlib.patches import Rectangle
 
 MAX_LABEL = 26  # characters of a component name on an axis before it is shortened
 MAX_ROWS_LABELLED = 60  # more component rows than this and labels would overlap at 8 pt
@@ -60,7 +61,7 @@ def row_labels(order: Sequence[str], kinds: dict[str, str] | None = None) -> lis
     return [f"{short_name(c)}  {kinds[c]}" if kinds.get(c) else short_name(c) for c in order]
 
 
-def _set_rows(ax: plt.Axes, order: Sequence[str], kinds: dict[str, str] | None) -> None:
+def _set_rows(ax: Axes, order: Sequence[str], kinds: dict[str, str] | None) -> None:
     """Label the component rows; past MAX_ROWS_LABELLED, label every k-th so names stay legible."""
     every = max(1, -(-len(order) // MAX_ROWS_LABELLED))  # ceil
     rows = range(0, len(order), every)
@@ -69,7 +70,7 @@ def _set_rows(ax: plt.Axes, order: Sequence[str], kinds: dict[str, str] | None) 
     ax.set_ylabel("component (forward order)" + (f", 1 in {every} labelled" if every > 1 else ""))
 
 
-def _draw_marks(ax: plt.Axes, marks: Sequence[Mark]) -> None:
+def _draw_marks(ax: Axes, marks: Sequence[Mark]) -> None:
     for m in marks:
         colour, style = MARK_STYLE.get(m.label, ("black", "-"))
         ax.axvline(m.step, color=colour, linestyle=style, linewidth=1.4, label=f"{m.label} @ {m.step}")
@@ -88,7 +89,8 @@ def heatmap(scores: pl.DataFrame, order: Sequence[str], marks: Sequence[Mark] = 
     s = rows["step"].to_numpy() - steps[0]
     grid[r, s] = np.clip(np.abs(rows["score"].fill_null(np.nan).to_numpy()), 0, Z_CAP + 1)
     height = min(14.0, 1.6 + 0.28 * len(order))
-    fig, ax = plt.subplots(figsize=(11, height), layout="constrained")
+    fig = Figure(figsize=(11, height), layout="constrained")
+    ax = fig.subplots()
     # Discrete levels: |z| under 3 is ordinary noise and stays pale, so departures stand out.
     cmap = ListedColormap(["#fbfbf4", "#fee391", "#fe9929", "#d95f0e", "#993404", "#3d1502"]).with_extremes(
         bad="#dddddd")  # no data: warm-up before a baseline exists, or no such metric
@@ -110,7 +112,8 @@ def heatmap(scores: pl.DataFrame, order: Sequence[str], marks: Sequence[Mark] = 
 def baseline_band(frame: pl.DataFrame, component: str, metric: str,
                   marks: Sequence[Mark] = ()) -> Figure:
     """One component's metric over steps with its trailing baseline (median, lower..upper band)."""
-    fig, ax = plt.subplots(figsize=(11, 3.8), layout="constrained")
+    fig = Figure(figsize=(11, 3.8), layout="constrained")
+    ax = fig.subplots()
     step = frame["step"].to_numpy()
     ax.fill_between(step, frame["lower"].to_numpy(), frame["upper"].to_numpy(),
                     color="#1f77b4", alpha=0.18, step="mid", label="baseline band")
@@ -127,7 +130,7 @@ def baseline_band(frame: pl.DataFrame, component: str, metric: str,
     return fig
 
 
-def _maybe_log(ax: plt.Axes, values: pl.Series) -> None:
+def _maybe_log(ax: Axes, values: pl.Series) -> None:
     """Log scale when the values are positive and span more than two decades."""
     v = values.drop_nulls().drop_nans().to_numpy()
     v = v[np.isfinite(v)]
@@ -135,7 +138,7 @@ def _maybe_log(ax: plt.Axes, values: pl.Series) -> None:
         ax.set_yscale("log")
 
 
-def _mark_nonfinite(ax: plt.Axes, step: np.ndarray, values: pl.Series) -> None:
+def _mark_nonfinite(ax: Axes, step: np.ndarray, values: pl.Series) -> None:
     """A rug along the top of the axes where the value is NaN or Inf (a line plot just stops there)."""
     v = values.cast(pl.Float64).to_numpy()  # nulls (not recorded) become NaN too; keep only real ones
     bad = ~np.isfinite(v) & ~values.is_null().to_numpy()
@@ -144,7 +147,7 @@ def _mark_nonfinite(ax: plt.Axes, step: np.ndarray, values: pl.Series) -> None:
                 transform=ax.get_xaxis_transform(), label=f"NaN/Inf ({bad.sum()} steps)")
 
 
-def _fit_to_values(ax: plt.Axes, values: pl.Series) -> None:
+def _fit_to_values(ax: Axes, values: pl.Series) -> None:
     """Keep the y range on the metric itself: a band that balloons after a fault must not flatten it."""
     v = values.cast(pl.Float64).drop_nulls().drop_nans().to_numpy()
     v = v[np.isfinite(v)]
@@ -163,7 +166,8 @@ def loss_and_grad(steps: pl.DataFrame, marks: Sequence[Mark] = (), never: Sequen
 
     `never` names detectors that did not fire at all; the legend says so instead of hiding them.
     """
-    fig, (ax_loss, ax_grad) = plt.subplots(2, 1, figsize=(11, 6), sharex=True, layout="constrained")
+    fig = Figure(figsize=(11, 6), layout="constrained")
+    ax_loss, ax_grad = fig.subplots(2, 1, sharex=True)
     step = steps["step"].to_numpy()
     for ax, col, label in ((ax_loss, "loss", "loss"), (ax_grad, "grad_norm_total_l2", "total grad norm (L2)")):
         if col in steps.columns and steps[col].null_count() < len(steps):
@@ -200,14 +204,15 @@ def condition_map(alarms: pl.DataFrame, order: Sequence[str], last_step: int,
             end = row.get("last_step") or last_step  # the episode's last alarming step, if known
             grid[index[row["observed_on"]], int(row["onset_step"]) - 1:int(end)] = conditions.index(row["condition"])
     height = min(14.0, 1.6 + 0.28 * len(order))
-    fig, ax = plt.subplots(figsize=(11, height), layout="constrained")
-    palette = ListedColormap(plt.get_cmap("tab10").colors[: max(1, len(conditions))]).with_extremes(bad="#f4f4f4")
+    fig = Figure(figsize=(11, height), layout="constrained")
+    ax = fig.subplots()
+    palette = ListedColormap(matplotlib.colormaps["tab10"].colors[: max(1, len(conditions))]).with_extremes(bad="#f4f4f4")
     ax.imshow(grid, aspect="auto", interpolation="nearest", cmap=palette, vmin=-0.5,
               vmax=max(1, len(conditions)) - 0.5, extent=(0.5, last_step + 0.5, len(order) - 0.5, -0.5))
     _set_rows(ax, order, kinds)
     ax.set_xlabel("optimizer step")
     ax.set_title("Alarmed components by condition (onset to last alarming step)")
-    handles = [plt.Rectangle((0, 0), 1, 1, color=palette(i)) for i in range(len(conditions))]
+    handles = [Rectangle((0, 0), 1, 1, color=palette(i)) for i in range(len(conditions))]
     _draw_marks(ax, marks)
     lines, labels = ax.get_legend_handles_labels()
     ax.legend(handles + lines, conditions + labels, loc="upper left", fontsize=8, framealpha=0.9)
@@ -215,10 +220,9 @@ def condition_map(alarms: pl.DataFrame, order: Sequence[str], last_step: int,
 
 
 def png_bytes(fig: Figure, dpi: int = 110) -> bytes:
-    """The figure as PNG bytes; closes it (pyplot keeps every open figure alive otherwise)."""
+    """The figure as PNG bytes (rendered by Agg through the figure's own canvas, whatever the backend)."""
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=dpi)
-    plt.close(fig)
     return buf.getvalue()
 
 

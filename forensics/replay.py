@@ -15,10 +15,10 @@ from typing import Any
 
 import polars as pl
 
-from .analysis import comparators, param_components
+from .analysis import ALARM_KEYS, comparators, param_components
 from .classify import alarms, hits, score
 from .conditions import Config, load_config
-from .localise import locate, root_cause
+from .localise import RootCause, locate, located_frame, root_cause
 from .store import health_frame, open_trace
 
 
@@ -41,7 +41,7 @@ class Replay:
 
     events: list[Event]
     alarms: pl.DataFrame
-    root: dict[str, Any] | None
+    root: RootCause | None
     detectors: dict[str, Any] = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)  # problems of the trace the replay went past
 
@@ -49,7 +49,7 @@ class Replay:
         return {"events": [e.__dict__ for e in self.events], "detectors": self.detectors,
                 "warnings": self.warnings,
                 "root": None if self.root is None else
-                {k: self.root[k] for k in ("attributed_to", "condition", "onset_step", "step")}}
+                {k: getattr(self.root.alarm, k) for k in ("attributed_to", "condition", "onset_step", "step")}}
 
 
 def stream(frame: pl.DataFrame, config: Config, chunk: int) -> tuple[pl.DataFrame, pl.DataFrame]:
@@ -76,14 +76,13 @@ def replay(trace_dir: str | Path, *, config: Config | str | Path | None = None, 
         scored, found = stream(frame, cfg, chunk)
         located = locate(alarms(found, cfg), scored, components, cfg)
         root, _ = root_cause(located, cfg, param_components(components))
-        compared = comparators(trace, root["onset_step"] if root else None)
+        compared = comparators(trace, root.alarm.onset_step if root else None)
     finally:
         trace.close()
-    events = [Event(a["step"], "light", a["observed_on"], a["condition"], a["onset_step"],
-                    a["magnitude"], a["metric"]) for a in located.iter_rows(named=True)]
+    events = [Event(a.step, "light", a.observed_on, a.condition, a.onset_step, a.magnitude, a.metric)
+              for a in located]
     for key, source in (("loss_spike_step", "loss_spike"), ("grad_norm_spike_step", "grad_norm_spike")):
         if compared[key] is not None:
             events.append(Event(compared[key], source))
     events.sort(key=lambda e: (e.step, e.source != "light"))
-    return Replay(events, located.drop("drift", "signal", "forward_index"), root, compared,
-                  trace.warnings)
+    return Replay(events, located_frame(located).select(ALARM_KEYS), root, compared, trace.warnings)

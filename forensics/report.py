@@ -114,7 +114,7 @@ def figures(data: ReportData) -> dict[str, Figure]:
     near = [x for x in m if x.label in _ALARM_MARKS]
     a = data.analysis
     figs: dict[str, Figure] = {}
-    if len(data.scores):
+    if len(data.scores) and data.order:  # no components table: no rows to draw
         figs["heatmap"] = plots.heatmap(data.scores, data.order, near, kinds=data.kinds)
     root = a.root
     if root is not None and data.root_band is not None and len(data.root_band):
@@ -122,7 +122,7 @@ def figures(data: ReportData) -> dict[str, Figure]:
         figs["root_metric"] = plots.baseline_band(data.root_band, name, root.metric,
                                                   [x for x in m if x.label in ("injected", *_ALARM_MARKS)])
     figs["loss"] = plots.loss_and_grad(a.steps, m, never_fired(data))
-    if len(a.alarms):
+    if len(a.alarms) and data.order:
         figs["conditions"] = plots.condition_map(a.alarms, data.order, int(a.steps["step"].max()), near,
                                                  kinds=data.kinds)
     return figs

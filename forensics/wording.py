@@ -10,7 +10,7 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from .analysis import Alarm, Analysis, Detectors, Root
+from .analysis import HEALTHY, Alarm, Analysis, Detectors, Root
 from .rollback import Rollback
 
 ALARM_TABLE_COLUMNS = ("step", "onset_step", "observed_on", "attributed_to", "condition", "metric", "magnitude")
@@ -27,7 +27,7 @@ def number(v: Any) -> str:
     return str(v)
 
 
-def summary_line(root: Root | None, rollback: Rollback, detectors: Detectors, verdict: str = "healthy") -> str:
+def summary_line(root: Root | None, rollback: Rollback, detectors: Detectors, verdict: str = HEALTHY) -> str:
     """The verdict as one line an operator can act on: what, where, since when, and where to go back to."""
     if root is None:
         return f"{verdict.upper()}: no component left its baseline; no rollback needed."
@@ -124,7 +124,7 @@ def comparator_lines(detectors: Detectors) -> list[str]:
 def warmup_note(a: Analysis) -> str | None:
     """Why a short trace is healthy: no component is judged before its baseline exists."""
     steps = a.summary.get("steps", 0)
-    if a.verdict != "healthy" or steps >= a.warmup_steps:
+    if a.verdict != HEALTHY or steps >= a.warmup_steps:
         return None
     return (f"note: only {steps} steps recorded; a component is first judged against its "
             f"baseline at its recorded step {a.warmup_steps} (baseline.min_samples + baseline.lag), "

@@ -14,7 +14,6 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-import torch
 from warninglight.forensics import Analysis, analyze
 from warninglight.lab.rehearsal import rehearse
 
@@ -25,7 +24,6 @@ atexit.register(shutil.rmtree, ROOT, ignore_errors=True)
 @functools.cache
 def trace(scenario: str, steps: int | None = None, seed: int = 0, checkpoint_every: int = 50) -> Path:
     """The trace directory of one rehearsal (trained on first use)."""
-    torch.set_num_threads(1)
     out = ROOT / f"{scenario}-{steps}-{seed}-{checkpoint_every}"
     rehearse(scenario, out, seed=seed, steps=steps, checkpoint_every=checkpoint_every)
     return out

@@ -5,14 +5,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import torch
 from typer.testing import CliRunner
 from warninglight.cli.main import app
 from warninglight.lab import demo
 
 
 def test_demo_writes_trace_checkpoints_and_report(tmp_path: Path) -> None:
-    torch.set_num_threads(1)
     # the MLP scenario keeps the test short; the command's default is the GPT one
     first = demo.run_demo(tmp_path, scenario="mlp_weight_corruption", steps=200)
     again = demo.run_demo(tmp_path, scenario="mlp_weight_corruption", steps=200)  # re-run replaces
@@ -50,3 +48,14 @@ def test_demo_cli_out_naming_a_file_is_one_line(tmp_path: Path) -> None:
     assert res.exit_code == 2, res.output
     assert res.stderr.strip().startswith(f"error: --out {out} is a file; the demo writes a folder")
     assert out.read_text() == "mine"
+
+
+def test_demo_puts_torch_threads_back_even_when_it_fails(tmp_path: Path) -> None:
+    import torch
+    from conftest import torch_threads
+    from warninglight.lab.rehearsal import ScenarioError
+
+    with torch_threads(3):
+        with pytest.raises(ScenarioError):
+            demo.run_demo(tmp_path / "out", scenario="no_such_scenario", threads=1)
+        assert torch.get_num_threads() == 3

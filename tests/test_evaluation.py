@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import pytest
+from warninglight.forensics.analysis import FAULT, HEALTHY, Alarm, Detectors, Root
+from warninglight.forensics.rollback import LossOnlyChoice, Rollback
 from warninglight.forensics.static_rules import StaticAlarm
 from warninglight.lab import evaluation
 
@@ -13,18 +15,18 @@ TRUTH_CLEAN = {"scenario": "mlp_clean", "healthy": True, "faults": []}
 
 def result(component: str | None = "2", onset: int = 151, alarm: int = 153, loss: int | None = 200,
            grad: int | None = None, alarms: int = 2) -> dict:
-    """An `analyze --json`-shaped dict."""
-    root = None if component is None else {"attributed_to": component, "observed_on": component, "condition": "exploding",
-                                            "onset_step": onset, "alarm_step": alarm, "magnitude": 30.0,
-                                            "metric": "weight_drift_l2"}
-    return {
-        "verdict": "healthy" if root is None else "fault", "root": root,
-        "alarms": [{"observed_on": "x", "attributed_to": "x"}] * alarms,
-        "rollback": None if root is None else {
-            "checkpoint_step": 100, "steps_discarded": 53,
-            "loss_only": {"alarm_step": loss, "checkpoint_step": 200, "contaminated": True, "steps_discarded": 0}},
-        "detectors": {"loss_spike_step": loss, "grad_norm_spike_step": grad},
-    }
+    """An `analyze --json` object built from the engine's own types and verdict values."""
+    root = None if component is None else Root(
+        attributed_to=component, observed_on=component, condition="exploding", onset_step=onset, alarm_step=alarm,
+        magnitude=30.0, metric="weight_drift_l2", rank=0, ranks=[0], ranks_disagree=False, evidence="drift",
+        scope="component")
+    loss_only = LossOnlyChoice(loss, 200, True, 0) if root else LossOnlyChoice(None, None, None, None)
+    rollback = (Rollback(100, None, 53, [onset, alarm], None, loss_only) if root else
+                Rollback(None, None, None, None, None, loss_only))
+    alarm_row = Alarm("x", "x", "exploding", alarm, onset, 30.0, "out_rms", 0, alarm, 9.0, 1.0)
+    detectors = Detectors(loss, grad, loss, grad, int(loss is not None), int(grad is not None), None, None, None)
+    return {"verdict": FAULT if root else HEALTHY, "root": root and root.to_dict(),
+            "alarms": [alarm_row.to_dict()] * alarms, "rollback": rollback.to_dict(), "detectors": detectors.to_dict()}
 
 
 def test_score_abrupt_fault_run() -> None:
@@ -135,11 +137,9 @@ def test_eval_command_runs_real_scenarios(tmp_path) -> None:
     """Two short real rehearsals (a fault and a clean run) through `warninglight eval`."""
     import json
 
-    import torch
     from typer.testing import CliRunner
     from warninglight.cli.main import app
 
-    torch.set_num_threads(1)
     out = tmp_path / "runs.json"
     res = CliRunner().invoke(app, ["eval", "mlp_nan", "mlp_clean", "--seeds", "1", "--steps", "200",
                                    "--json", str(out), "--workdir", str(tmp_path / "w")])
@@ -151,6 +151,15 @@ def test_eval_command_runs_real_scenarios(tmp_path) -> None:
     assert "| mlp_nan | 1 |" in res.output and "| mlp_clean | 1 |" in res.output
     # NaN in one module's output is exactly what the fixed NaN/Inf rule is for
     assert runs[0]["static_rule"] == "exploding_tensor" and runs[0]["static_step"] == 150
+
+
+def test_benchmark_puts_torch_threads_back() -> None:
+    import torch
+    from conftest import torch_threads
+
+    with torch_threads(3):
+        assert evaluation.run_benchmark([], 1) == []  # runs on one thread, then restores
+        assert torch.get_num_threads() == 3
 
 
 def test_eval_json_into_a_missing_folder_fails_before_training(tmp_path) -> None:

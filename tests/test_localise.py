@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 from rehearsed import analysed, trace, truth
-from warninglight.forensics.localise import Series, drift_run_start
+from warninglight.forensics.conditions import Config
+from warninglight.forensics.localise import Located, Series, drift_run_start, root_cause
 
 
 def test_middle_layer_corruption_is_attributed_to_that_layer() -> None:
@@ -79,3 +80,25 @@ def test_lr_spike_is_optimizer_wide_but_a_one_layer_fault_is_not() -> None:
     # The same many-component disturbance from corrupted data starts in the gradients: not the optimizer.
     for scenario in ("mlp_corrupt_batches", "mlp_weight_corruption", "mlp_nan"):
         assert analysed(scenario).to_dict()["root"]["scope"] == "component", scenario
+
+
+def _located(comp: str, signal: str = "forward", fi: int | None = 0, onset: int = 150, **kw: object) -> Located:
+    base = dict(rank=0, observed_on=comp, condition="exploding", step=onset + 1, last_step=onset + 1,
+                metric="out_rms", value=9.0, median=1.0, magnitude=8.0, onset_step=onset, attributed_to=comp,
+                nonfinite=False, drift=False, signal=signal, forward_index=fi)
+    return Located(**{**base, **kw})
+
+
+def test_root_order_nonfinite_then_drift_then_upstream_and_never_called_runs_last() -> None:
+    cfg = Config()
+    late = _located("never_called", fi=None)
+    early = _located("first", fi=0)
+    root, affected = root_cause([late, early], cfg)
+    assert (root.alarm.attributed_to, affected) == ("first", ["never_called"])  # a None index is downstream
+    # on another rank nothing explains it: the tie at the onset goes to direct evidence, not order
+    drifted = _located("second", fi=1, rank=1, drift=True, signal="weights", metric="weight_norm_l2")
+    assert root_cause([early, drifted], cfg)[0].alarm.attributed_to == "second"
+    nan = _located("third", fi=2, rank=2, nonfinite=True, value=None, median=None, magnitude=None)
+    root, _ = root_cause([early, drifted, nan], cfg)
+    assert (root.alarm.attributed_to, root.scope) == ("third", "component")
+    assert root_cause([], cfg) == (None, [])

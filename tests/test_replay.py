@@ -19,7 +19,7 @@ def test_replay_agrees_with_analyze(scenario: str) -> None:
     assert live.alarms.select(KEYS).equals(offline.alarms.select(KEYS))
     lights = [e for e in live.events if e.source == "light"]
     assert [e.step for e in lights] == sorted(offline.alarms["step"].to_list())
-    assert live.root is not None and live.root["attributed_to"] == offline.root.attributed_to
+    assert live.root is not None and live.root.alarm.attributed_to == offline.root.attributed_to
 
 
 def test_replay_timeline_names_the_comparators() -> None:

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import polars as pl
 import pytest
-import torch
 from typer.testing import CliRunner
 from warninglight.cli.main import app
 from warninglight.forensics import plots, report, wording
@@ -20,7 +21,6 @@ def fault_trace(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A real MLP run with one layer's weights corrupted at step 150 (200 steps, a few seconds)."""
     from warninglight.lab.rehearsal import rehearse
 
-    torch.set_num_threads(1)
     trace = tmp_path_factory.mktemp("report") / "trace"
     rehearse("mlp_weight_corruption", trace, seed=0, steps=200)
     return trace
@@ -31,8 +31,8 @@ def test_html_is_self_contained_and_names_the_root(fault_trace: Path, tmp_path: 
 
     out = report.write_html(fault_trace, tmp_path / "r.html")
     text = out.read_text()
-    images = re.findall(r"src='data:image/png;base64,([A-Za-z0-9+/=]+)'", text)
-    assert len(images) >= 3  # heatmap, root metric, loss (+ conditions when alarms have onsets)
+    images = re.findall(r"<img alt='(\w+)' src='data:image/png;base64,([A-Za-z0-9+/=]+)'", text)
+    assert [name for name, _ in images] == ["heatmap", "root_metric", "loss", "conditions"]
     assert not re.search(r"(src|href)=['\"]https?:", text)  # nothing fetched from the network
     analysis = analyze(fault_trace)
     assert wording.analysis_summary_line(analysis) in text.replace("&#x27;", "'")
@@ -49,7 +49,7 @@ def test_png_format_via_cli(fault_trace: Path, tmp_path: Path) -> None:
     res = CliRunner().invoke(app, ["report", str(fault_trace), "--format", "png", "-o", str(tmp_path / "figs")])
     assert res.exit_code == 0, res.output
     written = sorted(Path(line).name for line in res.stdout.split())
-    assert {"heatmap.png", "loss.png"} <= set(written)
+    assert written == ["conditions.png", "heatmap.png", "loss.png", "root_metric.png"]
     for name in written:
         assert (tmp_path / "figs" / name).read_bytes()[:8] == PNG_MAGIC
 
@@ -105,3 +105,16 @@ def test_report_takes_the_same_options_as_analyze(fault_trace: Path, tmp_path: P
     assert wording.analysis_summary_line(expected) in out.read_text().replace("&#x27;", "'")
     bad = CliRunner().invoke(app, ["report", str(fault_trace), "-o", str(out), "--set", "nope.x=1"])
     assert bad.exit_code == 2 and "Traceback" not in bad.output
+
+
+def test_figures_leave_the_callers_matplotlib_backend_alone(tmp_path: Path) -> None:
+    """A notebook importing the report keeps its backend: the figures use no pyplot state."""
+    script = (
+        "import matplotlib, sys; matplotlib.use('svg')\n"
+        "import polars as pl\n"
+        "from warninglight.forensics import plots, report, report_html\n"
+        "steps = pl.DataFrame({'step': [1, 2], 'loss': [1.0, 0.9], 'grad_norm_total_l2': [1.0, 1.1]})\n"
+        "png = plots.png_bytes(plots.loss_and_grad(steps, [plots.Mark('alarm', 2)]))\n"
+        "print(matplotlib.get_backend(), png[:4] == b'\\x89PNG', 'matplotlib.pyplot' in sys.modules)\n")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["svg", "True", "False"], out.stderr

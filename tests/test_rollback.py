@@ -38,17 +38,17 @@ def test_gradual_fault_loss_only_never_fires_and_report_says_so() -> None:
 def test_creeping_fault_loss_only_is_later_and_already_damaged() -> None:
     d = analysed("mlp_creeping_corruption").to_dict()
     onset = truth(trace("mlp_creeping_corruption"))["step"]
-    ours, naive = d["rollback"]["checkpoint_step"], d["rollback"]["loss_only"]
+    ours, loss_only = d["rollback"]["checkpoint_step"], d["rollback"]["loss_only"]
     assert abs(d["root"]["onset_step"] - onset) <= 10 and d["root"]["attributed_to"] == "2"
     assert ours < onset
-    assert naive["alarm_step"] > d["root"]["alarm_step"]          # the light lit first
-    assert naive["checkpoint_step"] > ours and naive["contaminated"] is True
-    assert naive["steps_discarded"] < d["rollback"]["steps_discarded"]
+    assert loss_only["alarm_step"] > d["root"]["alarm_step"]          # the light lit first
+    assert loss_only["checkpoint_step"] > ours and loss_only["contaminated"] is True
+    assert loss_only["steps_discarded"] < d["rollback"]["steps_discarded"]
     assert "already held the damage" in d["rollback"]["note"]
     assert d["detectors"]["light_lead_over_loss_spike"] > 0
 
 
-def test_naive_checkpoint_after_onset_is_marked_contaminated() -> None:
+def test_loss_only_checkpoint_after_onset_is_marked_contaminated() -> None:
     # Checkpoints every 10 steps: the loss-only choice (before the loss spike) is later than the onset.
     d = analyze(trace("mlp_weight_corruption"), checkpoint_every=1).to_dict()
     r = d["rollback"]

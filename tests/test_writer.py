@@ -80,9 +80,10 @@ def assert_complete(trace: Path, last: int) -> None:
 
 
 # One process imports torch once and forks a recording run per request, so ten kills cost ten
-# forks, not ten interpreter starts. Each run prints "<pid> <step>" after every optimizer step.
+# forks, not ten interpreter starts. Each run prints "<pid> <step>" after every optimizer step,
+# and after its last step waits to be killed.
 ZYGOTE = textwrap.dedent("""
-    import os, sys
+    import os, signal, sys
     import torch
     torch.set_num_threads(1)  # before any op: no thread pool exists to be broken by fork()
     import torch.nn.functional as F
@@ -102,7 +103,7 @@ ZYGOTE = textwrap.dedent("""
             print(os.getpid(), step, flush=True)
             if step == steps:
                 break
-        rec.close()
+        signal.pause()  # wait for the kill: a run never ends on its own before the parent reacts
 
     for line in sys.stdin:
         path, steps, flush = line.split()

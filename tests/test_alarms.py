@@ -115,7 +115,7 @@ def test_live_alarms_equal_replay(live: dict[str, Any]) -> None:
     assert as_live == as_replay
     last_root = rec.alarms[-1]["root"]
     assert (last_root["attributed_to"], last_root["onset_step"], last_root["condition"]) == (
-        offline.root["attributed_to"], offline.root["onset_step"], offline.root["condition"])
+        offline.root.alarm.attributed_to, offline.root.alarm.onset_step, offline.root.alarm.condition)
 
 
 def test_every_sink_got_every_alarm_in_order(live: dict[str, Any]) -> None:

@@ -21,7 +21,7 @@ from warninglight.forensics import rollback as rb
 from warninglight.forensics.analysis import ALARM_KEYS, Alarm, Detectors, _root, param_components
 from warninglight.forensics.classify import alarms, hits, score
 from warninglight.forensics.conditions import Config, load_config
-from warninglight.forensics.localise import locate, root_cause
+from warninglight.forensics.localise import Located, RootCause, locate, root_cause
 from warninglight.forensics.wording import alarm_line, summary_line
 
 from ..writer import Segment, health_table
@@ -43,7 +43,7 @@ class LiveClassifier:
         self._scored: pl.DataFrame | None = None   # scored rows of the last `reach` steps
         self._hits: list[pl.DataFrame] = []
         self._seen: set[tuple[Any, ...]] = set()   # (component, condition, step) of alarms raised
-        self._located: list[dict[str, Any]] = []
+        self._located: list[Located] = []
         self._checkpoints: list[rb.Checkpoint] = []
         self._batches: dict[int, list[int] | None] = {}
         self._wall: dict[int, float] = {}
@@ -74,32 +74,30 @@ class LiveClassifier:
         if not rows:
             return []
         new = pl.DataFrame(rows, schema=every.schema)
-        fresh_located = list(locate(new, self._scored, self.components, self.config).iter_rows(named=True))
-        for a in fresh_located:
-            self._seen.add((a["observed_on"], a["condition"], a["step"]))
-        self._located += fresh_located
-        located = pl.DataFrame(self._located, strict=False)
+        fresh = locate(new, self._scored, self.components, self.config)
+        for a in fresh:
+            self._seen.add((a.observed_on, a.condition, a.step))
+        self._located += fresh
         # the root as it stands with every alarm so far (it can move as later alarms come in)
-        root, _ = root_cause(located, self.config, param_components(self.components))
-        return [self._alarm(a, root, located) for a in fresh_located]
+        root, _ = root_cause(self._located, self.config, param_components(self.components))
+        return [self._alarm(a, root) for a in fresh]
 
-    def _alarm(self, a: dict[str, Any], root: dict[str, Any] | None,
-               located: pl.DataFrame) -> dict[str, Any]:
+    def _alarm(self, a: Located, root: RootCause | None) -> dict[str, Any]:
         """The JSON of one alarm: `analyze --json`'s alarm fields, the root and rollback as they
         stand now, and `text` (the verdict line and this alarm's line, worded by the engine)."""
-        alarm = Alarm(**{k: _plain(a.get(k)) for k in ALARM_KEYS})
+        alarm = Alarm(**{k: _plain(getattr(a, k)) for k in ALARM_KEYS})
         alarm = replace(alarm, last_step=alarm.step)  # the episode is still open
-        typed_root = _root(root, located, 1)
+        typed_root = _root(root, self._located, 1)
         loss_steps, losses = self._loss_series()
         fired = detectors.loss_spikes(loss_steps, losses)  # on the losses logged so far
-        loss_spike = detectors.first_at_or_after(fired, root["onset_step"] if root else None)
+        loss_spike = detectors.first_at_or_after(fired, root.alarm.onset_step if root else None)
         rollback = self._rollback(root, loss_spike) if root else None
         out: dict[str, Any] = {"text": "", **alarm.to_dict(),
                                "step_wall_time_s": self._wall.get(alarm.step),
                                "root": typed_root.to_dict() if typed_root else None,
                                "rollback": rollback.to_dict() if rollback else None}
         if typed_root is not None and rollback is not None:
-            first = min(r["step"] for r in self._located)
+            first = min(r.step for r in self._located)
             found = Detectors(  # as far as the run has gone; the gradient-norm rule is judged offline
                 loss_spike_step=loss_spike, grad_norm_spike_step=None, loss_spike_first_step=loss_spike,
                 grad_norm_spike_first_step=None, loss_spike_count=int(loss_spike is not None),
@@ -117,8 +115,8 @@ class LiveClassifier:
         return (np.array(steps, dtype=np.int64),
                 np.array([self._losses[s] for s in steps], dtype=np.float64))
 
-    def _rollback(self, root: dict[str, Any], loss_spike: int | None) -> rb.Rollback:
-        onset, step = int(root["onset_step"]), int(root["step"])
+    def _rollback(self, root: RootCause, loss_spike: int | None) -> rb.Rollback:
+        onset, step = root.alarm.onset_step, root.alarm.step
         rec = rb.recommend(None, self._checkpoints, "trace", onset, step, loss_spike, self.last_step)
         ids = [self._batches.get(s) for s in range(onset, step + 1)]
         return replace(rec, skip_batches=[i for b in ids if b for i in b] if any(b is not None for b in ids) else None)

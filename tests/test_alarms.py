@@ -47,7 +47,11 @@ def _train(path: Path, sinks: list[Any], on_alarm: Any, step_times: list[float],
     drill.attach(model, opt)
     try:
         with watch(model, opt, path, alarms=sinks, on_alarm=on_alarm) as rec:
-            for step in range(1, STEPS + 1):
+            step, hung_steps, give_up = 0, 0, time.time() + 300
+            # train past the fault; then on, until 10 steps have run while the hung endpoint held
+            # its request (it is released only after training): the hang slowed nothing
+            while step < STEPS or (hung_steps < 10 and time.time() < give_up):
+                step += 1
                 start = time.time()
                 ids, x, y = next(data)
                 drill.before_step(step, model, opt)
@@ -61,8 +65,8 @@ def _train(path: Path, sinks: list[Any], on_alarm: Any, step_times: list[float],
                     torch.save(model.state_dict(), path.parent / f"step-{step}.pt")
                     rec.checkpoint(path.parent / f"step-{step}.pt")
                 step_times.append(time.time() - start)
-            # training is over while the hung endpoint still holds its request: it slowed nothing
-            during.append(hung.hanging.is_set() and not hung.release.is_set())
+                hung_steps += hung.hanging.is_set() and not hung.release.is_set()
+            during.append(hung_steps)
             hung.release.set()  # so closing does not wait out the sinks' deadline for it
     finally:
         drill.detach()
@@ -163,8 +167,8 @@ def test_on_alarm_runs_on_the_training_thread_at_a_step_boundary(live: dict[str,
 
 
 def test_a_hung_webhook_did_not_hold_training(live: dict[str, Any]) -> None:
-    assert live["during"] == [True]
-    assert live["rec"].step_count == STEPS
+    assert live["during"] == [10]  # steps trained while the endpoint held its request
+    assert live["rec"].step_count == len(live["step_times"]) >= STEPS
     assert live["rec"].dropped_steps == 0
 
 

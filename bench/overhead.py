@@ -96,6 +96,8 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=8, help="GPT batch size")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: leave as is)")
     ap.add_argument("--skip-mlp", action="store_true", help="only the GPT figure")
+    ap.add_argument("--skip-replicas", action="store_true",
+                    help="skip the per-rank evidence figure (bench/replica_overhead.py)")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -106,6 +108,10 @@ def main() -> None:
     if not args.skip_mlp:
         model, loss_fn = mlp_case(batch=64)
         measure("MLP 32-64-64-64-10, batch 64", model, loss_fn, args.pairs, args.steps * 20)
+    if not args.skip_replicas:  # data-parallel runs only: weight checksums, local gradient norms
+        from replica_overhead import report as replica_report
+
+        replica_report(steps=max(3, args.steps // 2))
 
 
 if __name__ == "__main__":

@@ -75,14 +75,7 @@ def replay_cmd(
     if as_json:
         typer.echo(json.dumps(result.to_dict(), indent=2))
         return
-    for e in result.events:
-        if e.source == "light":
-            z = "" if e.magnitude is None else f" z={e.magnitude:.1f}"
-            typer.echo(f"step {e.step:>6}  LIGHT  {e.observed_on} {e.condition} ({e.metric}{z}), onset {e.onset_step}")
-        else:
-            typer.echo(f"step {e.step:>6}  {e.source.replace('_', '-')} rule fires")
-    if not result.events:
-        typer.echo("no alarm: the light never lit")
+    typer.echo("\n".join(wording.timeline_lines(result.events)))
 
 
 @app.command("conditions")

@@ -45,12 +45,14 @@ def eval_cmd(
     force: Annotated[bool, typer.Option("--force", help="Overwrite the --json file if it exists.")] = False,
 ) -> None:
     """Run scenarios over seeds and print detection accuracy, onset error, lead over other detectors, rollback."""
-    from warninglight.lab import evaluation
+    from warninglight.lab import distributed, evaluation
     from warninglight.lab.rehearsal import SCENARIOS
 
     if list_:
         for name, sc in SCENARIOS.items():
             typer.echo(f"{name}\t{sc.model}\t{sc.steps} steps")
+        for name, rs in distributed.SCENARIOS.items():
+            typer.echo(f"{name}\tgpt, {rs.world_size} {rs.wrapper} ranks\t{rs.steps} steps")
         return
     if json_out is not None and not json_out.parent.is_dir():  # checked before minutes of training
         raise fail(f"--json {json_out}: folder {json_out.parent} does not exist — create it or pass another path")
@@ -59,8 +61,8 @@ def eval_cmd(
     if workdir is not None and workdir.exists() and (not workdir.is_dir() or any(workdir.iterdir())):
         raise fail(f"--workdir {workdir} is not an empty folder — the benchmark writes traces and "
                    "checkpoints there and would mix with what it holds; pass a new or empty folder")
-    names = scenarios or list(SCENARIOS)
-    unknown = [n for n in names if n not in SCENARIOS]
+    names = scenarios or [*SCENARIOS, *distributed.SCENARIOS]
+    unknown = [n for n in names if n not in SCENARIOS and n not in distributed.SCENARIOS]
     if unknown:
         raise fail(f"unknown scenario {unknown[0]!r}; run `warninglight eval --list` for the names")
 

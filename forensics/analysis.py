@@ -8,7 +8,7 @@ band, for plots. How a verdict is worded for a person lives in `wording`.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +16,7 @@ import numpy as np
 import polars as pl
 
 from . import checks, detectors
+from . import ranks as rank_analysis
 from . import rollback as rb
 from .baseline import band
 from .classify import classify
@@ -37,11 +38,11 @@ class Root:
     alarm_step: int
     magnitude: float | None  # robust z (a count for non-finite counts; None for a NaN/Inf value)
     metric: str
-    rank: int
+    rank: int | None  # None: a multi-rank run shows it on every rank
     ranks: list[int]  # every rank on which the attributed component alarmed
     ranks_disagree: bool  # it alarmed on some ranks only
     evidence: str
-    scope: str  # "component" | "optimizer"
+    scope: str  # "component" | "optimizer" | "replicas"
 
     @property
     def name(self) -> str:
@@ -65,7 +66,7 @@ class Alarm:
     onset_step: int
     magnitude: float | None
     metric: str
-    rank: int
+    rank: int | None  # None: a replica divergence with no single odd rank
     last_step: int  # last step of the episode
     value: float | None
     median: float | None  # None for non-finite rules
@@ -117,6 +118,7 @@ class Analysis:
     steps: pl.DataFrame = field(default_factory=pl.DataFrame, repr=False)  # the steps table, by step
     warmup_steps: int = 0  # recorded steps before a component is first judged (baseline min_samples + lag)
     warnings: list[str] = field(default_factory=list)  # problems of the trace the analysis went past
+    ranks_panel: pl.DataFrame = field(default_factory=pl.DataFrame, repr=False)  # ranks.panel(): rank x step
 
     def alarm_list(self) -> list[Alarm]:
         """The alarms as records, in step order (non-finite floats as None)."""
@@ -158,8 +160,30 @@ def _root(cause: RootCause | None, located: list[Located], ranks: int) -> Root |
     on = sorted({a.rank for a in located if a.attributed_to == where})
     return Root(attributed_to=root.attributed_to, observed_on=root.observed_on,
                 condition=root.condition, onset_step=root.onset_step, alarm_step=root.step,
-                magnitude=_plain(root.magnitude), metric=root.metric, rank=root.rank, ranks=on,
+                magnitude=_plain(root.magnitude), metric=root.metric, ranks=on,
+                # None when every rank of a multi-rank run shows it: the model's fault, not one GPU's
+                rank=root.rank if ranks == 1 or len(on) < ranks else None,
                 ranks_disagree=len(on) < ranks, evidence=cause.evidence, scope=cause.scope)
+
+
+def with_ranks(root: Root | None, found: list[rank_analysis.RankFinding]) -> Root | None:
+    """The root once the ranks are compared (forensics/ranks.py): the earliest of the two.
+
+    A finding on the classifier root's own component at or before its onset confirms it and
+    names its rank; a finding earlier than the root's onset (or at it, elsewhere) replaces it.
+    """
+    if not found:
+        return root
+    lead = found[0]
+    if root is None or lead.step < root.onset_step:
+        return Root(**rank_analysis.root_fields(lead))
+    same = [f for f in found if f.component == root.attributed_to and f.step <= root.onset_step]
+    if same:
+        f = same[0]
+        return replace(root, onset_step=f.step, rank=f.rank, ranks=f.ranks, ranks_disagree=f.rank is not None,
+                       scope="replicas" if f.kind == rank_analysis.REPLICAS else root.scope,
+                       evidence=f"{root.evidence}; {f.evidence}")
+    return Root(**rank_analysis.root_fields(lead)) if lead.step == root.onset_step else root
 
 
 def param_components(components: pl.DataFrame) -> int:
@@ -213,12 +237,15 @@ def analyze(trace_dir: str | Path, *, config: Config | str | Path | None = None,
         steps = trace.frame("steps").collect().sort("step")
         located = locate(alarms, scored, components, cfg)
         root, affected = root_cause(located, cfg, param_components(components))
-        onset = root.alarm.onset_step if root else None
+        ranked = rank_analysis.findings(trace)  # empty for a single rank
+        panel = rank_analysis.panel(trace)
+        top = with_ranks(_root(root, located, summary["ranks"]), ranked)
+        onset = top.onset_step if top else None
         found = comparators(trace, onset)
         last = int(summary["last_step"] or 0)
         ckpts, source = _checkpoints(trace, checkpoints_glob, checkpoint_every, last,
                                      [onset, found["loss_spike_step"]])
-        rollback = rb.recommend(trace, ckpts, source, onset, root.alarm.step if root else None,
+        rollback = rb.recommend(trace, ckpts, source, onset, top.alarm_step if top else None,
                                 found["loss_spike_step"], last)
         warnings = list(trace.warnings)
         missing = checks.checkpoint_warning(rollback.checkpoint_path, rollback.checkpoint_step,
@@ -226,11 +253,18 @@ def analyze(trace_dir: str | Path, *, config: Config | str | Path | None = None,
         warnings += [missing] if missing else []
     finally:
         trace.close()
-    first_light = min(a.step for a in located) if root is not None else None
+    alarms = located_frame(located).select(ALARM_KEYS)
+    if ranked and top is not None:
+        alarms = pl.concat([alarms, rank_analysis.alarm_frame(ranked, dict(alarms.schema))],
+                           how="diagonal_relaxed").sort("step", "rank", "observed_on", nulls_last=True)
+        replaced = [root.alarm.attributed_to] if root and root.alarm.attributed_to != top.attributed_to else []
+        affected = [c for c in dict.fromkeys([*replaced, *affected, *(f.component for f in ranked)])
+                    if c != top.attributed_to]
+    first_light = alarms.select(pl.col("step").min()).item() if top is not None else None
     leads = {key: None if first_light is None or step is None else step - first_light
              for key, step in (("light_lead_over_loss_spike", found["loss_spike_step"]),
                                ("light_lead_over_grad_norm_spike", found["grad_norm_spike_step"]))}
-    return Analysis(Path(trace_dir), FAULT if root else HEALTHY,
-                    _root(root, located, summary["ranks"]), affected,
-                    located_frame(located).select(ALARM_KEYS), rollback, Detectors(**found, **leads, first_alarm_step=first_light),
-                    scored, summary, components, steps, cfg.baseline.min_samples + cfg.baseline.lag, warnings)
+    return Analysis(Path(trace_dir), FAULT if top else HEALTHY, top, affected,
+                    alarms, rollback, Detectors(**found, **leads, first_alarm_step=first_light),
+                    scored, summary, components, steps, cfg.baseline.min_samples + cfg.baseline.lag,
+                    warnings, panel)

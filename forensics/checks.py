@@ -22,7 +22,7 @@ if TYPE_CHECKING:
 # Columns without which a table's rows mean nothing (the step or the name they belong to).
 KEY_COLUMNS: dict[str, tuple[str, ...]] = {
     "health": ("step", "component"), "steps": ("step",), "scalars": ("step", "name"),
-    "events": ("step", "kind"), "components": ("component",),
+    "events": ("step", "kind"), "components": ("component",), "replicas": ("step", "component"),
 }
 # Manifest fields that must be whole numbers (or null) for counts and step ranges to mean anything.
 _MANIFEST_INTS = ("rank", "world_size")

@@ -219,6 +219,36 @@ def condition_map(alarms: pl.DataFrame, order: Sequence[str], last_step: int,
     return fig
 
 
+def rank_panel(frame: pl.DataFrame, marks: Sequence[Mark] = ()) -> Figure:
+    """Rank × step: how far each rank's local gradients stray from the ranks' median (red: above,
+    blue: below), and where its weights left the majority (black ticks)."""
+    ranks = sorted(set(frame["rank"].to_list()))
+    steps = sorted(set(frame["step"].to_list()))
+    col = {s: i for i, s in enumerate(steps)}
+    grid = np.full((len(ranks), len(steps)), np.nan)
+    for r, s, dev, _ in frame.iter_rows():
+        grid[ranks.index(r), col[s]] = np.nan if dev is None else dev
+    fig = Figure(figsize=(11, 1.4 + 0.45 * len(ranks)), layout="constrained")
+    ax = fig.subplots()
+    width = steps[1] - steps[0] if len(steps) > 1 else 1
+    extent = (steps[0] - 0.5, steps[-1] + width - 0.5, len(ranks) - 0.5, -0.5)
+    top = max(1.0, float(np.nanmax(np.abs(grid))) if np.isfinite(grid).any() else 1.0)
+    im = ax.imshow(grid, aspect="auto", interpolation="nearest", cmap="RdBu_r", vmin=-top, vmax=top,
+                   extent=extent)
+    off = frame.filter(pl.col("diverged"))
+    if len(off):
+        ax.scatter(off["step"].to_numpy() + (width - 1) / 2, [ranks.index(r) for r in off["rank"]],
+                   marker="|", s=80, color="black", label="weights differ from the majority")
+    ax.set_yticks(range(len(ranks)), [f"rank {r}" for r in ranks])
+    ax.set_xlabel("optimizer step")
+    ax.set_title("Ranks: log local gradient norm − the ranks' median (the largest over components)")
+    fig.colorbar(im, ax=ax, pad=0.01, label="log units")
+    _draw_marks(ax, marks)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(loc="upper left", fontsize=8, framealpha=0.9)
+    return fig
+
+
 def png_bytes(fig: Figure, dpi: int = 110) -> bytes:
     """The figure as PNG bytes (rendered by Agg through the figure's own canvas, whatever the backend)."""
     buf = io.BytesIO()

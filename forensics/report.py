@@ -15,6 +15,7 @@ from typing import Any
 
 import polars as pl
 from matplotlib.figure import Figure
+from warninglight.tracer import schema
 
 from . import plots
 from .analysis import Analysis
@@ -74,7 +75,10 @@ def gather(analysis: Analysis) -> ReportData:
     components = analysis.components
     root = analysis.root
     # the metric was measured on `observed_on` (e.g. the ReLU after the root Linear)
-    band = None if root is None else analysis.baseline_frame(root.observed_on, root.metric, rank=root.rank)
+    band = None  # a rank finding's metric (replicas table) has no baseline band
+    if root is not None and root.metric in schema.HEALTH_METRICS:
+        rank = root.rank if root.rank is not None else (root.ranks or [0])[0]
+        band = analysis.baseline_frame(root.observed_on, root.metric, rank=rank)
     return ReportData(analysis, component_order(components),
                       dict(zip(components["component"], components["kind"], strict=True)),
                       heat_scores(analysis.scored), band,
@@ -122,6 +126,8 @@ def figures(data: ReportData) -> dict[str, Figure]:
         figs["root_metric"] = plots.baseline_band(data.root_band, name, root.metric,
                                                   [x for x in m if x.label in ("injected", *_ALARM_MARKS)])
     figs["loss"] = plots.loss_and_grad(a.steps, m, never_fired(data))
+    if len(a.ranks_panel):
+        figs["ranks"] = plots.rank_panel(a.ranks_panel, near)
     if len(a.alarms) and data.order:
         figs["conditions"] = plots.condition_map(a.alarms, data.order, int(a.steps["step"].max()), near,
                                                  kinds=data.kinds)

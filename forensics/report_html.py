@@ -37,6 +37,11 @@ _CAPTIONS = {  # figure stem -> (heading, note under the image)
              "Vertical lines: the fault's onset and our alarm, the comparators' first firing at or after "
              "the onset, and the checkpoint each rollback would resume from."),
     "conditions": ("What: conditions by component", ""),
+    "ranks": ("Which rank: every rank at every step",
+              "Colour: how far the rank's local gradient norm (before the all-reduce) strays from the "
+              "ranks' median, in log units, the largest over components (red: above the others, blue: "
+              "below). Black ticks: the rank's weights differ from the "
+              "majority of ranks (every rank, when no majority exists)."),
 }
 
 

@@ -54,6 +54,7 @@ class Rollback:
     checkpoint_source: str = "trace"
     note: str = ""
     checkpoints: list[int] = field(default_factory=list)
+    skip_batches_by_rank: dict[str, list[int]] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -108,6 +109,17 @@ def batches_in(trace: Trace, first: int, last: int) -> list[int] | None:
     return ids if ids or any(b is not None for (b,) in rows) else None
 
 
+def batches_by_rank(trace: Trace, first: int, last: int) -> dict[str, list[int]] | None:
+    """Each rank's batch ids for steps first..last, when several ranks recorded different ones."""
+    rows = trace.con.execute(
+        "SELECT rank, batch_ids FROM steps WHERE step BETWEEN ? AND ? AND batch_ids IS NOT NULL "
+        "ORDER BY rank, step", [first, last]).fetchall()
+    by: dict[str, list[int]] = {}
+    for rank, ids in rows:
+        by.setdefault(str(rank), []).extend(int(i) for i in ids)
+    return by if len(by) > 1 and len({tuple(v) for v in by.values()}) > 1 else None
+
+
 def recommend(trace: Trace | None, checkpoints: list[Checkpoint], source: str, onset: int | None,
               alarm: int | None, loss_spike: int | None, last_step: int) -> Rollback:
     """The rollback for a fault with `onset` raised at `alarm` (both None: nothing to roll back).
@@ -131,7 +143,7 @@ def recommend(trace: Trace | None, checkpoints: list[Checkpoint], source: str, o
                  + (f" ({later} steps later than ours)" if later > 0 else ""))
     return Rollback(ckpt.step, ckpt.path, last_step - ckpt.step, [onset, alarm],
                     batches_in(trace, onset, alarm) if trace is not None else None, loss_only, source,
-                    note, steps)
+                    note, steps, batches_by_rank(trace, onset, alarm) if trace is not None else None)
 
 
 def _loss_only(checkpoints: list[Checkpoint], onset: int | None, loss_spike: int | None,

@@ -9,6 +9,12 @@ Views (every one has `rank` and `incarnation` columns, from the hive partitions)
   so each (rank, step) appears once, from the latest incarnation that reached it.
 - `components`: one row per (rank, component), from the latest incarnation.
 - `checkpoints`: the `checkpoint` events of the effective timeline (step, path, detail).
+- `replicas`: per-rank evidence (weight checksums, local gradient norms) of the effective timeline;
+  empty for a single-rank run.
+- `ranks`: the ranks side by side, one row per (step, component): `ranks` (how many recorded
+  it), `fingerprints` (distinct weight checksums: 1 when the replicas agree), the local gradient
+  norm's min / median / max over ranks and `max_rank` (the rank holding the max), and
+  `all_reduced` (every rank all-reduced its gradients). Sharded (FSDP) components are left out.
 
 Checks on open (each a named `TraceError` whose message names the file and the fix): not a trace
 directory, no segments, a segment that is not readable Parquet or lacks its key columns, an unknown
@@ -33,7 +39,7 @@ from .segments import list_segments
 
 _DUCK_TYPES = {"int64": "BIGINT", "float": "FLOAT", "double": "DOUBLE", "string": "VARCHAR",
                "bool": "BOOLEAN", "list<item: int64>": "BIGINT[]"}
-_TIMELINE_TABLES = ("health", "steps", "scalars", "events")
+_TIMELINE_TABLES = ("health", "steps", "scalars", "events", "replicas")
 
 
 class TraceError(Exception):
@@ -156,6 +162,16 @@ def _timeline_views(con: duckdb.DuckDBPyConnection) -> None:
     con.execute("""
         CREATE VIEW components AS SELECT * FROM components_all
         QUALIFY incarnation = max(incarnation) OVER (PARTITION BY rank, component)""")
+    con.execute("""
+        CREATE VIEW ranks AS
+        SELECT step, component, count(*) AS ranks, count(DISTINCT weight_checksum) AS fingerprints,
+               min(local_grad_norm_l2) AS local_grad_norm_min,
+               median(local_grad_norm_l2) AS local_grad_norm_median,
+               max(local_grad_norm_l2) AS local_grad_norm_max,
+               arg_max(rank, local_grad_norm_l2) AS max_rank,
+               bool_and(grad_allreduced) AS all_reduced
+        FROM replicas WHERE NOT coalesce(sharded, false)
+        GROUP BY step, component""")
     con.execute("""
         CREATE VIEW checkpoints AS SELECT step, path, detail, rank, incarnation, wall_time_s
         FROM events WHERE kind = 'checkpoint' ORDER BY step""")

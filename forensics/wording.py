@@ -11,6 +11,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from .analysis import HEALTHY, Alarm, Analysis, Detectors, Root
+from .replay import Event
 from .rollback import Rollback
 
 ALARM_TABLE_COLUMNS = ("step", "onset_step", "observed_on", "attributed_to", "condition", "metric", "magnitude")
@@ -71,6 +72,8 @@ def root_line(root: Root) -> str:
         seen = f" (led by {root.observed_on})"
     if root.ranks_disagree:
         seen += f" on rank {', '.join(str(r) for r in root.ranks)} only"
+    elif root.rank is None and len(root.ranks) > 1:
+        seen += " on every rank"
     return (f"root: {root.name}{seen} {root.condition}: onset step {root.onset_step}, "
             f"alarm step {root.alarm_step}{z} on {root.metric}; {root.evidence}")
 
@@ -82,6 +85,18 @@ def alarm_line(alarm: Alarm) -> str:
         f"{alarm.attributed_to} (observed on {alarm.observed_on})")
     return (f"step {alarm.step}: {where or '(whole model)'} {alarm.condition} on {alarm.metric}{z}, "
             f"onset step {alarm.onset_step}")
+
+
+def timeline_lines(events: Sequence[Event]) -> list[str]:
+    """`replay`'s timeline: when the light would have lit, and when each comparator rule fired."""
+    lines = []
+    for e in events:
+        if e.source == "light":
+            z = "" if e.magnitude is None else f" z={e.magnitude:.1f}"
+            lines.append(f"step {e.step:>6}  LIGHT  {e.observed_on} {e.condition} ({e.metric}{z}), onset {e.onset_step}")
+        else:
+            lines.append(f"step {e.step:>6}  {e.source.replace('_', '-')} rule fires")
+    return lines or ["no alarm: the light never lit"]
 
 
 def rollback_lines(rollback: Rollback) -> list[str]:

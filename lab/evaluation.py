@@ -61,6 +61,9 @@ class RunScore:
     static_rule: str | None
     static_correct: bool | None  # the truth component, and it alone, fired first
     seconds: float = 0.0
+    truth_rank: int | None = None  # data-parallel runs: the faulty rank (None: every rank or single-rank)
+    root_rank: int | None = None
+    rank_correct: bool | None = None  # None for single-rank runs and clean runs
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-ready dict."""
@@ -126,11 +129,15 @@ def score(scenario: str, seed: int, truth: Mapping[str, Any], result: Mapping[st
     onset_error = abs(_diff(root.get("onset_step"), injected)) if named and not clean and root.get("onset_step") is not None else None
     loss_step, grad_step = _rule_steps(result, comparators, injected)
     static_step, static_rule, static_correct = _static(static, injected, want)
+    # a data-parallel drill also says which rank (null: every rank); the root must name it too
+    ranked = "rank" in truth and not clean
+    rank_ok = (named and root.get("rank") == truth["rank"]) if ranked else None
     return RunScore(
         scenario=scenario, seed=seed, fault=CLEAN if clean else fault, kind=kind,
         truth_component=want, injected=injected,
         fault_verdict=named, root_component=root.get("attributed_to"), root_condition=root.get("condition"),
-        root_correct=None if want is None else (named and root.get("attributed_to") == want),
+        root_correct=None if want is None else (named and root.get("attributed_to") == want
+                                                 and rank_ok is not False),
         onset_error=onset_error,
         onset_ok=None if clean else (onset_error is not None and onset_error <= ONSET_TOLERANCE.get(kind, 2)),
         latency=None if clean else _diff(alarm, injected),
@@ -143,7 +150,8 @@ def score(scenario: str, seed: int, truth: Mapping[str, Any], result: Mapping[st
         discarded_loss_only=loss_only.get("steps_discarded"), loss_only_contaminated=loss_only.get("contaminated"),
         static_step=static_step, static_rule=static_rule,
         static_correct=None if clean else static_correct,
-        seconds=seconds,
+        seconds=seconds, truth_rank=truth.get("rank"), root_rank=root.get("rank") if named else None,
+        rank_correct=rank_ok,
     )
 
 
@@ -151,6 +159,7 @@ def run_one(scenario: Any, seed: int, workdir: Path, steps: int | None = None) -
     """Rehearse one scenario (a name or a `Scenario`) with one seed into `workdir`, analyse, score."""
     from warninglight.forensics import analyze
     from warninglight.forensics.static_rules import static_alarms
+    from warninglight.lab import distributed
     from warninglight.lab.rehearsal import rehearse
 
     name = scenario if isinstance(scenario, str) else scenario.name
@@ -159,7 +168,10 @@ def run_one(scenario: Any, seed: int, workdir: Path, steps: int | None = None) -
     kwargs: dict[str, Any] = {"seed": seed, "checkpoint_dir": workdir / f"{name}-seed{seed}-ckpt"}
     if steps is not None:
         kwargs["steps"] = steps
-    truth = rehearse(scenario, trace, **kwargs)
+    if isinstance(scenario, str) and scenario in distributed.SCENARIOS:  # spawned gloo ranks
+        truth = distributed.rehearse(scenario, trace, seed)
+    else:
+        truth = rehearse(scenario, trace, **kwargs)
     result = analyze(trace).to_dict()
     rows, comps = read_run(trace)
     return score(name, seed, truth, result, static_alarms(trace), rows,
@@ -198,6 +210,8 @@ def clean_twins(names: Sequence[str]) -> list[Any]:
     covered = {setup(sc) for sc in SCENARIOS.values() if not sc.drills()}
     twins: dict[tuple[Any, ...], Any] = {}
     for name in names:
+        if name not in SCENARIOS:  # a data-parallel scenario: its clean run is its own scenario
+            continue
         sc = SCENARIOS[name]
         if setup(sc) not in covered and setup(sc) not in twins:
             twins[setup(sc)] = replace(sc, name=f"{name}~clean", drills=list)
@@ -272,6 +286,7 @@ def summarise_faults(runs: Sequence[RunScore]) -> dict[str, Any]:
     return {
         "runs": len(runs),
         "root right": _ratio(_count(r.root_correct for r in runs)),
+        "rank right": _ratio(_count(r.rank_correct for r in runs)),
         "onset err med/max": f"{_plain(_median(onset))}/{max(onset)}" if onset else "—",
         "onset in tol": _ratio(_count(r.onset_ok for r in runs)),
         "latency med": _plain(_median(r.latency for r in runs)),

@@ -53,6 +53,18 @@ _NOTES = """\
   break, `fullgraph=True` works) and a `warning` event names the components not seen;
   `watch(..., hooks_under_compile="eager")` runs them outside the graph instead (full
   statistics, one graph break per component). Gradient and weight metrics work either way.
+- **Ranks.** With a world size above 1 every rank writes the `replicas` table: exact weight
+  checksums (compare ranks: bit-identical replicas have equal checksums) and, when the watched
+  model is the `DistributedDataParallel` wrapper, the local gradient norm each rank contributed
+  before the all-reduce (read in a DDP communication hook that then performs DDP's own
+  arithmetic, so training stays bit-identical; if the model already has a communication hook,
+  local norms are not recorded and a `warning` event says so). `warninglight query TRACE
+  "select * from ranks"` shows the ranks side by side.
+- **Sharded parameters (FSDP2 `fully_shard`).** Every weight and gradient metric of a sharded
+  parameter is computed on this rank's shard (per shard, the rank is the partition): the full
+  parameter's L2 norm is `sqrt(sum(norm^2))` over the ranks' rows of a step; `update_ratio` and
+  the sketch-based metrics are per shard. `replicas.sharded` is true and checksums are not
+  compared across ranks.
 - **Training forwards only.** Hooks record only when the module is in training mode and
   gradients are enabled: `model.eval()` and `torch.no_grad()` passes are not part of any step.
 - **Subsample.** `out_*` statistics (except `out_nonfinite_count`) come from the *first* training

@@ -77,8 +77,9 @@ def rewrite(path: Path, change) -> None:
 @pytest.mark.parametrize("name", ["run[1]", "run*", "run?"])
 def test_a_trace_path_with_glob_characters_is_taken_literally(name: str, tmp_path: Path) -> None:
     shutil.copytree(trace("mlp_clean"), tmp_path / name)
-    shutil.copytree(trace("mlp_clean", steps=120), tmp_path / "run1")  # what a glob would also match
-    shutil.copytree(trace("mlp_clean", steps=120), tmp_path / "runx")
+    for decoy in ("run1", "runx"):  # what the name would match as a glob: same files, fewer rows
+        shutil.copytree(trace("mlp_clean"), tmp_path / decoy)
+        rewrite(segments(tmp_path / decoy, "steps")[0], lambda t: t.slice(0, 5))
     got = run("info", tmp_path / name)
     assert got.exit_code == 0 and "steps: 300\n" in got.stdout and got.stderr == ""
     assert "segments: " in got.stdout
@@ -302,3 +303,34 @@ def test_demo_never_deletes_a_users_files(tmp_path: Path) -> None:
     line = one_line_error(run("demo", "--out", run_dir), f"--out {run_dir} is not empty and holds files the demo did not write")
     assert line.endswith("nothing was deleted — pass --out with a new or empty folder")
     assert sorted(p.relative_to(run_dir) for p in run_dir.rglob("*")) == before
+
+
+# --- size -------------------------------------------------------------------------------------
+
+def test_a_model_with_5000_components_all_alarming_replays(tmp_path: Path) -> None:
+    import numpy as np
+    from warninglight.tracer.writer import Segment, TraceWriter
+
+    n_steps, names = 8, [f"layer{i}" for i in range(5000)]
+    rng = np.random.default_rng(0)
+    stats = 1 + rng.random((n_steps, len(names), len(schema.HEALTH_METRICS)))
+    steps = np.arange(1, n_steps + 1)
+    empty = {t: {c.name: [] for c in schema.COLUMNS[t]} for t in ("scalars", "events")}
+    tables = {**empty,
+              "components": {"component": names, "kind": ["Linear"] * len(names),
+                             "forward_index": list(range(len(names))), "param_count": [10] * len(names),
+                             "role": ["param"] * len(names), "bound": [None] * len(names),
+                             "parent_param": [None] * len(names)},
+              "steps": {"step": steps.tolist(), "wall_time_s": [1.0 * s for s in steps],
+                        "step_time_s": [1.0] * n_steps, "loss": [2.0] * n_steps, "lr": [0.1] * n_steps,
+                        "grad_norm_total_l2": [1.0] * n_steps, "micro_batches": [1] * n_steps,
+                        "batch_ids": [None] * n_steps}}
+    writer = TraceWriter(tmp_path, 0, 1, "wide", "Wide", {})
+    writer.submit(Segment(steps, names, stats, np.ones(stats.shape, bool), tables), final=True)
+    writer.close("normal")
+    got = run("replay", tmp_path)  # every count is 1: a non-finite value in every component
+    assert got.exit_code == 0 and got.stderr == "", got.output
+    lines = got.stdout.splitlines()
+    assert len(lines) == 5000 and all(" LIGHT  layer" in ln and " exploding (out_nonfinite_count" in ln
+                                      for ln in lines)
+    assert "components: 5000\n" in run("info", tmp_path).stdout

@@ -172,3 +172,20 @@ def test_eval_json_into_a_missing_folder_fails_before_training(tmp_path) -> None
     assert res.exit_code == 2, res.output
     assert res.stderr.strip() == f"error: --json {out}: folder {out.parent} does not exist — create it or pass another path"
     assert not (tmp_path / "w").exists()  # nothing was trained
+
+
+@pytest.mark.parametrize(("named_rank", "truth_rank", "right"), [
+    (1, 1, True), (0, 1, False), (None, 1, False), (None, None, True), (1, None, False)])
+def test_a_data_parallel_root_must_name_the_rank_too(named_rank: int | None, truth_rank: int | None,
+                                                     right: bool) -> None:
+    truth = {**TRUTH_ABRUPT, "rank": truth_rank, "world_size": 2}
+    res = result()
+    res["root"]["rank"] = named_rank
+    r = evaluation.score("ddp", 0, truth, res, [], 100)
+    assert (r.rank_correct, r.root_correct, r.truth_rank, r.root_rank) == (right, right, truth_rank, named_rank)
+    assert evaluation.summarise_faults([r])["rank right"] == f"{int(right)}/1"
+
+
+def test_single_rank_runs_have_no_rank_column_value() -> None:
+    r = evaluation.score("s", 0, TRUTH_ABRUPT, result(), [], 100)
+    assert r.rank_correct is None and evaluation.summarise_faults([r])["rank right"] == "—"

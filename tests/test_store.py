@@ -71,7 +71,7 @@ def test_not_a_trace_directory(tmp_path: Path) -> None:
 
 def test_empty_trace(copy: Path) -> None:
     for table in schema.TABLES:
-        shutil.rmtree(copy / table)
+        shutil.rmtree(copy / table, ignore_errors=True)  # a single-rank trace has no replicas
     t = open_trace(copy)  # the manifest is there: a run killed before its first segment
     try:
         assert info(t)["steps"] == 0

@@ -63,3 +63,13 @@ def test_analysis_text_of_a_real_fault() -> None:
     assert len([x for x in lines if x.startswith("  ") and x.split()[0].isdigit()]) == len(a.alarms)
     assert any(x.startswith(f"rollback: checkpoint at step {a.rollback.checkpoint_step}") for x in lines)
     assert wording.warmup_note(a) is None
+
+
+def test_timeline_lines_of_the_light_and_the_rules() -> None:
+    from warninglight.forensics.replay import Event
+
+    events = [Event(151, "light", "2", "exploding", 150, 41.27, "weight_drift_l2"), Event(190, "loss_spike")]
+    assert wording.timeline_lines(events) == [
+        "step    151  LIGHT  2 exploding (weight_drift_l2 z=41.3), onset 150",
+        "step    190  loss-spike rule fires"]
+    assert wording.timeline_lines([]) == ["no alarm: the light never lit"]

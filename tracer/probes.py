@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from .components import SAT_RANGES, Component
+from .replicas import local_shard
 
 DEAD_EPS = 1e-6      # |output| at or below this counts as "no response" for the dead fraction
 _MAX_IMAGES = 8      # channel-first outputs: images taken before striding over positions
@@ -235,10 +236,11 @@ class ParamProbe:
         self.sketch_idx: list[torch.Tensor | None] = []
         scales, coord_comp = [], []
         for comp, p in owned:
-            k = min(p.numel(), sketch_size)
-            idx = None if k == p.numel() else torch.randperm(p.numel(), generator=gen)[:k].sort().values
+            numel = local_shard(p).numel()  # a sharded (FSDP2) parameter: this rank's shard
+            k = min(numel, sketch_size)
+            idx = None if k == numel else torch.randperm(numel, generator=gen)[:k].sort().values
             self.sketch_idx.append(None if idx is None else idx.to(device))
-            scales.append(torch.full((k,), p.numel() / k))
+            scales.append(torch.full((k,), numel / k))
             coord_comp.append(torch.full((k,), comp, dtype=torch.long))
         self.param_comp = torch.tensor([c for c, _ in owned], dtype=torch.long, device=device)
         self.scale = torch.cat(scales).to(device) if scales else torch.zeros(0, device=device)
@@ -257,7 +259,7 @@ class ParamProbe:
 
     def refresh(self) -> None:
         """Re-take the flat views of the parameters (in case `p.data` was replaced)."""
-        self._flat = [p.detach().reshape(-1) for p in self.params]
+        self._flat = [local_shard(p).reshape(-1) for p in self.params]
 
     def _sketch(self) -> torch.Tensor:
         parts = [f if idx is None else f[idx] for f, idx in zip(self._flat, self.sketch_idx, strict=True)]
@@ -280,7 +282,7 @@ class ParamProbe:
 
     def grads_suspect(self) -> bool:
         """True unless the gradients accumulated so far exist and are all finite (CPU: cheap)."""
-        grads = [p.grad for p in self.params if p.grad is not None]
+        grads = [local_shard(p.grad) for p in self.params if p.grad is not None]
         if not grads:
             return True
         return not bool(torch.isfinite(torch.stack(torch._foreach_norm(grads)).sum()))
@@ -296,7 +298,7 @@ class ParamProbe:
             comp_mask[self.param_comp[sel].tolist()] = True
             self._grad_cache[has] = (self.param_comp[sel], comp_mask)
         comp, self.has_grad = self._grad_cache[has]
-        grads = [p.grad.detach() for p in self.params if p.grad is not None]
+        grads = [local_shard(p.grad) for p in self.params if p.grad is not None]
         if not grads:
             self.grad_cols, self.total_grad_norm = {}, None
             return

@@ -30,6 +30,7 @@ from torch import nn
 from . import schema
 from .components import assign_parents, discover, resolve_heads
 from .probes import ForwardProbe, ParamProbe
+from .replicas import ReplicaProbe
 from .steprows import StepBuffer, StepRecord
 from .writer import TraceWriter
 
@@ -51,7 +52,8 @@ class Recorder:
                  world_size: int | None = None, heads: list[str] | None = None,
                  sample_size: int = 16, sketch_size: int = 256, flush_every_steps: int = 100,
                  flush_every_s: float = 30.0, start_step: int = 0, run_id: str | None = None,
-                 hooks_under_compile: str = "skip", alarms: Sequence[Any] | None = None,
+                 hooks_under_compile: str = "skip", replicas: bool | None = None,
+                 alarms: Sequence[Any] | None = None,
                  on_alarm: Callable[[dict[str, Any]], Any] | None = None, alarm_config: Any = None,
                  config: dict[str, Any] | None = None) -> None:
         if sample_size < 1 or sketch_size < 1 or flush_every_steps < 1 or flush_every_s <= 0:
@@ -71,6 +73,9 @@ class Recorder:
         self.device = params[0].device if params else torch.device("cpu")
         self.fwd = ForwardProbe(self.components, sample_size)
         self.params = ParamProbe(self.components, sketch_size)
+        # per-rank evidence (tracer/replicas.py): by default only when there are replicas to compare
+        on = self.world_size > 1 if replicas is None else replicas
+        self.replicas = ReplicaProbe(self.components, model, self.world_size) if on else None
         self.flush_every_steps, self.flush_every_s = flush_every_steps, flush_every_s
         self.step_count = start_step
         self._first_step = start_step + 1
@@ -88,7 +93,8 @@ class Recorder:
         cfg = {"sample_size": sample_size, "sketch_size": sketch_size,
                "flush_every_steps": flush_every_steps, "flush_every_s": flush_every_s,
                "heads": heads, "start_step": start_step,
-               "hooks_under_compile": hooks_under_compile, **(config or {})}
+               "hooks_under_compile": hooks_under_compile, "replicas": self.replicas is not None,
+               **(config or {})}
         self._monitor = None
         if alarms or on_alarm is not None:  # live mode: the engine is imported only here
             # built first: a bad sink is a SinkError before anything is written
@@ -103,6 +109,8 @@ class Recorder:
             self._event("restart", detail=f"incarnation {self.incarnation}")
         if self._monitor is not None:
             self.writer.on_segment = self._monitor.submit
+        if self.replicas is not None and self.replicas.hook_note:
+            self._event("warning", detail=self.replicas.hook_note)
         self._eager_under_compile = hooks_under_compile == "eager"
         self._handles: list[Any] = []
         self._install_hooks()
@@ -172,6 +180,8 @@ class Recorder:
         self._closed = True
         for h in self._handles:
             h.remove()
+        if self.replicas is not None:
+            self.replicas.close()
         self._restore_sigterm()
         atexit.unregister(self._at_exit)
         self._event("stop", detail=reason)
@@ -243,6 +253,8 @@ class Recorder:
         if not self._in_step:
             self._in_step = True
             self.params.begin()
+            if self.replicas is not None:
+                self.replicas.begin()
 
     def _pre_step(self) -> None:
         if self._closed:
@@ -265,6 +277,8 @@ class Recorder:
             if self.step_count == self._first_step:
                 self._settle_components()
             self.buffer.records.append(self._step_record(now))
+            if self.replicas is not None:
+                self.replicas.end_step(self.step_count)
         except Exception as exc:
             self._probe_failed(exc)
             self.writer.record_failure(f"step {self.step_count} not recorded", 1)
@@ -373,7 +387,10 @@ class Recorder:
                 self.writer.ready()
                 if self._closed:
                     return
-            self.writer.submit(self.buffer.take_segment(final), final=final)
+            segment = self.buffer.take_segment(final)
+            if self.replicas is not None:
+                segment.tables["replicas"] = self.replicas.take(segment.steps)
+            self.writer.submit(segment, final=final)
         except Exception as exc:  # the steps taken out of the buffer are gone: say how many
             self._probe_failed(exc)
             self.writer.record_failure(f"segment of {pending} steps not written: "
@@ -453,11 +470,13 @@ def watch(model: nn.Module, optimizer: torch.optim.Optimizer | str | os.PathLike
     sketch_size (coordinates per parameter), flush_every_steps, flush_every_s, start_step (steps
     already done when resuming), run_id, hooks_under_compile ("skip": forward hooks do nothing
     inside torch.compile'd code, which is named in a warning event; "eager": they run outside
-    the graph, one graph break per component, incompatible with fullgraph=True); alarms (sinks
-    for live alarms: "jsonl:PATH", "webhook:URL" or "webhook:$ENV_VAR", "mlflow:TRACKING_URI",
-    "tensorboard:LOGDIR", "wandb:offline", or objects with send(alarm)), on_alarm (called with
-    each alarm on the training thread at the next step boundary), alarm_config (thresholds, as
-    for `analyze --config`); anything else is stored in the manifest's config.
+    the graph, one graph break per component, incompatible with fullgraph=True), replicas
+    (per-rank weight checksums and local gradient norms, tracer/replicas.py; default: on when
+    world_size > 1), alarms (sinks for live alarms: "jsonl:PATH", "webhook:URL" or
+    "webhook:$ENV_VAR", "mlflow:TRACKING_URI", "tensorboard:LOGDIR", "wandb:offline", or objects
+    with send(alarm)), on_alarm (called with each alarm on the training thread at the next step
+    boundary), alarm_config (thresholds, as for `analyze --config`); anything else is stored in
+    the manifest's config.
 
     An optimizer-like wrapper (accelerate's AcceleratedOptimizer, Lightning's LightningOptimizer)
     is unwrapped to the torch optimizer it holds; one that holds none is recorded without, with a
@@ -471,8 +490,8 @@ def watch(model: nn.Module, optimizer: torch.optim.Optimizer | str | os.PathLike
     if path is None:
         raise ValueError("watch() needs a trace directory, e.g. watch(model, optimizer, 'runs/exp1')")
     known = ("rank", "world_size", "heads", "sample_size", "sketch_size", "flush_every_steps",
-             "flush_every_s", "start_step", "run_id", "hooks_under_compile", "alarms", "on_alarm",
-             "alarm_config")
+             "flush_every_s", "start_step", "run_id", "hooks_under_compile", "replicas", "alarms",
+             "on_alarm", "alarm_config")
     kwargs = {k: v for k, v in options.items() if k in known}
     config = {k: v for k, v in options.items() if k not in known}
     for key in config:  # a misspelt option would otherwise be stored silently as run config

@@ -9,6 +9,7 @@ A trace is a directory::
       steps/rank=0/incarnation=1/part-000000-s1-10.parquet        one row per optimizer step
       scalars/rank=0/incarnation=1/part-000000-s1-10.parquet      one row per (step, logged name)
       events/rank=0/incarnation=1/part-000000-s1-10.parquet       start, stop, checkpoint, ...
+      replicas/rank=0/incarnation=1/part-000000-s1-10.parquet     per-rank evidence (world size > 1)
 
       commits/rank=0/incarnation=1/part-000000-s1-10.json       commit record, written last
 
@@ -44,7 +45,7 @@ SUPPORTED_FORMAT_VERSIONS = frozenset({1, 2})
 MANIFEST_DIR = "manifest"
 COMMIT_DIR = "commits"
 COMMIT_SUFFIX = ".json"
-TABLES = ("components", "health", "steps", "scalars", "events")
+TABLES = ("components", "health", "steps", "scalars", "events", "replicas")
 SEGMENT_SUFFIX = ".parquet"
 TMP_SUFFIX = ".tmp"
 _SEGMENT_NAME = re.compile(r"^part-(\d{6,})(?:-s(\d+)-(\d+))?\.parquet$")
@@ -142,12 +143,23 @@ EVENT_COLUMNS: tuple[Column, ...] = (
     Column("detail", STR, "", "free text or JSON: warnings, reason for stop, counts of dropped steps"),
 )
 
+REPLICA_COLUMNS: tuple[Column, ...] = (
+    Column("step", I64, "optimizer steps", "optimizer step, counted from 1"),
+    Column("component", STR, "", "module path of a parameter-owning component"),
+    Column("weight_checksum", I64, "", "checksum of this rank's copy of the component's parameters after the step: per parameter, the mod-2^32 sum of its raw bits (floats viewed as 16/32-bit integer words, unsigned), summed: equal on bit-identical replicas, different after one flipped bit"),
+    Column("weight_checksum_fwd", I64, "", "the same checksum at the step's first training forward; differs from the previous step's `weight_checksum` on this rank exactly when something other than the optimizer wrote the weights in between; null if no training forward ran"),
+    Column("local_grad_norm_l2", F32, "gradient units", "L2 norm of the gradient this rank contributed before DDP's all-reduce averaged it (its last all-reduce of the step); null when not all-reduced"),
+    Column("grad_allreduced", BOOL, "", "DDP all-reduced this component's gradients in this step; false on every component: the step trained outside DDP"),
+    Column("sharded", BOOL, "", "the parameters are sharded across ranks (FSDP2 DTensor): checksum and norms cover this rank's shard only, and replicas are not compared"),
+)
+
 COLUMNS: dict[str, tuple[Column, ...]] = {
     "components": COMPONENT_COLUMNS,
     "health": HEALTH_COLUMNS,
     "steps": STEP_COLUMNS,
     "scalars": SCALAR_COLUMNS,
     "events": EVENT_COLUMNS,
+    "replicas": REPLICA_COLUMNS,
 }
 SCHEMAS: dict[str, pa.Schema] = {table: _schema(cols) for table, cols in COLUMNS.items()}
 

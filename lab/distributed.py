@@ -1,0 +1,261 @@
+"""Distributed rehearsals: real `torch.distributed` (gloo, CPU) data-parallel runs with rank faults.
+
+`run_group(["ddp_grad_corrupt", "ddp_unwrapped_steps"], root)` spawns one process per rank,
+joins them in one gloo process group, and trains each scenario in turn: a small GPT wrapped in
+DistributedDataParallel, every rank on its own batches, recorded by `watch` into
+`root/<scenario>` (one partition per rank), with the truth in `root/<scenario>/truth.json`.
+Scenarios of one group share the spawned processes (spawning costs seconds; a scenario
+less than one); they must share a world size.
+
+The faults:
+
+- `weight_scale`: one component's weights multiplied on one rank only, behind the optimizer's back
+  (silent corruption in one GPU's memory);
+- `grad_corrupt`: one component's gradient multiplied on one rank before DDP's all-reduce (a GPU
+  that computes wrong): every rank then applies the same bad average;
+- `unwrapped_steps`: every other step trains the module inside the DDP wrapper, not the wrapper,
+  so those steps' gradients are never synchronised and the replicas drift apart;
+- `fsdp`: the same model sharded with FSDP2 `fully_shard` (clean), where this torch supports it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import tempfile
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from . import zoo
+
+TRUTH_FILE = "truth.json"
+GPT = zoo.GPTConfig(vocab_size=96, block_size=16, n_layer=1, n_head=2, n_embd=16)
+CHECKPOINT_EVERY = 10
+
+
+class DistributedScenarioError(KeyError):
+    """An unknown distributed scenario, or a group that cannot run together."""
+
+    def __str__(self) -> str:
+        return str(self.args[0])
+
+
+@dataclass(frozen=True)
+class RankScenario:
+    """A data-parallel rehearsal: world size, the fault, where (rank, component) and when (step)."""
+
+    name: str
+    world_size: int = 2
+    fault: str = "clean"  # clean | weight_scale | grad_corrupt | unwrapped_steps
+    component: str | None = None  # module path inside the DDP wrapper ("module.h.0.mlp.c_fc")
+    rank: int | None = None  # the faulty rank; None: every rank
+    step: int = 25  # first step the fault acts
+    factor: float = 10.0
+    steps: int = 40
+    wrapper: str = "ddp"  # ddp | fsdp
+    condition: str = "unclassified"  # what the fault should be named
+
+    def truth(self, seed: int) -> dict[str, Any]:
+        """The answer key (same keys as a single-process rehearsal's truth.json, plus rank)."""
+        clean = self.fault == "clean"
+        return {"scenario": self.name, "model": "gpt", "seed": seed, "steps": self.steps,
+                "healthy": clean, "world_size": self.world_size,
+                "faults": [] if clean else [{k: v for k, v in asdict(self).items()
+                                             if k in ("fault", "component", "rank", "step")}],
+                **({} if clean else {"fault": self.fault, "component": self.component,
+                                     "rank": self.rank, "step": self.step, "kind": "abrupt",
+                                     "condition": self.condition})}
+
+
+SCENARIOS: dict[str, RankScenario] = {sc.name: sc for sc in (
+    RankScenario("ddp_weight_scale", fault="weight_scale", component="module.h.0.mlp.c_fc", rank=1,
+                 condition="exploding"),
+    RankScenario("ddp_grad_corrupt", fault="grad_corrupt", component="module.h.0.attn.c_attn",
+                 rank=1, factor=30.0, condition="exploding"),
+    RankScenario("ddp_unwrapped_steps", fault="unwrapped_steps", component="", rank=None),
+    RankScenario("ddp_clean_4ranks", world_size=4),
+    RankScenario("fsdp_clean", wrapper="fsdp"),
+)}
+
+
+def scenario(name: str) -> RankScenario:
+    """The scenario called `name`, or a `DistributedScenarioError` listing the names."""
+    if name not in SCENARIOS:
+        raise DistributedScenarioError(
+            f"unknown distributed scenario {name!r}; expected one of: {', '.join(SCENARIOS)}")
+    return SCENARIOS[name]
+
+
+def fsdp_available() -> str | None:
+    """None when FSDP2 `fully_shard` can be imported here; else why not."""
+    try:
+        from torch.distributed.fsdp import fully_shard  # noqa: F401
+    except ImportError as exc:
+        return f"torch.distributed.fsdp.fully_shard is not importable: {exc}"
+    return None
+
+
+# --- the run inside each spawned process ---------------------------------------------------------
+
+def _wrap(sc: RankScenario, model: nn.Module) -> nn.Module:
+    if sc.wrapper == "fsdp":
+        from torch.distributed.fsdp import fully_shard
+
+        for block in model.h:
+            fully_shard(block)
+        return fully_shard(model)
+    return nn.parallel.DistributedDataParallel(model)
+
+
+def _inner(wrapped: nn.Module) -> nn.Module:
+    return wrapped.module if isinstance(wrapped, nn.parallel.DistributedDataParallel) else wrapped
+
+
+def _corrupt_grad(sc: RankScenario, model: nn.Module, state: dict[str, int]) -> list[Any]:
+    """Hooks that multiply the component's local gradient by `factor` from `sc.step` on."""
+    module = dict(model.named_modules())[sc.component or ""]
+    hook = (lambda g: g * sc.factor if state["step"] >= sc.step else g)  # noqa: E731
+    return [p.register_hook(hook) for p in module.parameters(recurse=False)]
+
+
+def _train_one(sc: RankScenario, rank: int, root: Path, seed: int, tokens: torch.Tensor) -> None:
+    from warninglight.tracer import watch
+
+    trace = root / sc.name
+    torch.manual_seed(seed)
+    model = _wrap(sc, zoo.TinyGPT(GPT))
+    opt = torch.optim.Adam(model.parameters(), lr=3e-3)
+    faulty = sc.rank is None or sc.rank == rank
+    state = {"step": 0}
+    handles = _corrupt_grad(sc, model, state) if sc.fault == "grad_corrupt" and faulty else []
+    data = zoo.text_batches(tokens, 8, GPT.block_size, seed=1000 * seed + rank)  # per-rank data
+    with watch(model, opt, str(trace), heads=["module.lm_head" if sc.wrapper == "ddp" else "lm_head"],
+               flush_every_steps=20) as rec:
+        for step in range(1, sc.steps + 1):
+            state["step"] = step
+            ids, x, y = next(data)
+            if sc.fault == "weight_scale" and faulty and step == sc.step:
+                with torch.no_grad():
+                    for p in dict(model.named_modules())[sc.component or ""].parameters(recurse=False):
+                        p.mul_(sc.factor)
+            unwrapped = sc.fault == "unwrapped_steps" and step >= sc.step and (step - sc.step) % 2 == 0
+            logits = (_inner(model) if unwrapped else model)(x)  # (B, T, vocab)
+            loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            rec.log(loss=loss.detach())
+            rec.batch(ids)
+            if rank == 0 and step % CHECKPOINT_EVERY == 0:
+                rec.checkpoint(str(trace / "checkpoints" / f"step-{step:06d}.pt"),
+                               detail="rehearsal: no file was written")
+    for h in handles:
+        h.remove()
+    truth = sc.truth(seed)
+    if sc.wrapper == "fsdp":  # the full parameters' norms, gathered (a collective: every rank calls it)
+        truth["full_weight_norms"] = _full_norms(model)
+    if rank == 0:
+        (trace / TRUTH_FILE).write_text(json.dumps(truth, indent=2))
+
+
+def _full_norms(model: nn.Module) -> dict[str, float]:
+    """Per parameter-owning module: the L2 norm of its full (unsharded) parameters after training."""
+    out = {}
+    for name, module in model.named_modules():
+        sq = [float(p.detach().full_tensor().double().square().sum()) for p in module.parameters(recurse=False)]
+        if sq:
+            out[name] = sum(sq) ** 0.5
+    return out
+
+
+def _final_weights(rank: int, seed: int, tokens: torch.Tensor, trace: Path | None) -> list[torch.Tensor]:
+    """Train the clean set-up for 12 steps, recorded into `trace` (or not); the final weights."""
+    from warninglight.tracer import watch
+
+    torch.manual_seed(seed)
+    model = nn.parallel.DistributedDataParallel(zoo.TinyGPT(GPT))
+    opt = torch.optim.Adam(model.parameters(), lr=3e-3)
+    data = zoo.text_batches(tokens, 8, GPT.block_size, seed=1000 * seed + rank)
+    rec = watch(model, opt, str(trace)) if trace is not None else None
+    for _ in range(12):
+        _, x, y = next(data)
+        logits = model(x)
+        F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1)).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    if rec is not None:
+        rec.close()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def _identity(rank: int, root: Path, seed: int, tokens: torch.Tensor) -> None:
+    """Write whether training with and without the recorder left bit-identical weights on this rank."""
+    plain = _final_weights(rank, seed, tokens, None)
+    watched = _final_weights(rank, seed, tokens, root / "identity-trace")
+    same = all(torch.equal(a.view(torch.int32), b.view(torch.int32)) for a, b in zip(plain, watched, strict=True))
+    (root / f"identity-rank{rank}.json").write_text(json.dumps({"rank": rank, "bit_identical": same}))
+
+
+def _rank_main(rank: int, world: int, port: int, names: list[str], root: str, seed: int,
+               identity: bool = False) -> None:
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)  # world_size processes share the cores
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        tokens = zoo.char_corpus(max_bytes=50_000)
+        for name in names:
+            _train_one(SCENARIOS[name], rank, Path(root), seed, tokens)
+            dist.barrier()
+        if identity:
+            _identity(rank, Path(root), seed, tokens)
+    finally:
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def run_group(names: Sequence[str], root: str | Path, seed: int = 0,
+              identity: bool = False) -> dict[str, dict[str, Any]]:
+    """Train the scenarios `names` (one world size) in one spawned process group; their truths.
+
+    `identity`: afterwards also train a clean run with and without the recorder, and write
+    `root/identity-rank<R>.json` saying whether the final weights were bit-identical.
+    """
+    import torch.multiprocessing as mp
+
+    chosen = [scenario(n) for n in names]
+    worlds = {sc.world_size for sc in chosen}
+    if len(worlds) != 1:
+        raise DistributedScenarioError(f"scenarios {list(names)} have world sizes {sorted(worlds)}; "
+                                       "run one group per world size")
+    if any(sc.wrapper == "fsdp" for sc in chosen) and (why := fsdp_available()):
+        raise DistributedScenarioError(why)
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    mp.spawn(_rank_main, args=(worlds.pop(), _free_port(), list(names), str(root), seed, identity),
+             nprocs=chosen[0].world_size, join=True)
+    return {n: json.loads((root / n / TRUTH_FILE).read_text()) for n in names}
+
+
+def rehearse(name: str, trace_dir: str | Path, seed: int = 0) -> dict[str, Any]:
+    """One scenario into `trace_dir` (for the benchmark): the truth."""
+    trace_dir = Path(trace_dir)
+    with tempfile.TemporaryDirectory(prefix="wl-ranks-") as tmp:
+        truth = run_group([name], tmp, seed)
+        trace_dir.parent.mkdir(parents=True, exist_ok=True)
+        shutil.move(str(Path(tmp) / name), str(trace_dir))
+    return truth[name]

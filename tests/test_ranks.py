@@ -1,0 +1,132 @@
+"""Rank faults in real data-parallel runs (gloo DDP on CPU, spawned processes), named by `analyze`.
+
+Two spawned groups for the whole module: three 2-rank DDP faults, a clean FSDP2 run and a
+with/without-recorder training (one group), and a clean 4-rank run (the other).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import polars as pl
+import pytest
+from typer.testing import CliRunner
+from warninglight.cli.main import app
+from warninglight.forensics import analyze, open_trace
+from warninglight.lab.distributed import CHECKPOINT_EVERY, run_group
+
+TWO_RANKS = ["ddp_weight_scale", "ddp_grad_corrupt", "ddp_unwrapped_steps", "fsdp_clean"]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("ranks")
+    run_group(TWO_RANKS, root, identity=True)
+    run_group(["ddp_clean_4ranks"], root)
+    return root
+
+
+@pytest.mark.parametrize(("scenario", "component", "rank", "scope"), [
+    ("ddp_weight_scale", "module.h.0.mlp.c_fc", 1, "replicas"),
+    ("ddp_grad_corrupt", "module.h.0.attn.c_attn", 1, "component"),
+    ("ddp_unwrapped_steps", "", None, "replicas"),  # every rank, the whole model
+])
+def test_a_rank_fault_is_named_by_rank_component_onset_and_checkpoint(
+        runs: Path, scenario: str, component: str, rank: int | None, scope: str) -> None:
+    truth = json.loads((runs / scenario / "truth.json").read_text())
+    d = analyze(runs / scenario).to_dict()
+    root = d["root"]
+    assert d["verdict"] == "fault"
+    assert (root["attributed_to"], root["rank"], root["onset_step"], root["scope"]) == (
+        component, rank, truth["step"], scope), root
+    assert (truth["component"], truth["rank"]) == (component, rank)
+    ckpt = (truth["step"] - 1) // CHECKPOINT_EVERY * CHECKPOINT_EVERY  # latest strictly before
+    assert d["rollback"]["checkpoint_step"] == ckpt
+    assert any(a["rank"] == rank and a["attributed_to"] == component for a in d["alarms"])
+    by_rank = d["rollback"]["skip_batches_by_rank"]  # every rank read its own batches
+    assert sorted(by_rank) == ["0", "1"] and by_rank["0"] != by_rank["1"]
+
+
+def test_the_corrupted_rank_is_named_though_every_rank_applied_the_same_bad_average(runs: Path) -> None:
+    trace = open_trace(runs / "ddp_grad_corrupt")
+    try:
+        # after the all-reduce every rank holds the same gradient: the health table cannot tell
+        post = trace.con.execute("""SELECT count(DISTINCT grad_norm_l2) FROM health
+            WHERE step = 25 AND component = 'module.h.0.attn.c_attn'""").fetchone()
+        row = trace.con.execute("""SELECT max_rank, local_grad_norm_max / local_grad_norm_min, fingerprints
+            FROM ranks WHERE step = 25 AND component = 'module.h.0.attn.c_attn'""").fetchone()
+    finally:
+        trace.close()
+    assert post == (1,)
+    assert row[0] == 1 and row[1] > 10 and row[2] == 1  # rank 1's local norm, replicas still equal
+    assert analyze(runs / "ddp_grad_corrupt").to_dict()["root"]["condition"] == "exploding"
+
+
+def test_steps_outside_ddp_are_visible_as_not_all_reduced(runs: Path) -> None:
+    trace = open_trace(runs / "ddp_unwrapped_steps")
+    try:
+        rows = trace.con.execute("""SELECT step, bool_or(all_reduced) FROM ranks
+            WHERE step BETWEEN 23 AND 28 GROUP BY step ORDER BY step""").fetchall()
+    finally:
+        trace.close()
+    assert rows == [(23, True), (24, True), (25, False), (26, True), (27, False), (28, True)]
+    root = analyze(runs / "ddp_unwrapped_steps").to_dict()["root"]
+    assert "trained outside DDP" in root["evidence"] and root["ranks"] == [0, 1]
+
+
+def test_a_clean_four_rank_run_is_healthy_with_no_alarm(runs: Path) -> None:
+    d = analyze(runs / "ddp_clean_4ranks").to_dict()
+    assert d["trace_info"]["ranks"] == 4
+    assert (d["verdict"], d["root"], d["alarms"]) == ("healthy", None, [])
+    trace = open_trace(runs / "ddp_clean_4ranks")
+    try:
+        fingerprints, local = trace.one("SELECT max(fingerprints), count(local_grad_norm_median) FROM ranks")
+    finally:
+        trace.close()
+    assert fingerprints == 1 and local > 0  # replicas equal at every step; local norms recorded
+
+
+def test_training_is_bit_identical_with_and_without_the_recorder(runs: Path) -> None:
+    for rank in (0, 1):
+        assert json.loads((runs / f"identity-rank{rank}.json").read_text())["bit_identical"] is True
+
+
+def test_analyze_json_carries_the_rank(runs: Path) -> None:
+    result = CliRunner().invoke(app, ["analyze", str(runs / "ddp_grad_corrupt"), "--json"])
+    assert result.exit_code == 0, result.output
+    d = json.loads(result.stdout)
+    assert d["root"]["rank"] == 1
+    text = CliRunner().invoke(app, ["analyze", str(runs / "ddp_unwrapped_steps")]).stdout
+    assert "on every rank" in text and "(whole model)" in text
+
+
+def test_fsdp2_shards_are_recorded_per_rank_and_combine_to_the_full_norm(runs: Path) -> None:
+    truth = json.loads((runs / "fsdp_clean" / "truth.json").read_text())
+    d = analyze(runs / "fsdp_clean").to_dict()
+    assert (d["verdict"], d["alarms"]) == ("healthy", [])
+    trace = open_trace(runs / "fsdp_clean")
+    try:
+        sharded = trace.one("SELECT bool_and(sharded), count(*) FROM replicas")
+        rows = trace.con.execute("""SELECT component, sqrt(sum(weight_norm_l2 * weight_norm_l2)), count(*)
+            FROM health WHERE step = 40 AND weight_norm_l2 IS NOT NULL GROUP BY component""").fetchall()
+    finally:
+        trace.close()
+    assert sharded[0] is True and sharded[1] > 0  # shards are never compared as replicas
+    assert {c for c, _, _ in rows} == set(truth["full_weight_norms"])
+    for component, combined, ranks in rows:  # each rank's shard norm: together, the full norm
+        assert ranks == 2
+        assert abs(combined - truth["full_weight_norms"][component]) <= 1e-4 * truth["full_weight_norms"][component]
+
+
+def test_the_report_shows_a_rank_by_step_panel(runs: Path, tmp_path: Path) -> None:
+    from warninglight.forensics.report import write_html
+
+    a = analyze(runs / "ddp_grad_corrupt")
+    at = {r: dev for r, step, dev, _ in a.ranks_panel.iter_rows() if step == 25}
+    assert at[1] > 1.0 and at[0] < -1.0  # rank 1 far above the ranks' median, rank 0 mirrored below
+    html = write_html(runs / "ddp_grad_corrupt", tmp_path / "r.html", a).read_text()
+    assert "Which rank: every rank at every step" in html
+    diverged = analyze(runs / "ddp_unwrapped_steps").ranks_panel
+    assert diverged.filter(pl.col("step") < 25)["diverged"].any() is False
+    assert diverged.filter(pl.col("step") == 25)["diverged"].to_list() == [True, True]

@@ -1,0 +1,111 @@
+"""Per-rank evidence in the recorder: exact weight checksums, the replicas table, rank comparison."""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+import duckdb
+import torch
+import torch.nn.functional as F
+from warninglight.forensics import analyze, open_trace
+from warninglight.forensics.ranks import findings
+from warninglight.lab import zoo
+from warninglight.tracer import schema, watch
+from warninglight.tracer.components import discover
+from warninglight.tracer.replicas import ReplicaProbe
+
+
+def _checksums(model: torch.nn.Module) -> list[int]:
+    probe = ReplicaProbe(discover(model), model, 2)
+    probe.end_step(1)
+    return probe.rows[1][0][0].tolist()  # (after the step, at the forward) x components
+
+
+def test_checksum_is_equal_on_identical_weights_and_changes_with_one_flipped_bit() -> None:
+    torch.manual_seed(0)
+    a = zoo.mlp()
+    b = zoo.mlp()
+    b.load_state_dict(a.state_dict())
+    assert _checksums(a) == _checksums(b)
+    with torch.no_grad():  # flip the lowest mantissa bit of one weight of layer "2"
+        w = b[2].weight.view(-1).view(torch.int32)
+        w[17] ^= 1
+    ca, cb = _checksums(a), _checksums(b)
+    differ = [i for i, (x, y) in enumerate(zip(ca, cb, strict=True)) if x != y]
+    names = [c.name for c in discover(b)]
+    assert [names[i] for i in differ] == ["2"]
+    assert abs(cb[differ[0]] - ca[differ[0]]) == 1  # the sum moved by exactly that bit
+
+
+def test_the_norm_misses_a_low_bit_flip_the_checksum_catches() -> None:
+    torch.manual_seed(0)
+    w = torch.randn(64, 64)
+    v = w.clone()
+    v.view(-1).view(torch.int32)[5] ^= 1
+    assert torch.linalg.vector_norm(w) == torch.linalg.vector_norm(v)  # float32 norm: unchanged
+    assert w.view(torch.int32).sum(dtype=torch.int64) != v.view(torch.int32).sum(dtype=torch.int64)
+
+
+def _train(trace: Path, rank: int, flip_at: int | None, steps: int = 30) -> None:
+    """One rank of a pretend data-parallel run: same seed and data on every rank, no process group."""
+    torch.manual_seed(0)
+    model = zoo.mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    data = zoo.batches(*zoo.teacher_classification(512), 16, seed=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with watch(model, opt, trace, rank=rank, world_size=2, flush_every_steps=10) as rec:
+            for step in range(1, steps + 1):
+                ids, x, y = next(data)
+                if step == flip_at:
+                    with torch.no_grad():
+                        model[4].weight.view(-1).view(torch.int32)[3] ^= 1 << 3  # a low mantissa bit
+                F.cross_entropy(model(x), y).backward()
+                opt.step()
+                opt.zero_grad()
+                rec.batch(ids)
+                if rank == 0 and step % 10 == 0:
+                    rec.checkpoint(str(trace / f"step-{step}.pt"))
+
+
+def test_replicas_table_without_ddp_has_checksums_and_says_why_no_local_norms(tmp_path: Path) -> None:
+    _train(tmp_path, 0, None, steps=5)
+    rows = duckdb.sql(f"""select count(*), count(weight_checksum), count(local_grad_norm_l2),
+        bool_or(grad_allreduced) from read_parquet('{schema.segment_glob(tmp_path, "replicas")}')""").fetchall()
+    assert rows == [(5 * 4, 20, 0, False)]  # 5 steps x 4 parameter-owning layers of the mlp
+    trace = open_trace(tmp_path)
+    try:
+        details = [d for (d,) in trace.con.execute("select detail from events where kind = 'warning'").fetchall()]
+    finally:
+        trace.close()
+    assert any("DistributedDataParallel" in d for d in details)
+
+
+def test_a_single_rank_run_records_no_replicas_table(tmp_path: Path) -> None:
+    model = zoo.mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    with watch(model, opt, tmp_path):
+        model(torch.randn(8, 32)).sum().backward()
+        opt.step()
+    assert not (tmp_path / "replicas").exists()
+
+
+def test_identical_replicas_are_healthy_and_a_flipped_bit_on_rank_1_is_named(tmp_path: Path) -> None:
+    same, flipped = tmp_path / "same", tmp_path / "flipped"
+    for rank in (0, 1):
+        _train(same, rank, None)
+    _train(flipped, 0, None)
+    _train(flipped, 1, 17)
+    trace = open_trace(same)
+    try:
+        assert findings(trace) == []
+    finally:
+        trace.close()
+    d = analyze(flipped).to_dict()
+    root = d["root"]
+    # one bit of one weight: no norm moved, only the checksum (and the drift) says so
+    assert (root["attributed_to"], root["rank"], root["onset_step"], root["scope"]) == ("4", 1, 17, "replicas")
+    assert root["ranks_disagree"] is True and root["ranks"] == [1]
+    assert d["rollback"]["checkpoint_step"] == 10
+    assert any(a["metric"] == "weight_checksum" and a["rank"] == 1 for a in d["alarms"])

@@ -3,12 +3,15 @@
 Blocks of steps with and without the recorder alternate in one process on the same model (order
 swapped every other pair), so drift in machine load hits both; the figure is the median over block
 pairs of time(with) / time(without), with its spread. Wall-clock is the figure that matters; the
-process-CPU ratio is printed too because on a shared machine it is less disturbed by others' load. Run: `python bench/overhead.py [--steps N]`.
+process-CPU ratio is printed too because on a shared machine it is less disturbed by others' load.
+Every metric of every component is recorded at every step (forward statistics are computed for
+8 steps at once, but each step keeps its own values). Run: `python bench/overhead.py [--steps N]`.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import tempfile
 import time
@@ -21,7 +24,7 @@ from warninglight.tracer import watch
 
 
 def gpt_case(batch: int, n_layer: int, n_embd: int, block: int) -> tuple[torch.nn.Module, Callable[[], torch.Tensor]]:
-    """The small GPT of the issue and a closure computing one batch's loss."""
+    """A character GPT and a closure computing one batch's loss."""
     cfg = zoo.GPTConfig(n_layer=n_layer, n_embd=n_embd, n_head=4, block_size=block)
     model = zoo.TinyGPT(cfg)
     data = zoo.text_batches(zoo.char_corpus(200_000), batch, block)
@@ -95,7 +98,8 @@ def main() -> None:
     ap.add_argument("--pairs", type=int, default=6, help="with/without block pairs")
     ap.add_argument("--batch", type=int, default=8, help="GPT batch size")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: leave as is)")
-    ap.add_argument("--skip-mlp", action="store_true", help="only the GPT figure")
+    ap.add_argument("--skip-mlp", action="store_true", help="only the GPT figures")
+    ap.add_argument("--skip-bench-gpt", action="store_true", help="not the d=256 GPT")
     ap.add_argument("--skip-replicas", action="store_true",
                     help="skip the per-rank evidence figure (bench/replica_overhead.py)")
     args = ap.parse_args()
@@ -103,8 +107,13 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
-    model, loss_fn = gpt_case(args.batch, n_layer=4, n_embd=256, block=128)
-    measure("TinyGPT 4x256, seq 128", model, loss_fn, args.pairs, args.steps)
+    print(f"load average before: {' '.join(f'{x:.1f}' for x in os.getloadavg())} on {os.cpu_count()} "
+          "CPUs (a loaded, shared machine moves these figures by several points)")
+    if not args.skip_bench_gpt:
+        model, loss_fn = gpt_case(args.batch, n_layer=4, n_embd=256, block=128)
+        measure("bench GPT 4 layers, d=256, seq 128, batch 8", model, loss_fn, args.pairs, args.steps)
+    model, loss_fn = gpt_case(16, n_layer=4, n_embd=128, block=64)
+    measure("small GPT 4 layers, d=128, seq 64, batch 16", model, loss_fn, args.pairs, args.steps * 3)
     if not args.skip_mlp:
         model, loss_fn = mlp_case(batch=64)
         measure("MLP 32-64-64-64-10, batch 64", model, loss_fn, args.pairs, args.steps * 20)

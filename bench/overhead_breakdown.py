@@ -18,14 +18,15 @@ from typing import Any
 
 import torch
 from overhead import gpt_case, run_block
-from warninglight.tracer import probes, recorder, watch
+from warninglight.tracer import params, probes, recorder, watch
 
 # (class, method, indent): what a step's recorder work is made of; indented = part of the line above
-PARTS = ((recorder.Recorder, "_root_pre_hook", 0), (probes.ParamProbe, "begin", 1),
-         (probes.ForwardProbe, "observe", 0),
-         (recorder.Recorder, "_pre_step", 0), (probes.ParamProbe, "grads", 1),
-         (recorder.Recorder, "_post_step", 0), (probes.ParamProbe, "end", 1),
-         (probes.ForwardProbe, "compute", 1), (recorder.Recorder, "log", 0))
+PARTS = ((recorder.Recorder, "_root_pre_hook", 0), (params.ParamProbe, "begin", 1),
+         (probes.ForwardProbe, "observe", 0), (recorder.Recorder, "_after_backward", 0),
+         (recorder.Recorder, "_pre_step", 0), (params.ParamProbe, "grads", 1),
+         (recorder.Recorder, "_post_step", 0), (params.ParamProbe, "end", 1),
+         (probes.ForwardProbe, "compute", 1), (recorder.Recorder, "_flush", 1),
+         (recorder.Recorder, "log", 0))
 
 
 def _timed(totals: dict[str, float], name: str, f: Callable[..., Any]) -> Callable[..., Any]:

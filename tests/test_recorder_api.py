@@ -198,18 +198,18 @@ def test_a_bad_logged_value_or_batch_id_is_dropped_not_the_segment(tmp_path: Pat
 
 def test_a_segment_that_cannot_be_built_is_counted_as_dropped(tmp_path: Path,
                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
-    from warninglight.tracer import steprows
+    from warninglight.tracer import buffer
 
-    real = steprows.StepBuffer._scalar_rows
+    real = buffer._scalar_rows
     calls = {"n": 0}
 
-    def fail_second_segment(self: steprows.StepBuffer, steps: list[int]) -> dict:
+    def fail_second_segment(recs: list, logs: list) -> dict:
         calls["n"] += 1
         if calls["n"] == 2:  # an unexpected internal error while turning steps into rows
             raise RuntimeError("simulated row-building bug")
-        return real(self, steps)
+        return real(recs, logs)
 
-    monkeypatch.setattr(steprows.StepBuffer, "_scalar_rows", fail_second_segment)
+    monkeypatch.setattr(buffer, "_scalar_rows", fail_second_segment)
     torch.manual_seed(0)
     model = zoo.mlp()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)

@@ -28,15 +28,32 @@ import torch
 from torch import nn
 
 from . import schema
+from .buffer import StepBuffer, StepRecord
 from .components import assign_parents, discover, resolve_heads
-from .probes import ForwardProbe, ParamProbe
+from .params import ParamProbe
+from .probes import FORWARD_BATCH_STEPS, FORWARD_METRICS, PARAM_METRICS, ForwardProbe, first_tensor
 from .replicas import ReplicaProbe
-from .steprows import StepBuffer, StepRecord
 from .writer import TraceWriter
 
-_PARAM_METRICS = ("grad_norm_l2", "grad_nonfinite_count", "weight_norm_l2", "update_norm_l2",
-                  "update_ratio", "update_cos", "weight_drift_l2")
 _METRIC_POS = {m: i for i, m in enumerate(schema.HEALTH_METRICS)}
+
+
+def _runs(metrics: tuple[str, ...]) -> list[tuple[slice, slice]]:
+    """(health columns, block columns) slices copying a block of `metrics` into a health row."""
+    runs: list[tuple[slice, slice]] = []
+    for j, m in enumerate(metrics):
+        pos = _METRIC_POS[m]
+        if runs and runs[-1][0].stop == pos and runs[-1][1].stop == j:
+            runs[-1] = (slice(runs[-1][0].start, pos + 1), slice(runs[-1][1].start, j + 1))
+        else:
+            runs.append((slice(pos, pos + 1), slice(j, j + 1)))
+    return runs
+
+
+_FORWARD_RUNS, _PARAM_RUNS = _runs(FORWARD_METRICS), _runs(PARAM_METRICS)
+_FORWARD_POS = [_METRIC_POS[m] for m in FORWARD_METRICS]
+_PARAM_POS = [_METRIC_POS[m] for m in PARAM_METRICS]
+assert sorted(_FORWARD_POS + _PARAM_POS) == list(range(len(schema.HEALTH_METRICS)))
 _MAX_WARNING_EVENTS = 20
 LIVE_FLUSH_STEPS, LIVE_FLUSH_S = 10, 2.0  # flush cadence when live alarms are on
 # The first segment closes after this many steps or seconds (if sooner than the flush settings).
@@ -52,7 +69,7 @@ class Recorder:
                  world_size: int | None = None, heads: list[str] | None = None,
                  sample_size: int = 16, sketch_size: int = 256, flush_every_steps: int = 100,
                  flush_every_s: float = 30.0, start_step: int = 0, run_id: str | None = None,
-                 hooks_under_compile: str = "skip", replicas: bool | None = None,
+                 hooks_under_compile: str = "graph", replicas: bool | None = None,
                  alarms: Sequence[Any] | None = None,
                  on_alarm: Callable[[dict[str, Any]], Any] | None = None, alarm_config: Any = None,
                  config: dict[str, Any] | None = None) -> None:
@@ -60,8 +77,9 @@ class Recorder:
             raise ValueError("sample_size, sketch_size and flush_every_steps must be >= 1 and "
                              f"flush_every_s > 0; got {sample_size}, {sketch_size}, "
                              f"{flush_every_steps}, {flush_every_s}")
-        if hooks_under_compile not in ("skip", "eager"):
-            raise ValueError(f"hooks_under_compile={hooks_under_compile!r}; expected 'skip' (record "
+        if hooks_under_compile not in ("graph", "skip", "eager"):
+            raise ValueError(f"hooks_under_compile={hooks_under_compile!r}; expected 'graph' (samples "
+                             "taken inside the compiled graph), 'skip' (record "
                              "nothing inside torch.compile'd code) or 'eager' (graph breaks)")
         self.model, self.optimizer = model, _usable_optimizer(optimizer)
         self.rank, self.world_size = _rank_and_world(rank, world_size)
@@ -71,7 +89,7 @@ class Recorder:
         self._heads_given = bool(heads)
         params = [p for c in self.components for p in c.params]
         self.device = params[0].device if params else torch.device("cpu")
-        self.fwd = ForwardProbe(self.components, sample_size)
+        self.fwd = ForwardProbe(self.components, sample_size, self.device)
         self.params = ParamProbe(self.components, sketch_size)
         # per-rank evidence (tracer/replicas.py): by default only when there are replicas to compare
         on = self.world_size > 1 if replicas is None else replicas
@@ -80,7 +98,8 @@ class Recorder:
         self.step_count = start_step
         self._first_step = start_step + 1
         self._static_valid = self._structural_validity()
-        self.buffer = StepBuffer(self.components)
+        self.buffer = StepBuffer(self.components, self.device, flush_every_steps + 2)
+        self._backward_queued = False
         self._in_step = False
         self._micro_batches = 0
         self._order = 0
@@ -112,6 +131,7 @@ class Recorder:
         if self.replicas is not None and self.replicas.hook_note:
             self._event("warning", detail=self.replicas.hook_note)
         self._eager_under_compile = hooks_under_compile == "eager"
+        self._in_graph = hooks_under_compile == "graph"
         self._handles: list[Any] = []
         self._install_hooks()
         self._prev_sigterm = self._install_sigterm()
@@ -208,6 +228,7 @@ class Recorder:
         handles = self._handles
         try:
             handles.append(self.model.register_forward_pre_hook(self._root_pre_hook))
+            handles.append(self.model.register_forward_hook(self._root_hook))
             for comp in self.components:
                 handles.append(comp.module.register_forward_hook(self._make_hook(comp)))
             if self.optimizer is not None:
@@ -234,10 +255,37 @@ class Recorder:
         except Exception as exc:
             self._probe_failed(exc)
 
+    def _root_hook(self, module: nn.Module, args: Any, out: Any) -> None:
+        """Arrange a call at the end of the backward pass through this output (pre-clip norms)."""
+        if torch.compiler.is_compiling() or not self._recording(module):
+            return
+        t = first_tensor(out)
+        if t is not None and t.requires_grad:
+            t.register_hook(self._on_output_grad)
+
+    def _on_output_grad(self, grad: torch.Tensor) -> None:
+        if not self._backward_queued:  # once per backward pass, however many outputs
+            self._backward_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._after_backward)
+
+    def _after_backward(self) -> None:
+        self._backward_queued = False
+        if self._closed:
+            return
+        try:
+            self.params.after_backward()
+        except Exception as exc:
+            self._probe_failed(exc)
+
     def _make_hook(self, comp: Any) -> Any:
         def hook(module: nn.Module, args: Any, out: Any) -> None:
-            # traced by torch.compile: a no-op, so no graph break (fullgraph=True keeps working)
-            if torch.compiler.is_compiling() or not self._recording(module):
+            if torch.compiler.is_compiling():
+                # traced by torch.compile: the sample and the non-finite count become outputs of
+                # the graph, appended to a list after it ran (no graph break: fullgraph=True works)
+                if self._in_graph and self._recording(module):
+                    self.fwd.observe_in_graph(comp, out)
+                return
+            if not self._recording(module):
                 return
             try:
                 self._begin_step()
@@ -261,10 +309,10 @@ class Recorder:
             return
         try:
             self.params.grads()
-            total = self.params.total_grad_norm
             # forward outputs held on CPU are counted only if the gradients say something was
             # not finite; a non-finite output that never reaches the gradients goes uncounted
-            self.fwd.settle(total is None or not bool(torch.isfinite(total)) if self.fwd.held else False)
+            if self.fwd.held:
+                self.fwd.settle(self.params.total_grad_norm is None or not self.params.grads_finite)
         except Exception as exc:
             self._probe_failed(exc)
 
@@ -274,11 +322,15 @@ class Recorder:
         self.step_count += 1
         now = time.time()
         try:
+            if self.fwd.from_graph:
+                self._absorb_graph_samples()
             if self.step_count == self._first_step:
                 self._settle_components()
-            self.buffer.records.append(self._step_record(now))
+            self._step_record(now)
             if self.replicas is not None:
                 self.replicas.end_step(self.step_count)
+            if len(self.fwd.pending) >= FORWARD_BATCH_STEPS:
+                self._reduce_forward()
         except Exception as exc:
             self._probe_failed(exc)
             self.writer.record_failure(f"step {self.step_count} not recorded", 1)
@@ -295,24 +347,50 @@ class Recorder:
         if pending > every_steps or (pending > 1 and now - self._last_flush >= every_s):
             self._flush(final=False)
 
-    def _step_record(self, now: float) -> StepRecord:
-        grad_total = self.params.total_grad_norm
+    def _step_record(self, now: float) -> None:
+        """Put this step's parameter block and step values in the buffer; queue its forward samples."""
+        slot = self.buffer.next_slot()
         self.fwd.settle(True)  # outputs still held: no gradients were seen this step
-        pcols, pvalid = self.params.end()
-        cols = {**self.fwd.compute(self.device), **pcols}
-        # one op: stack promotes the float32 columns to the float64 of the counts
-        stats = torch.stack([cols[m] for m in schema.HEALTH_METRICS], 1).double()
+        block, pvalid = self.params.end()
+        self.buffer.put(slot, _PARAM_RUNS, block)
         valid = self._static_valid.copy()
-        fired = self.fwd.sampled
-        for m in ("out_mean", "out_rms", "out_absmax", "out_zero_frac", "out_sat_frac",
-                  "out_dead_frac", "out_nonfinite_count", "pred_entropy_nats", "pred_maxprob"):
-            valid[:, _METRIC_POS[m]] &= fired
-        for j, m in enumerate(_PARAM_METRICS):
-            valid[:, _METRIC_POS[m]] = pvalid[:, j]
+        valid[:, _FORWARD_POS] &= self.fwd.sampled[:, None]
+        valid[:, _PARAM_POS] = pvalid
+        total, preclip = self.params.total_grad_norm, self.params.preclip_total
+        if total is not None:
+            self.buffer.scalars[slot, 0].copy_(total)
+        if preclip is not None:
+            self.buffer.scalars[slot, 1].copy_(preclip)
         lr = self.optimizer.param_groups[0].get("lr") if self.optimizer else None
-        return StepRecord(self.step_count, stats, valid, grad_total, now,
-                           now - self._last_step_time, self._micro_batches,
-                           lr.detach().clone() if isinstance(lr, torch.Tensor) else lr)
+        lr_host = None
+        if isinstance(lr, torch.Tensor) and lr.device == self.device:
+            self.buffer.scalars[slot, 2].copy_(lr.detach().reshape(()))
+        elif lr is not None:
+            lr_host = float(lr)  # a number, or a tensor on the host while the model is not
+        self.buffer.records.append(StepRecord(
+            self.step_count, slot, valid, now, now - self._last_step_time, self._micro_batches,
+            (total is not None, preclip is not None, lr is not None), lr_host))
+        self.fwd.take(slot)
+
+    def _absorb_graph_samples(self) -> None:
+        """Observations made inside compiled graphs join the step's (first call per component)."""
+        for idx, _, _ in self.fwd.from_graph:
+            comp = self.components[idx]
+            if comp.forward_index is None and self.step_count <= self._first_step:
+                comp.forward_index, self._order = self._order, self._order + 1
+        self.fwd.absorb_graph_samples()
+
+    def _reduce_forward(self) -> None:
+        """Forward statistics of the queued steps, computed together, into their buffer rows."""
+        slots = {s.slot for s in self.fwd.pending}
+        try:
+            for first, block in self.fwd.compute():
+                self.buffer.put(slice(first, first + block.shape[0]), _FORWARD_RUNS, block)
+        except Exception:  # those rows hold stale values: make them null, then report
+            for r in self.buffer.records:
+                if r.slot in slots:
+                    r.valid[:, _FORWARD_POS] = False
+            raise
 
     def _structural_validity(self) -> np.ndarray:
         valid = np.ones((len(self.components), len(schema.HEALTH_METRICS)), dtype=bool)
@@ -332,8 +410,8 @@ class Recorder:
         if unseen:
             why = ("the model is in eval() mode: outputs are recorded only in train() mode, so "
                    "call model.train() before training" if not self.model.training else
-                   "unused modules, or a torch.compile'd model: watch(..., hooks_under_compile="
-                   "'eager') records it at the cost of a graph break per component")
+                   "unused modules, or a torch.compile'd model watched with hooks_under_compile="
+                   "'skip': the default 'graph' records it inside the compiled graph")
             msg = (f"forward hooks never fired in the first step for {len(unseen)} of "
                    f"{len(self.components)} components ({why}): {', '.join(unseen[:20])}")
             if len(unseen) * 2 > len(self.components):
@@ -380,6 +458,7 @@ class Recorder:
         try:
             self._last_flush = time.time()
             self._flushed = True
+            self._reduce_forward()
             self.params.refresh()
             if not final:
                 # wait for the previous segment before taking these steps out of the buffer: a
@@ -468,6 +547,7 @@ def watch(model: nn.Module, optimizer: torch.optim.Optimizer | str | os.PathLike
 
     Keyword options: rank, world_size, heads, sample_size (rows subsampled per output),
     sketch_size (coordinates per parameter), flush_every_steps, flush_every_s, start_step (steps
+<<<<<<< HEAD
     already done when resuming), run_id, hooks_under_compile ("skip": forward hooks do nothing
     inside torch.compile'd code, which is named in a warning event; "eager": they run outside
     the graph, one graph break per component, incompatible with fullgraph=True), replicas
@@ -481,6 +561,15 @@ def watch(model: nn.Module, optimizer: torch.optim.Optimizer | str | os.PathLike
     An optimizer-like wrapper (accelerate's AcceleratedOptimizer, Lightning's LightningOptimizer)
     is unwrapped to the torch optimizer it holds; one that holds none is recorded without, with a
     warning.
+=======
+    already done when resuming), run_id, hooks_under_compile ("graph", the default: inside
+    torch.compile'd code the forward hooks take their sample and non-finite count as extra
+    outputs of the graph, no graph break, fullgraph=True works; "skip": they do nothing there,
+    which is named in a warning event; "eager": they run outside the graph, one graph break per
+    component, incompatible with fullgraph=True), replicas (per-rank weight checksums and local
+    gradient norms, tracer/replicas.py; default: on when world_size > 1); anything else is stored
+    in the manifest's config.
+>>>>>>> main
     """
     if isinstance(optimizer, (str, os.PathLike)):  # watch(model, "runs/x") without an optimizer
         if path is not None:  # watch(model, "runs/x", opt) would record no steps at all

@@ -123,7 +123,8 @@ STEP_COLUMNS: tuple[Column, ...] = (
     Column("step_time_s", F64, "seconds", "wall time since the previous step finished"),
     Column("loss", F64, "loss units", "`rec.log(loss=...)`; mean if logged several times in a step"),
     Column("lr", F64, "learning rate", "learning rate of the optimizer's first param group"),
-    Column("grad_norm_total_l2", F64, "gradient units", "L2 norm of all parameter gradients together (what clipping sees)"),
+    Column("grad_norm_total_l2", F64, "gradient units", "L2 norm of all parameter gradients together as optimizer.step receives them: after any clipping or unscaling the training loop did (the per-component `grad_norm_l2` are taken at the same point)"),
+    Column("grad_norm_preclip_l2", F64, "gradient units", "L2 norm of all parameter gradients as the step's last backward pass left them, before clipping (what `clip_grad_norm_` sees; with a GradScaler, the scaled norm); null on the first step whose gradients the loop modified after backward, and where no backward pass was seen"),
     Column("micro_batches", I64, "forward passes", "training forward passes of the root module in this step"),
     Column("batch_ids", pa.list_(I64), "sample ids", "`rec.batch(ids)`: the samples (or batch indices) this step consumed"),
 )

@@ -41,6 +41,8 @@ class Segment:
     stats: np.ndarray                                   # (S, C, M) float64, M = HEALTH_METRICS
     valid: np.ndarray                                   # (S, C, M) bool; False = null
     tables: dict[str, dict[str, list[object]]] = field(default_factory=dict)
+    # fills in what needs host copies of device values; run by the writer thread before writing
+    finish: Callable[[], None] | None = None
 
 
 def health_table(seg: Segment) -> pa.Table:
@@ -219,6 +221,8 @@ class TraceWriter:
                 self._entry["warnings"].append(message)  # type: ignore[attr-defined]
 
     def _write_segment(self, seg: Segment) -> None:
+        if seg.finish is not None:
+            seg.finish()
         seq = self._seq
         self._seq += 1  # a failed segment's number is not reused: names stay unique
         span = (int(seg.steps[0]), int(seg.steps[-1])) if len(seg.steps) else None

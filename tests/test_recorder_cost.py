@@ -1,0 +1,191 @@
+"""What the recorder asks of the host in a training step, and what it keeps in memory over a run."""
+
+from __future__ import annotations
+
+import gc
+import sys
+import threading
+import tracemalloc
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from warninglight.lab import zoo
+from warninglight.tracer import probes, watch
+
+_TRACER_DIR = str(Path(probes.__file__).parent)
+# every way a tensor's value reaches Python: each one waits for the device on an accelerator
+_READS = ("item", "tolist", "numpy", "__bool__", "__float__", "__int__", "__index__")
+
+
+@pytest.fixture()
+def host_reads(monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, int]]:
+    """Counts host reads made by the recorder's code on the training (main) thread."""
+    counts = dict.fromkeys(_READS, 0)
+    main = threading.main_thread()
+    for name in _READS:
+        real = getattr(torch.Tensor, name)
+
+        def counted(self: torch.Tensor, *args: object, _real=real, _name=name, **kwargs: object) -> object:
+            caller = sys._getframe(1).f_code.co_filename
+            if threading.current_thread() is main and caller.startswith(_TRACER_DIR):
+                counts[_name] += 1
+            return _real(self, *args, **kwargs)
+        monkeypatch.setattr(torch.Tensor, name, counted)
+    yield counts
+
+
+def _train_gpt(device: str, steps: int, micro_batches: int, trace: Path) -> object:
+    torch.manual_seed(0)
+    model = zoo.TinyGPT(zoo.GPTConfig(block_size=32)).to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    rec = watch(model, opt, trace, flush_every_steps=5)
+    for _ in range(steps):
+        for _ in range(micro_batches):
+            x = torch.randint(0, 65, (4, 32), device=device)
+            loss = F.cross_entropy(model(x).flatten(0, 1), x.flatten())
+            loss.backward()
+            rec.log(loss=loss)
+            rec.batch(torch.arange(4, device=device))
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad()
+    rec.close()
+    return rec
+
+
+def test_on_an_accelerator_the_step_reads_nothing_back(host_reads: dict[str, int], tmp_path: Path) -> None:
+    # the meta device stands in for an accelerator: it has no data, so any read of a value
+    # raises, and the recorder would name it in a "probe failed" warning
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        rec = _train_gpt("meta", steps=12, micro_batches=2, trace=tmp_path)
+    failed = [str(w.message) for w in caught if "probe failed" in str(w.message)]
+    assert failed == [] and rec.step_count == 12
+    assert host_reads == dict.fromkeys(_READS, 0)
+
+
+def test_on_cpu_the_step_reads_what_is_documented(host_reads: dict[str, int], tmp_path: Path,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    # docs/overhead.md: one read per step (is the total gradient norm finite?), one per extra
+    # micro-batch (are the gradients so far finite?), and one per reduction of a batch of steps'
+    # sampled outputs and row group (is the sample finite?); the GPT's samples all have 16 rows
+    reductions = []
+    real = probes.ForwardProbe.compute
+
+    def compute(self: probes.ForwardProbe) -> list:
+        reductions.extend({s.key for s in self.pending})  # one key = one row group here
+        return real(self)
+    monkeypatch.setattr(probes.ForwardProbe, "compute", compute)
+    steps, micro = 16, 2
+    _train_gpt("cpu", steps=steps, micro_batches=micro, trace=tmp_path)
+    assert 2 <= len(reductions) <= 5  # every 8 steps, and at each flush
+    assert host_reads == {**dict.fromkeys(_READS, 0), "__bool__": steps * micro + len(reductions)}
+
+
+class _Experts(torch.nn.Module):
+    """Sixteen one-weight experts on the root: a random subset reaches the output, one is frozen."""
+
+    def __init__(self, n: int = 16) -> None:
+        super().__init__()
+        self.weights = [torch.nn.Parameter(torch.randn(2)) for _ in range(n)]
+        for i, w in enumerate(self.weights):
+            self.register_parameter(f"expert{i}", w)
+        self.weights[0].requires_grad_(False)
+        self.gen = torch.Generator().manual_seed(0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        chosen = (torch.rand(len(self.weights), generator=self.gen) < 0.5).tolist()
+        chosen[1] = True  # one expert always answers: the output always has a gradient
+        return sum(x * w for w, c in zip(self.weights, chosen, strict=True) if c)
+
+
+def test_recorder_memory_stays_flat_over_20k_steps(tmp_path: Path) -> None:
+    # which parameters get a gradient changes every step (one of 16,384 patterns): a cache keyed
+    # by it would grow by an entry almost every step
+    torch.manual_seed(0)
+    model = _Experts()
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    x = torch.randn(2, 2)
+    traced = []
+    tracemalloc.start(1)
+    try:
+        with watch(model, opt, tmp_path, flush_every_steps=500) as rec:
+            for step in range(1, 20_001):
+                model(x).sum().backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+                if step % 4000 == 0 and step >= 8000:
+                    gc.collect()
+                    traced.append(tracemalloc.get_traced_memory()[0])
+    finally:
+        tracemalloc.stop()
+    assert rec.step_count == 20_000 and rec.dropped_steps == 0
+    # rows waiting for the writer come and go (~0.4 KB a step, up to two segments of 500 steps);
+    # a cache entry per gradient pattern (~1 KB, ~4,500 new patterns after step 8,000) would not
+    assert max(traced) - traced[0] < 1024 * 1024, traced
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_cuda_a_training_step_never_synchronises(tmp_path: Path) -> None:
+    # the overhead benchmark's GPT with bf16 autocast, two micro-batches, clipping, device-side
+    # logged losses and batch ids; any host-device sync raises inside the step (and the recorder
+    # would turn a raise in its hooks into a "probe failed" warning, so warnings are checked too)
+    torch.manual_seed(0)
+    cfg = zoo.GPTConfig(n_layer=4, n_embd=256, n_head=4, block_size=128)
+    model = zoo.TinyGPT(cfg).cuda()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        rec = watch(model, opt, tmp_path, flush_every_steps=4)
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            for _ in range(10):
+                for _ in range(2):
+                    x = torch.randint(0, cfg.vocab_size, (8, cfg.block_size), device="cuda")
+                    with torch.autocast("cuda", dtype=torch.bfloat16):
+                        loss = F.cross_entropy(model(x).flatten(0, 1).float(), x.flatten())
+                    loss.backward()
+                    rec.log(loss=loss)
+                    rec.batch(torch.arange(8, device="cuda"))
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        rec.close()
+    assert [str(w.message) for w in caught if "warninglight" in str(w.message)] == []
+    assert rec.step_count == 10 and rec.dropped_steps == 0
+
+
+def test_pre_clip_gradient_norm_is_recorded_beside_the_clipped_one(tmp_path: Path) -> None:
+    import duckdb
+    from warninglight.tracer import schema
+
+    def run(clip: float | None, trace: Path) -> list[tuple]:
+        torch.manual_seed(0)
+        model = zoo.mlp()
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        data = zoo.batches(*zoo.teacher_classification(256), 32)
+        with watch(model, opt, trace):
+            for _ in range(4):
+                _, x, y = next(data)
+                F.cross_entropy(model(x), y).backward()
+                if clip is not None:
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+                opt.step()
+                opt.zero_grad()
+        glob = schema.segment_glob(trace, "steps")
+        return duckdb.sql(f"select grad_norm_preclip_l2, grad_norm_total_l2 from "
+                          f"read_parquet('{glob}') order by step").fetchall()
+
+    plain = run(None, tmp_path / "plain")
+    assert all(pre == total for pre, total in plain)  # nothing touched the gradients after backward
+    clipped = run(0.01, tmp_path / "clipped")
+    assert clipped[0][0] is None  # the first step shows that the loop modifies gradients
+    assert len(clipped) == 4
+    for pre, total in clipped[1:]:  # what the optimizer got, and what backward left
+        assert total == pytest.approx(0.01, rel=1e-4) and pre > 10 * total

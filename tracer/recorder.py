@@ -547,29 +547,20 @@ def watch(model: nn.Module, optimizer: torch.optim.Optimizer | str | os.PathLike
 
     Keyword options: rank, world_size, heads, sample_size (rows subsampled per output),
     sketch_size (coordinates per parameter), flush_every_steps, flush_every_s, start_step (steps
-<<<<<<< HEAD
-    already done when resuming), run_id, hooks_under_compile ("skip": forward hooks do nothing
-    inside torch.compile'd code, which is named in a warning event; "eager": they run outside
-    the graph, one graph break per component, incompatible with fullgraph=True), replicas
-    (per-rank weight checksums and local gradient norms, tracer/replicas.py; default: on when
-    world_size > 1), alarms (sinks for live alarms: "jsonl:PATH", "webhook:URL" or
-    "webhook:$ENV_VAR", "mlflow:TRACKING_URI", "tensorboard:LOGDIR", "wandb:offline", or objects
-    with send(alarm)), on_alarm (called with each alarm on the training thread at the next step
-    boundary), alarm_config (thresholds, as for `analyze --config`); anything else is stored in
-    the manifest's config.
-
-    An optimizer-like wrapper (accelerate's AcceleratedOptimizer, Lightning's LightningOptimizer)
-    is unwrapped to the torch optimizer it holds; one that holds none is recorded without, with a
-    warning.
-=======
     already done when resuming), run_id, hooks_under_compile ("graph", the default: inside
     torch.compile'd code the forward hooks take their sample and non-finite count as extra
     outputs of the graph, no graph break, fullgraph=True works; "skip": they do nothing there,
     which is named in a warning event; "eager": they run outside the graph, one graph break per
     component, incompatible with fullgraph=True), replicas (per-rank weight checksums and local
-    gradient norms, tracer/replicas.py; default: on when world_size > 1); anything else is stored
-    in the manifest's config.
->>>>>>> main
+    gradient norms, tracer/replicas.py; default: on when world_size > 1), alarms (sinks for live
+    alarms: "jsonl:PATH", "webhook:URL" or "webhook:$ENV_VAR", "mlflow:TRACKING_URI",
+    "tensorboard:LOGDIR", "wandb:offline", or objects with send(alarm)), on_alarm (called with
+    each alarm on the training thread at the next step boundary), alarm_config (thresholds, as
+    for `analyze --config`); anything else is stored in the manifest's config.
+
+    An optimizer-like wrapper (accelerate's AcceleratedOptimizer, Lightning's LightningOptimizer)
+    is unwrapped to the torch optimizer it holds; one that holds none is recorded without, with a
+    warning.
     """
     if isinstance(optimizer, (str, os.PathLike)):  # watch(model, "runs/x") without an optimizer
         if path is not None:  # watch(model, "runs/x", opt) would record no steps at all

@@ -110,6 +110,8 @@ class Detectors:
     light_lead_over_loss_spike: int | None  # positive: the light lit first
     light_lead_over_grad_norm_spike: int | None
     first_alarm_step: int | None  # the earliest alarm of any condition
+    loss_points: int | None = None  # steps with a logged loss (Trainer logs one every logging_steps)
+    loss_steps_judged: int | None = None  # of those, how many the loss rule had enough past losses to judge
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -222,7 +224,8 @@ def _step_series(trace: Trace, column: str) -> tuple[np.ndarray, np.ndarray]:
 
 def comparators(trace: Trace, onset: int | None) -> dict[str, Any]:
     """When the loss-spike and ZClip-style rules fire on this trace."""
-    loss = detectors.loss_spikes(*_step_series(trace, "loss"))
+    loss_series = _step_series(trace, "loss")
+    loss = detectors.loss_spikes(*loss_series)
     grad = detectors.grad_norm_spikes(*_step_series(trace, "grad_norm_total_l2"))
     return {
         "loss_spike_step": detectors.first_at_or_after(loss, onset),
@@ -230,6 +233,7 @@ def comparators(trace: Trace, onset: int | None) -> dict[str, Any]:
         "loss_spike_first_step": detectors.first_at_or_after(loss, None),
         "grad_norm_spike_first_step": detectors.first_at_or_after(grad, None),
         "loss_spike_count": len(loss), "grad_norm_spike_count": len(grad),
+        "loss_points": len(loss_series[0]), "loss_steps_judged": detectors.loss_steps_judged(*loss_series),
     }
 
 

@@ -125,7 +125,10 @@ def comparator_lines(detectors: Detectors) -> list[str]:
     def fired(step: int | None) -> str:
         return "never fired" if step is None else f"step {step}"
 
-    lines = [f"comparators: loss-spike rule {fired(detectors.loss_spike_step)}, gradient-norm (ZClip) rule "
+    loss = fired(detectors.loss_spike_step)
+    if detectors.loss_steps_judged == 0:  # e.g. a short run logging its loss every N steps
+        loss = f"had too few logged losses to judge any step ({detectors.loss_points} points)"
+    lines = [f"comparators: loss-spike rule {loss}, gradient-norm (ZClip) rule "
              f"{fired(detectors.grad_norm_spike_step)}"]
     for lead, name in ((detectors.light_lead_over_loss_spike, "loss spike"),
                        (detectors.light_lead_over_grad_norm_spike, "gradient-norm spike")):

@@ -12,16 +12,16 @@ from warninglight.cli.common import (
     EveryOpt,
     ReferenceOpt,
     SetOpt,
+    StepsOpt,
     TraceArg,
     analysis_from,
     bad_input,
     config_from,
+    steps_from,
     table,
     warn,
 )
 from warninglight.cli.main import app
-from warninglight.forensics import replay, wording
-from warninglight.forensics.analysis import FAULT
 from warninglight.forensics.conditions import registry_rows
 
 FAULT_EXIT = 1  # --exit-code: a fault was found
@@ -36,10 +36,14 @@ def analyze_cmd(
     overrides: SetOpt = None,
     checkpoints: CheckpointsOpt = None,
     every: EveryOpt = None,
+    steps: StepsOpt = None,
     reference: ReferenceOpt = None,
 ) -> None:
     """Is this run failing? Which component, since when, how badly, and how far to roll back."""
-    analysis = analysis_from(trace, config, overrides, checkpoints, every, reference)
+    from warninglight.forensics import wording
+    from warninglight.forensics.analysis import FAULT
+
+    analysis = analysis_from(trace, config, overrides, checkpoints, every, steps, reference)
     warn(analysis.warnings)
     typer.echo(json.dumps(analysis.to_dict(), indent=2) if as_json else wording.analysis_text(analysis))
     if exit_code and analysis.verdict == FAULT:
@@ -56,6 +60,8 @@ def rollback_cmd(
     every: EveryOpt = None,
 ) -> None:
     """The smallest rollback that removes the fault, beside what a loss-curve-only operator would do."""
+    from warninglight.forensics import wording
+
     analysis = analysis_from(trace, config, overrides, checkpoints, every)
     warn(analysis.warnings)
     rollback = analysis.rollback
@@ -68,11 +74,16 @@ def replay_cmd(
     as_json: Annotated[bool, typer.Option("--json", help="Print the timeline as JSON.")] = False,
     config: ConfigOpt = None,
     overrides: SetOpt = None,
+    steps: StepsOpt = None,
 ) -> None:
     """Stream the trace in step order and print when each alarm would have fired live."""
+    from warninglight.forensics import wording
+    from warninglight.forensics.replay import replay
+
     cfg = config_from(config, overrides)
+    window = steps_from(steps)
     with bad_input():
-        result = replay(trace, config=cfg)
+        result = replay(trace, config=cfg, steps=window)
     warn(result.warnings)
     if as_json:
         typer.echo(json.dumps(result.to_dict(), indent=2))

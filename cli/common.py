@@ -2,23 +2,17 @@
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated, Any
 
-import duckdb
 import typer
-from warninglight.forensics import (
-    Analysis,
-    CheckpointError,
-    Config,
-    ConfigError,
-    TraceError,
-    analyze,
-    load_config,
-)
-from warninglight.forensics.wording import text_table as table  # noqa: F401  (the commands' tables)
+from warninglight.forensics.conditions import Config, ConfigError, load_config
+
+if TYPE_CHECKING:  # the engine (DuckDB, Polars) loads when a command that reads a trace runs
+    from warninglight.forensics.analysis import Analysis
 
 BAD_INPUT = 2  # exit code for input we cannot use (not a trace, bad SQL, bad option)
 
@@ -36,6 +30,29 @@ EveryOpt = Annotated[int | None, typer.Option(
 ReferenceOpt = Annotated[Path | None, typer.Option(
     "--reference", help="A known-good trace of the same model and schedule: judge every component "
                         "against it step by step, to find faults present from the first step.")]
+StepsOpt = Annotated[str | None, typer.Option(
+    "--steps", metavar="A:B",
+    help="An incident window: judge only steps A..B (reading just the files that hold them and the "
+         "baseline history before A).")]
+
+
+def steps_from(text: str | None) -> tuple[int, int] | None:
+    """`--steps A:B` as (A, B); a one-line error for anything else."""
+    if text is None:
+        return None
+    first, sep, last = text.partition(":")
+    if not sep or not first.strip().isdigit() or not last.strip().isdigit():
+        raise fail(f"--steps {text!r}: expected A:B with whole step numbers, e.g. --steps 9000:9500")
+    if int(first) > int(last):
+        raise fail(f"--steps {text}: the first step is after the last; e.g. --steps {last.strip()}:{first.strip()}")
+    return int(first), int(last)
+
+
+def table(rows: Sequence[dict[str, Any]], columns: Sequence[str]) -> str:
+    """A plain aligned text table (forensics.texttable)."""
+    from warninglight.forensics.texttable import text_table
+
+    return text_table(rows, columns)
 
 
 def fail(message: str, code: int = BAD_INPUT) -> typer.Exit:
@@ -57,17 +74,29 @@ def refuse_overwrite(path: Path, force: bool, flag: str = "-o") -> None:
                    "another path")
 
 
+# Input errors the engine raises, by the module that defines them: looked up only in modules
+# already loaded (an error cannot come from one that is not), so `conditions` loads no engine.
+_INPUT_ERRORS = {"warninglight.forensics.store": "TraceError", "warninglight.forensics.rollback": "CheckpointError",
+                 "warninglight.forensics.analysis": "StepWindowError"}
+
+
 @contextmanager
 def bad_input() -> Iterator[None]:
     """Turn the library's input errors into a one-line message and exit code 2."""
     try:
         yield
-    except (TraceError, ConfigError, CheckpointError) as exc:
+    except ConfigError as exc:
         raise fail(str(exc)) from None
-    except duckdb.Error as exc:
-        raise fail(f"{str(exc).splitlines()[0]} — the views are health, steps, scalars, components, "
-                   "events, checkpoints (and *_all for every incarnation); try "
-                   "'DESCRIBE health'") from None
+    except Exception as exc:
+        known = tuple(getattr(sys.modules[m], name) for m, name in _INPUT_ERRORS.items() if m in sys.modules)
+        if known and isinstance(exc, known):
+            raise fail(str(exc)) from None
+        duckdb = sys.modules.get("duckdb")
+        if duckdb is not None and isinstance(exc, duckdb.Error):
+            raise fail(f"{str(exc).splitlines()[0]} — the views are health, steps, scalars, components, "
+                       "events, checkpoints (and *_all for every incarnation); try "
+                       "'DESCRIBE health'") from None
+        raise
 
 
 def config_from(path: Path | None, overrides: list[str] | None) -> Config:
@@ -77,9 +106,14 @@ def config_from(path: Path | None, overrides: list[str] | None) -> Config:
 
 
 def analysis_from(trace: Path, config: Path | None, overrides: list[str] | None,
-                  checkpoints: str | None, every: int | None, reference: Path | None = None) -> Analysis:
-    """The analysis a command prints, with the thresholds, checkpoints and reference the user chose."""
+                  checkpoints: str | None, every: int | None, steps: str | None = None,
+                  reference: Path | None = None) -> Analysis:
+    """The analysis a command prints, with the thresholds, checkpoints, window and reference the
+    user chose."""
+    from warninglight.forensics.analysis import analyze
+
     cfg = config_from(config, overrides)
+    window = steps_from(steps)
     with bad_input():
         return analyze(trace, config=cfg, checkpoints_glob=checkpoints, checkpoint_every=every,
-                       reference=reference)
+                       steps=window, reference=reference)

@@ -12,6 +12,7 @@ from warninglight.cli.common import (
     ConfigOpt,
     EveryOpt,
     SetOpt,
+    StepsOpt,
     TraceArg,
     analysis_from,
     bad_input,
@@ -20,7 +21,6 @@ from warninglight.cli.common import (
     warn,
 )
 from warninglight.cli.main import app
-from warninglight.forensics.checks import is_trace_file
 
 
 class Format(StrEnum):
@@ -37,6 +37,7 @@ def report_cmd(
     overrides: SetOpt = None,
     checkpoints: CheckpointsOpt = None,
     every: EveryOpt = None,
+    steps: StepsOpt = None,
     force: Annotated[bool, typer.Option("--force", help="Overwrite an existing report file (or the figures in an existing folder).")] = False,
 ) -> None:
     """Write a report of a trace: health heatmap, root metric, loss with every detector, rollback, alarms.
@@ -44,6 +45,7 @@ def report_cmd(
     It reports the same analysis `warninglight analyze` prints with the same options.
     """
     from warninglight.forensics import report
+    from warninglight.forensics.checks import is_trace_file
 
     if fmt is Format.html and out.is_dir():
         raise fail(f"--out {out} is a folder; pass an .html file, e.g. -o {out / 'report.html'}, "
@@ -58,7 +60,7 @@ def report_cmd(
                    "figures in it, or choose a new folder")
     if fmt is Format.html:
         refuse_overwrite(out, force, "--out")
-    analysis = analysis_from(trace, config, overrides, checkpoints, every)
+    analysis = analysis_from(trace, config, overrides, checkpoints, every, steps)
     warn(analysis.warnings)
     with bad_input():
         try:

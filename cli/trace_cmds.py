@@ -8,9 +8,6 @@ from typing import Annotated
 import typer
 from warninglight.cli.common import TraceArg, bad_input, fail, table, warn
 from warninglight.cli.main import app
-from warninglight.forensics import open_trace
-from warninglight.forensics.query import run_query
-from warninglight.forensics.store import info
 
 
 class Format(StrEnum):
@@ -22,6 +19,8 @@ class Format(StrEnum):
 @app.command("info")
 def info_cmd(trace: TraceArg) -> None:
     """Summarise a trace: run id, steps, incarnations, components, ranks, segments, size, dropped steps."""
+    from warninglight.forensics.store import info, open_trace
+
     with bad_input():
         t = open_trace(trace)
         try:
@@ -47,6 +46,9 @@ def query_cmd(
                                  "outside the trace directory; by default a query only reads the trace.")] = False,
 ) -> None:
     """Run SQL over a trace's DuckDB views and print the result (read-only unless --allow-external)."""
+    from warninglight.forensics.query import run_query
+    from warninglight.forensics.store import open_trace
+
     with bad_input():
         t = open_trace(trace)
         try:

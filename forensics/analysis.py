@@ -4,6 +4,10 @@
 exactly the object `warninglight analyze --json` prints (documented in docs/analysis-json.md);
 `alarms` is a Polars frame; `baseline_frame(component, metric)` gives a metric with its baseline
 band, for plots. How a verdict is worded for a person lives in `wording`.
+
+Memory is bounded whatever the trace's length: the health rows are read and classified one step
+window at a time (`stream.Classifier` carries the trailing baseline across windows; the static
+rules scan the same windows), and localisation reads back only the alarmed components' series.
 """
 
 from __future__ import annotations
@@ -14,18 +18,31 @@ from typing import Any
 
 import numpy as np
 import polars as pl
+from warninglight.tracer import schema
 
 from . import checks, detectors
 from . import ranks as rank_analysis
 from . import rollback as rb
-from .baseline import band
-from .classify import classify
+from .baseline import band, with_baseline
 from .conditions import Config, load_config
 from .dataroot import data_root, gradients_wide
-from .localise import Located, RootCause, locate, located_frame, root_cause
+from .localise import DRIFT_REACH, Located, RootCause, locate, located_frame, root_cause
 from .reference import check_components, reference_baseline
-from .schedule import with_lr
-from .store import Trace, health_frame, info, open_trace
+from .schedule import component_lr, join_lr
+from .static_rules import StaticAlarm, StaticScan
+from .store import (
+    COMPONENT_KEYS,
+    EmptyTraceError,
+    Trace,
+    health_steps,
+    health_window,
+    info,
+    open_trace,
+)
+from .stream import Classifier
+
+CHUNK_ROWS = 400_000  # health rows judged per step window: the scored window stays under ~0.6 GB
+HEAT_BINS = 2_000     # the heatmap keeps at most this many step columns (one bin = several steps)
 
 HEALTHY, FAULT = "healthy", "fault"  # the two verdicts
 
@@ -99,6 +116,8 @@ class Detectors:
     light_lead_over_loss_spike: int | None  # positive: the light lit first
     light_lead_over_grad_norm_spike: int | None
     first_alarm_step: int | None  # the earliest alarm of any condition
+    loss_points: int | None = None  # steps with a logged loss (Trainer logs one every logging_steps)
+    loss_steps_judged: int | None = None  # of those, how many the loss rule had enough past losses to judge
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -115,13 +134,16 @@ class Analysis:
     alarms: pl.DataFrame  # one row per alarm, columns ALARM_KEYS
     rollback: rb.Rollback
     detectors: Detectors
-    scored: pl.DataFrame = field(repr=False)  # health rows with baseline columns
+    heat: pl.DataFrame = field(repr=False)  # component, step (bin start), score: worst |robust z| in the bin
     summary: dict[str, Any] = field(default_factory=dict)  # store.info(): what `info` prints
     components: pl.DataFrame = field(default_factory=pl.DataFrame, repr=False)  # the components table
     steps: pl.DataFrame = field(default_factory=pl.DataFrame, repr=False)  # the steps table, by step
     warmup_steps: int = 0  # recorded steps before a component is first judged (baseline min_samples + lag)
     warnings: list[str] = field(default_factory=list)  # problems of the trace the analysis went past
     ranks_panel: pl.DataFrame = field(default_factory=pl.DataFrame, repr=False)  # ranks.panel(): rank x step
+    static: list[StaticAlarm] = field(default_factory=list)  # what fixed-threshold rules saw
+    config: Config = field(default_factory=Config, repr=False)
+    heat_width: int = 1  # steps per heat bin (1 up to HEAT_BINS steps)
 
     def alarm_list(self) -> list[Alarm]:
         """The alarms as records, in step order (non-finite floats as None)."""
@@ -140,12 +162,17 @@ class Analysis:
     def baseline_frame(self, component: str, metric: str, rank: int = 0,
                        width_z: float = 3.0) -> pl.DataFrame:
         """step, value, median, lower, upper (median ± width_z robust scales) of one metric."""
-        rows = self.scored.filter((pl.col("component") == component) & (pl.col("rank") == rank))
+        trace = open_trace(self.trace_dir)  # one component is read back: the analysis keeps none
+        try:
+            if metric not in trace.sql("SELECT * FROM health WHERE false").columns:
+                raise KeyError(f"no metric {metric!r} in {self.trace_dir}; try out_rms, grad_norm_l2, update_ratio")
+            first, last = require_health(trace)
+            rows = health_window(trace, first, last, columns=[metric], names=[component], rank=rank)
+        finally:
+            trace.close()
         if rows.is_empty():
             raise KeyError(f"no component {component!r} on rank {rank} in {self.trace_dir}")
-        if f"{metric}__med" not in rows.columns:
-            raise KeyError(f"no metric {metric!r} in {self.trace_dir}; try out_rms, grad_norm_l2, update_ratio")
-        return band(rows, metric, width_z)
+        return band(with_baseline(rows.lazy(), self.config.baseline, [metric]).collect(), metric, width_z)
 
 
 def _plain(v: Any) -> Any:
@@ -242,7 +269,8 @@ def _lr_evidence(cause: RootCause) -> RootCause:
 
 def comparators(trace: Trace, onset: int | None) -> dict[str, Any]:
     """When the loss-spike and ZClip-style rules fire on this trace."""
-    loss = detectors.loss_spikes(*_step_series(trace, "loss"))
+    loss_series = _step_series(trace, "loss")
+    loss = detectors.loss_spikes(*loss_series)
     grad = detectors.grad_norm_spikes(*_step_series(trace, "grad_norm_total_l2"))
     return {
         "loss_spike_step": detectors.first_at_or_after(loss, onset),
@@ -250,6 +278,7 @@ def comparators(trace: Trace, onset: int | None) -> dict[str, Any]:
         "loss_spike_first_step": detectors.first_at_or_after(loss, None),
         "grad_norm_spike_first_step": detectors.first_at_or_after(grad, None),
         "loss_spike_count": len(loss), "grad_norm_spike_count": len(grad),
+        "loss_points": len(loss_series[0]), "loss_steps_judged": detectors.loss_steps_judged(*loss_series),
     }
 
 
@@ -265,11 +294,89 @@ def _checkpoints(trace: Trace, checkpoints_glob: str | None, checkpoint_every: i
     return rb.from_trace(trace), "trace"
 
 
+class StepWindowError(ValueError):
+    """A step window that holds none of the trace's steps."""
+
+
+def require_health(trace: Trace) -> tuple[int, int]:
+    """(first, last) health step; an `EmptyTraceError` saying why when the trace holds none."""
+    steps = health_steps(trace)
+    if steps is None:
+        recorded = trace.one("SELECT count(*) FROM steps")[0]
+        why = (f"it recorded {recorded} steps but no component (the model has no submodules or "
+               "parameters to watch)" if recorded else
+               "the run recorded no complete steps (it stopped before its first optimizer step, "
+               "or was killed before its first segment was written)")
+        raise EmptyTraceError(f"no health rows in {trace.root}: {why} — nothing to analyse; "
+                              "`warninglight info` shows what it holds")
+    return steps
+
+
+def judged_steps(trace: Trace, config: Config, steps: tuple[int, int] | None = None) -> tuple[int, int, int]:
+    """(first step read, first step judged, last step) of the health timeline, or of the window
+    `steps` = (A, B): judged from A, read from A minus the history a rule reads."""
+    first, last = require_health(trace)
+    if steps is None:
+        return first, first, last
+    a, b = steps
+    if a > b or b < first or a > last:
+        raise StepWindowError(f"--steps {a}:{b} holds none of the recorded steps {first}-{last}; "
+                              f"pass a window A:B with A <= B inside {first}:{last}")
+    a, b = max(a, first), min(b, last)
+    return max(first, a - config.baseline.history(config.conditions)), a, b
+
+
+def classify_trace(trace: Trace, config: Config, components: pl.DataFrame, heat_width: int | None = None,
+                   chunk_steps: int | None = None, static: StaticScan | None = None,
+                   steps: tuple[int, int] | None = None,
+                   reference: pl.DataFrame | None = None) -> Classifier:
+    """Feed the health timeline (or the window `steps`, with the history before it) to one
+    `Classifier`, and to `static`, one step window at a time."""
+    read_from, judge_from, last = judged_steps(trace, config, steps)
+    chunk = chunk_steps or max(config.baseline.history(config.conditions), CHUNK_ROWS // max(1, len(components)))
+    clf = Classifier(config, components, heat_width, since=judge_from, reference=reference)
+    lr = component_lr(trace)  # the lr each component saw: update metrics are judged relative to it
+    for start in range(read_from, last + 1, chunk):
+        rows = health_window(trace, start, min(start + chunk - 1, last), components)
+        rows = join_lr(rows.lazy(), lr).collect()
+        clf.feed(rows)
+        if static is not None:
+            static.feed(rows.filter(pl.col("step") >= judge_from))
+    return clf
+
+
+def locate_alarms(trace: Trace, alarms: pl.DataFrame, components: pl.DataFrame, config: Config,
+                  since: int = 0, reference: pl.DataFrame | None = None) -> list[Located]:
+    """`localise.locate` on the alarms, reading back only the alarmed components (and the layers
+    feeding alarmed activations) from step `since` on: all that localisation looks at."""
+    if alarms.is_empty():
+        return []
+    parents = components.filter(pl.col("component").is_in(alarms["component"].implode()))
+    names = sorted({*alarms["component"].to_list(), *parents["parent_param"].drop_nulls().to_list()})
+    metrics = sorted(set(alarms["metric"].to_list()))
+    # derived metrics (the lr and its surge) come from the steps table, joined below
+    recorded = [m for m in metrics if m in schema.HEALTH_METRICS]
+    if "lr" in metrics:  # an unheld component is told from a frozen one by its gradients
+        recorded.append("grad_norm_l2")
+    rows = health_window(trace, since, int(alarms["step"].max()) + DRIFT_REACH,
+                         columns=sorted({*recorded, "weight_drift_l2"}), names=names)
+    keys = [c for c in COMPONENT_KEYS if c in components.columns and c not in ("rank", "component")]
+    rows = rows.join(components.select("rank", "component", *keys), on=["rank", "component"], how="left")
+    rows = join_lr(rows.lazy(), component_lr(trace)).collect()
+    scored = with_baseline(rows.lazy(), config.baseline, [m for m in metrics if m in rows.columns],
+                           reference=reference).collect()
+    return locate(alarms, scored, components, config)
+
+
 def analyze(trace_dir: str | Path, *, config: Config | str | Path | None = None,
             checkpoints_glob: str | None = None, checkpoint_every: int | None = None,
+            steps: tuple[int, int] | None = None,
             reference: str | Path | None = None) -> Analysis:
     """Read the trace and answer: failing? where, since when, how badly, and how far to roll back.
 
+    `steps` = (A, B): an incident window. Only alarms raised at steps A..B are reported, each
+    judged exactly as on the whole trace, and only the segment files holding steps A minus the
+    baseline's history to B are read (an episode under way at A is reported from A).
     `reference`: a known-good trace of the same model; each component is judged against it step
     by step instead of against its own past, so faults present from the first step show.
     """
@@ -278,13 +385,18 @@ def analyze(trace_dir: str | Path, *, config: Config | str | Path | None = None,
     trace = open_trace(trace_dir)
     try:
         summary = info(trace)
-        frame = with_lr(health_frame(trace), trace)
-        if ref is not None:
-            check_components(frame, ref, reference)  # type: ignore[arg-type]
-        scored, alarms = classify(frame, cfg, ref)
         components = trace.frame("components").collect()
-        steps = trace.frame("steps").collect().sort("step")
-        located = locate(alarms, scored, components, cfg)
+        read_from, first, last_health = judged_steps(trace, cfg, steps)
+        table = trace.frame("steps").collect().sort("step")
+        if steps is not None:
+            table = table.filter(pl.col("step").is_between(first, last_health))
+        width = max(1, -(-(last_health - first + 1) // HEAT_BINS))  # ceil
+        static = StaticScan(components)
+        if ref is not None:
+            check_components(components, ref, reference)  # type: ignore[arg-type]
+        clf = classify_trace(trace, cfg, components, heat_width=width, static=static, steps=steps,
+                             reference=ref)
+        located = locate_alarms(trace, clf.alarms(), components, cfg, since=read_from, reference=ref)
         root, affected = root_cause(located, cfg, param_components(components))
         root, skip_until = _whole_model_root(root, located, components, trace, cfg)
         ranked = rank_analysis.findings(trace)  # empty for a single rank
@@ -316,5 +428,5 @@ def analyze(trace_dir: str | Path, *, config: Config | str | Path | None = None,
                                ("light_lead_over_grad_norm_spike", found["grad_norm_spike_step"]))}
     return Analysis(Path(trace_dir), FAULT if top else HEALTHY, top, affected,
                     alarms, rollback, Detectors(**found, **leads, first_alarm_step=first_light),
-                    scored, summary, components, steps, cfg.baseline.min_samples + cfg.baseline.lag,
-                    warnings, panel)
+                    clf.heat(), summary, components, table, cfg.baseline.min_samples + cfg.baseline.lag,
+                    warnings, panel, static.alarms(), cfg, width)

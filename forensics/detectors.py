@@ -1,7 +1,9 @@
 """Comparator detectors, computed on the same trace: what a loss-curve or grad-norm watcher sees.
 
-- Loss spike (OLMo-core style): loss at step t > mean + 6σ of the previous 128 steps' losses;
-  a non-finite loss counts as a spike.
+- Loss spike (OLMo-core style): loss at step t > mean + 6σ of the losses logged in the previous
+  128 steps; a non-finite loss counts as a spike. A loss logged every N steps (Trainer's
+  `logging_steps`, an average) gives 128/N points per window: the rule judges a step once the
+  window holds 32/N of them (at least 8), and says how many steps it could judge at all.
 - ZClip's gradient-norm spike test, as published (Kumar et al., 2025, "ZClip: Adaptive Spike
   Mitigation for LLM Pre-Training", and its reference implementation's defaults): the first 25
   total gradient norms initialise the mean and (population) variance; from then on
@@ -20,11 +22,17 @@ import numpy as np
 
 @dataclass(frozen=True)
 class LossSpikeRule:
-    """value > mean + sigmas·std over the last `window` steps."""
+    """value > mean + sigmas·std of the losses logged over the last `window` steps."""
 
-    window: int = 128
+    window: int = 128  # steps (with a loss every step, points)
     sigmas: float = 6.0
-    min_history: int = 32  # steps before the rule may fire
+    min_history: int = 32  # steps of logged history before the rule may fire
+    min_points: int = 8  # however sparse the logging, never judge on fewer past losses
+
+    def points_needed(self, steps: np.ndarray) -> int:
+        """Past losses the rule needs, given how often they were logged (median gap in steps)."""
+        gap = max(1, int(np.median(np.diff(steps)))) if len(steps) > 1 else 1
+        return max(self.min_points, self.min_history // gap) if gap > 1 else self.min_history
 
 
 @dataclass(frozen=True)
@@ -39,18 +47,32 @@ class ZClipRule:
 
 def loss_spikes(steps: np.ndarray, loss: np.ndarray, rule: LossSpikeRule = LossSpikeRule()) -> list[int]:
     """Every step at which the loss-spike rule fires."""
-    fired = []
+    return _loss_rule(steps, loss, rule)[0]
+
+
+def loss_steps_judged(steps: np.ndarray, loss: np.ndarray, rule: LossSpikeRule = LossSpikeRule()) -> int:
+    """At how many logged steps the loss rule had enough past losses to judge (0: too few)."""
+    return _loss_rule(steps, loss, rule)[1]
+
+
+def _loss_rule(steps: np.ndarray, loss: np.ndarray, rule: LossSpikeRule) -> tuple[list[int], int]:
+    fired, judged = [], 0
+    needed = rule.points_needed(steps)
+    first = 0  # index of the oldest loss inside the window (steps are increasing)
     for i in range(len(loss)):
+        while steps[first] < steps[i] - rule.window:
+            first += 1
         if not math.isfinite(loss[i]):
             fired.append(int(steps[i]))
             continue
-        past = loss[max(0, i - rule.window):i]
+        past = loss[first:i]
         past = past[np.isfinite(past)]
-        if len(past) < rule.min_history:
+        if len(past) < needed:
             continue
+        judged += 1
         if loss[i] > past.mean() + rule.sigmas * past.std():
             fired.append(int(steps[i]))
-    return fired
+    return fired, judged
 
 
 def grad_norm_spikes(steps: np.ndarray, norm: np.ndarray, rule: ZClipRule = ZClipRule()) -> list[int]:

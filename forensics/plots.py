@@ -79,14 +79,18 @@ def _draw_marks(ax: Axes, marks: Sequence[Mark]) -> None:
 def heatmap(scores: pl.DataFrame, order: Sequence[str], marks: Sequence[Mark] = (),
             kinds: dict[str, str] | None = None,
             title: str = "Component health: worst |robust z| of any metric against the component's own baseline",
-            colour_label: str = "worst |robust z| over the metrics") -> Figure:
-    """Component × step image of `scores` (columns component, step, score), rows in `order`."""
-    steps = np.arange(int(scores["step"].min()), int(scores["step"].max()) + 1)
+            colour_label: str = "worst |robust z| over the metrics", step_width: int = 1) -> Figure:
+    """Component × step image of `scores` (columns component, step, score), rows in `order`.
+
+    `step_width` > 1: each `step` is the first of a bin of that many steps (one image column).
+    """
+    first = int(scores["step"].min())
+    steps = np.arange(first, int(scores["step"].max()) + step_width, step_width)
     index = {c: i for i, c in enumerate(order)}
     grid = np.full((len(order), len(steps)), np.nan)
     rows = scores.filter(pl.col("component").is_in(list(order)))
     r = np.array([index[c] for c in rows["component"]], dtype=int)
-    s = rows["step"].to_numpy() - steps[0]
+    s = (rows["step"].to_numpy() - first) // step_width
     grid[r, s] = np.clip(np.abs(rows["score"].fill_null(np.nan).to_numpy()), 0, Z_CAP + 1)
     height = min(14.0, 1.6 + 0.28 * len(order))
     fig = Figure(figsize=(11, height), layout="constrained")
@@ -96,7 +100,7 @@ def heatmap(scores: pl.DataFrame, order: Sequence[str], marks: Sequence[Mark] = 
         bad="#dddddd")  # no data: warm-up before a baseline exists, or no such metric
     norm = BoundaryNorm(Z_LEVELS, cmap.N)
     im = ax.imshow(grid, aspect="auto", interpolation="nearest", cmap=cmap, norm=norm,
-                   extent=(steps[0] - 0.5, steps[-1] + 0.5, len(order) - 0.5, -0.5))
+                   extent=(steps[0] - 0.5, steps[-1] + step_width - 0.5, len(order) - 0.5, -0.5))
     _set_rows(ax, order, kinds)
     ax.set_xlabel("optimizer step")
     ax.set_title(title)

@@ -1,10 +1,11 @@
 """Replay: stream a trace in step order through the classifier, as a live monitor would have.
 
-Steps arrive in chunks of `chunk` steps; each chunk is classified on a sliding window holding the
-`BaselineConfig.history` steps before it (all the past any rule reads), with the same `score`,
-`hits` and `alarms` the offline analysis uses. An alarm's firing step is therefore exactly the
-offline alarm step; a test holds the two to it. Comparator rules (loss spike, ZClip-style) are
-causal loops and are reported at the steps they fire.
+Steps arrive in chunks of `chunk` steps and go, in one pass, through the same incremental
+`stream.Classifier` the offline analysis drives: each chunk is judged with the rows it carried
+from the `BaselineConfig.history` steps before it (all the past any rule reads). An alarm's
+firing step is therefore exactly the offline alarm step, whatever the chunk; a test holds the two
+to it. Comparator rules (loss spike, ZClip-style) are causal loops and are reported at the steps
+they fire.
 """
 
 from __future__ import annotations
@@ -15,12 +16,17 @@ from typing import Any
 
 import polars as pl
 
-from .analysis import ALARM_KEYS, comparators, param_components
-from .classify import alarms, hits, score
+from .analysis import (
+    ALARM_KEYS,
+    classify_trace,
+    comparators,
+    judged_steps,
+    locate_alarms,
+    param_components,
+)
 from .conditions import Config, load_config
-from .localise import RootCause, locate, located_frame, root_cause
-from .schedule import with_lr
-from .store import health_frame, open_trace
+from .localise import RootCause, located_frame, root_cause
+from .store import open_trace
 
 
 @dataclass(frozen=True)
@@ -53,29 +59,19 @@ class Replay:
                 {k: getattr(self.root.alarm, k) for k in ("attributed_to", "condition", "onset_step", "step")}}
 
 
-def stream(frame: pl.DataFrame, config: Config, chunk: int) -> tuple[pl.DataFrame, pl.DataFrame]:
-    """(scored rows, hits) built chunk by chunk, each chunk judged on a sliding window."""
-    history = config.baseline.history(config.conditions)
-    steps = frame["step"].unique().sort().to_list()
-    scored_parts, hit_parts = [], []
-    for i in range(0, len(steps), chunk):
-        first, last = steps[i], steps[min(i + chunk, len(steps)) - 1]
-        window = frame.filter(pl.col("step").is_between(first - history, last))
-        scored = score(window.lazy(), config).filter(pl.col("step") >= first).collect()
-        scored_parts.append(scored)
-        hit_parts.append(hits(scored.lazy(), config))
-    return pl.concat(scored_parts, how="diagonal_relaxed"), pl.concat(hit_parts, how="diagonal_relaxed")
+def replay(trace_dir: str | Path, *, config: Config | str | Path | None = None,
+           chunk: int | None = None, steps: tuple[int, int] | None = None) -> Replay:
+    """When the light would have lit, live, beside the loss-spike and gradient-norm rules.
 
-
-def replay(trace_dir: str | Path, *, config: Config | str | Path | None = None, chunk: int = 16) -> Replay:
-    """When the light would have lit, live, beside the loss-spike and gradient-norm rules."""
+    `chunk`: steps per feed (default: as many as `analyze` judges at once); it changes the cost,
+    never the alarms. `steps` = (A, B): only that window is judged (see `analysis.analyze`).
+    """
     cfg = config if isinstance(config, Config) else load_config(config)
     trace = open_trace(trace_dir)
     try:
-        frame = with_lr(health_frame(trace), trace).collect()
         components = trace.frame("components").collect()
-        scored, found = stream(frame, cfg, chunk)
-        located = locate(alarms(found, cfg), scored, components, cfg)
+        clf = classify_trace(trace, cfg, components, chunk_steps=chunk, steps=steps)
+        located = locate_alarms(trace, clf.alarms(), components, cfg, since=judged_steps(trace, cfg, steps)[0])
         root, _ = root_cause(located, cfg, param_components(components))
         compared = comparators(trace, root.alarm.onset_step if root else None)
     finally:

@@ -19,7 +19,7 @@ from warninglight.tracer import schema
 
 from . import plots
 from .analysis import Analysis
-from .static_rules import StaticAlarm, static_alarms_in
+from .static_rules import StaticAlarm
 
 # marks drawn on the component figures (the step-axis figures draw them all)
 _ALARM_MARKS = ("onset", "first alarm", "alarm")
@@ -32,7 +32,7 @@ class ReportData:
     analysis: Analysis
     order: list[str]  # components in forward order
     kinds: dict[str, str]  # component -> module class, for axis labels
-    scores: pl.DataFrame  # component, step, score (worst |robust z| over the metrics)
+    scores: pl.DataFrame  # component, step (bin start), score (worst |robust z| over the metrics)
     root_band: pl.DataFrame | None
     static: list[StaticAlarm]
     truth: dict[str, Any] | None = None
@@ -47,21 +47,6 @@ def component_order(components: pl.DataFrame) -> list[str]:
     c = components.unique("component", keep="first").filter(pl.col("component") != "")
     c = c.sort([pl.col("forward_index").is_null(), "forward_index", "component"])
     return c["component"].to_list()
-
-
-def heat_scores(scored: pl.DataFrame) -> pl.DataFrame:
-    """Worst |robust z| over all metrics per (component, step), from the engine's scored frame.
-
-    Takes the largest over ranks too, so a rank whose replica disagrees still shows.
-    """
-    z_cols = [c for c in scored.columns if c.endswith("__z")]
-    if not z_cols:
-        return pl.DataFrame(schema={"component": pl.String, "step": pl.Int64, "score": pl.Float64})
-    # a z before the metric's baseline exists (warm-up, median null) is not a departure: leave it blank
-    finite = [pl.when(pl.col(c).is_finite() & pl.col(c.replace("__z", "__med")).is_not_null()).then(pl.col(c).abs())
-              for c in z_cols]
-    return (scored.select("component", "step", pl.max_horizontal(finite).alias("score"))
-            .group_by("component", "step").agg(pl.col("score").max()))
 
 
 def read_truth(trace: Path) -> dict[str, Any] | None:
@@ -81,8 +66,7 @@ def gather(analysis: Analysis) -> ReportData:
         band = analysis.baseline_frame(root.observed_on, root.metric, rank=rank)
     return ReportData(analysis, component_order(components),
                       dict(zip(components["component"], components["kind"], strict=True)),
-                      heat_scores(analysis.scored), band,
-                      static_alarms_in(components, analysis.scored), read_truth(analysis.trace_dir))
+                      analysis.heat, band, analysis.static, read_truth(analysis.trace_dir))
 
 
 def marks(data: ReportData) -> list[plots.Mark]:
@@ -119,7 +103,8 @@ def figures(data: ReportData) -> dict[str, Figure]:
     a = data.analysis
     figs: dict[str, Figure] = {}
     if len(data.scores) and data.order:  # no components table: no rows to draw
-        figs["heatmap"] = plots.heatmap(data.scores, data.order, near, kinds=data.kinds)
+        figs["heatmap"] = plots.heatmap(data.scores, data.order, near, kinds=data.kinds,
+                                        step_width=data.analysis.heat_width)
     root = a.root
     if root is not None and data.root_band is not None and len(data.root_band):
         name = root.name if root.observed_on == root.attributed_to else f"{root.name}, seen on {root.observed_on}"

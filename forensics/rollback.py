@@ -121,13 +121,14 @@ def batches_by_rank(trace: Trace, first: int, last: int) -> dict[str, list[int]]
     return by if len(by) > 1 and len({tuple(v) for v in by.values()}) > 1 else None
 
 
-def recommend(trace: Trace, checkpoints: list[Checkpoint], source: str, onset: int | None,
+def recommend(trace: Trace | None, checkpoints: list[Checkpoint], source: str, onset: int | None,
               alarm: int | None, loss_spike: int | None, last_step: int,
               skip_until: int | None = None) -> Rollback:
     """The rollback for a fault with `onset` raised at `alarm` (both None: nothing to roll back).
 
     `skip_until`: the last step of a bad-data window when it outlasts the alarm; the steps (and
     batches) to skip then run from the onset to there, not only to the alarm.
+    `trace` None (the live monitor, which has no DuckDB trace): skip_batches is left None.
     """
     steps = sorted(c.step for c in checkpoints)
     loss_only = _loss_only(checkpoints, onset, loss_spike, last_step)
@@ -146,8 +147,9 @@ def recommend(trace: Trace, checkpoints: list[Checkpoint], source: str, onset: i
                  + (f", which already held the damage (saved at or after onset {onset})" if loss_only.contaminated else "")
                  + (f" ({later} steps later than ours)" if later > 0 else ""))
     return Rollback(ckpt.step, ckpt.path, last_step - ckpt.step, [onset, last_skip],
-                    batches_in(trace, onset, last_skip), loss_only, source, note, steps,
-                    batches_by_rank(trace, onset, last_skip))
+                    batches_in(trace, onset, last_skip) if trace is not None else None, loss_only,
+                    source, note, steps,
+                    batches_by_rank(trace, onset, last_skip) if trace is not None else None)
 
 
 def _loss_only(checkpoints: list[Checkpoint], onset: int | None, loss_spike: int | None,

@@ -56,13 +56,17 @@ def not_held(trace: Trace) -> list[str]:
 
 
 def with_lr(health: pl.LazyFrame, trace: Trace) -> pl.LazyFrame:
-    """Health rows with each component's `lr` column (null where none applies or none was recorded).
+    """Health rows with each component's `lr` column (null where none applies or none was recorded)."""
+    return join_lr(health, component_lr(trace))
+
+
+def join_lr(health: pl.LazyFrame, lr: pl.DataFrame | None) -> pl.LazyFrame:
+    """Health rows with the `lr` column of `component_lr` joined on (rank, step, component).
 
     A component whose parameters get gradients while no param group holds them has lr NaN: its
     gradients are computed every step and never applied (the registry's stagnant condition reads
     it). Without gradients (frozen on purpose, `requires_grad=False`) its lr is null: no verdict.
     """
-    lr = component_lr(trace)
     if lr is None:
         return health
     keys = ["rank", "step", "component"]

@@ -26,6 +26,7 @@ import math
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import polars as pl
 from warninglight.tracer.schema import HEALTH_METRICS
@@ -91,45 +92,63 @@ class StaticAlarm:
         return d
 
 
-def _tables(trace: Path) -> tuple[pl.DataFrame, pl.DataFrame]:
-    """(components, health) of the trace's effective timeline (latest incarnation per step)."""
-    from warninglight.forensics.store import open_trace
+class StaticScan:
+    """Static firings accumulated over health rows fed in step order (one window at a time)."""
 
-    opened = open_trace(trace)  # raises TraceError naming the path if it is not a trace
-    try:
-        components = opened.frame("components").collect().unique("component", keep="first")
-        return components, opened.frame("health").collect()
-    finally:
-        opened.close()
+    def __init__(self, components: pl.DataFrame) -> None:
+        self.components = components.unique("component", keep="first")
+        self._found: dict[tuple[str, str], list[Any]] = {}  # (rule, component) -> [step, value, n]
+
+    def feed(self, health: pl.DataFrame) -> StaticScan:
+        """Add the firings in `health` (rows of steps after any fed before; extra columns ignored)."""
+        # a metric the trace lacks is null here: the rules that read it cannot fire (a warning says so)
+        health = health.select("step", "component", *[pl.col(m) if m in health.columns else pl.lit(None, pl.Float32).alias(m)
+                                                      for m in HEALTH_METRICS])
+        health = health.join(self.components.select("component", "param_count", "bound"), on="component", how="inner")
+        for rule in RULES:
+            names = self.components.filter(rule.applies(self.components))["component"]
+            hits = (
+                health.filter(pl.col("component").is_in(names.implode()) & rule.fires.fill_null(False))
+                .with_columns(rule.value.alias("_value"))
+                .sort("step")
+                .group_by("component", maintain_order=True)
+                .agg(pl.col("step").first(), pl.col("_value").first(), pl.len().alias("n"))
+            )
+            for row in hits.iter_rows(named=True):  # an earlier window's first firing is kept
+                seen = self._found.setdefault((rule.name, row["component"]), [row["step"], row["_value"], 0])
+                seen[2] += row["n"]
+        return self
+
+    def alarms(self) -> list[StaticAlarm]:
+        """Every (rule, component) that fired, with its first step, earliest first."""
+        found = [StaticAlarm(rule, component, int(step), float("nan") if value is None else float(value), int(n))
+                 for (rule, component), (step, value, n) in self._found.items()]
+        return sorted(found, key=lambda a: (a.step, a.rule, a.component))
 
 
 def static_alarms(trace: Path | str) -> list[StaticAlarm]:
-    """Every (rule, component) that fired in the trace, with its first step, earliest first."""
-    return static_alarms_in(*_tables(Path(trace)))
+    """Every (rule, component) that fired in the trace, with its first step, earliest first.
+
+    The trace is read one step window at a time, so memory does not grow with its length.
+    """
+    from warninglight.forensics.analysis import CHUNK_ROWS, require_health
+    from warninglight.forensics.store import health_window, open_trace
+
+    opened = open_trace(trace)  # raises TraceError naming the path if it is not a trace
+    try:
+        scan = StaticScan(opened.frame("components").collect())
+        first, last = require_health(opened)
+        width = max(1, CHUNK_ROWS // max(1, len(scan.components)))
+        for start in range(first, last + 1, width):
+            scan.feed(health_window(opened, start, min(start + width - 1, last)))
+    finally:
+        opened.close()
+    return scan.alarms()
 
 
 def static_alarms_in(components: pl.DataFrame, health: pl.DataFrame) -> list[StaticAlarm]:
-    """`static_alarms` of frames already read: the components table and health rows (any extra
-    columns of an analysis' scored frame are ignored)."""
-    components = components.unique("component", keep="first")
-    health = health.select("step", "component", *[m for m in HEALTH_METRICS if m in health.columns])
-    health = health.join(components.select("component", "param_count", "bound"), on="component", how="inner")
-    alarms: list[StaticAlarm] = []
-    for rule in RULES:
-        names = components.filter(rule.applies(components))["component"]
-        hits = (
-            health.filter(pl.col("component").is_in(names.implode()) & rule.fires.fill_null(False))
-            .with_columns(rule.value.alias("_value"))
-            .sort("step")
-            .group_by("component", maintain_order=True)
-            .agg(pl.col("step").first(), pl.col("_value").first(), pl.len().alias("n"))
-        )
-        alarms += [
-            StaticAlarm(rule.name, row["component"], int(row["step"]),
-                        float("nan") if row["_value"] is None else float(row["_value"]), int(row["n"]))
-            for row in hits.iter_rows(named=True)
-        ]
-    return sorted(alarms, key=lambda a: (a.step, a.rule, a.component))
+    """`static_alarms` of frames already read: the components table and health rows."""
+    return StaticScan(components).feed(health).alarms()
 
 
 def first_static_alarm(trace: Path | str, after_step: int = 0) -> StaticAlarm | None:

@@ -28,11 +28,14 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import duckdb
-import polars as pl
+import pyarrow.parquet as pq
 from warninglight.tracer import schema
+
+if TYPE_CHECKING:  # Polars loads with the first frame asked for: `info` needs none
+    import polars as pl
 
 from . import checks
 from .segments import list_segments
@@ -40,6 +43,9 @@ from .segments import list_segments
 _DUCK_TYPES = {"int64": "BIGINT", "float": "FLOAT", "double": "DOUBLE", "string": "VARCHAR",
                "bool": "BOOLEAN", "list<item: int64>": "BIGINT[]", "list<item: double>": "DOUBLE[]"}
 _TIMELINE_TABLES = ("health", "steps", "scalars", "events", "replicas")
+# DuckDB's own working memory (its default is 80% of the machine): above it, aggregates and joins
+# over a large trace spill to disk instead of growing the process.
+DUCKDB_MEMORY = "1GB"
 
 
 class TraceError(Exception):
@@ -62,6 +68,19 @@ class FormatVersionError(TraceError):
     """The trace was written in a format version this reader does not know."""
 
 
+@dataclass(frozen=True)
+class SegmentSpan:
+    """One segment file and the first and last step it holds (None: it holds no step)."""
+
+    table: str
+    rank: int
+    incarnation: int
+    path: Path
+    first: int | None
+    last: int | None
+    rows: int
+
+
 @dataclass
 class Trace:
     """An open trace: a DuckDB connection with the views above, and the manifests."""
@@ -71,6 +90,7 @@ class Trace:
     manifests: list[dict[str, Any]] = field(default_factory=list)
     segments: list[Path] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)  # named problems the reading went past
+    spans: list[SegmentSpan] = field(default_factory=list)  # every segment's step range
 
     def sql(self, query: str) -> duckdb.DuckDBPyRelation:
         """Run SQL over the views."""
@@ -84,6 +104,8 @@ class Trace:
 
     def frame(self, view: str) -> pl.LazyFrame:
         """A view as a Polars lazy frame (materialised once through Arrow)."""
+        import polars as pl
+
         table = self.con.sql(f"SELECT * FROM {view}").to_arrow_table()
         return pl.from_arrow(table).lazy()  # type: ignore[union-attr]
 
@@ -118,6 +140,37 @@ def _read_manifests(root: Path, warnings: list[str]) -> list[dict[str, Any]]:
     return manifests
 
 
+def _partition(path: Path, key: str) -> int:
+    for part in path.parts:
+        if part.startswith(key + "="):
+            return int(part.split("=", 1)[1])
+    return 0
+
+
+def _span(table: str, path: Path) -> SegmentSpan:
+    """The segment's step range: from its file name (format 2), else from its footer statistics."""
+    try:
+        meta = pq.read_metadata(path)
+    except Exception as exc:  # pyarrow raises several types for a damaged footer
+        raise CorruptSegmentError(
+            f"segment {path} is not readable Parquet ({type(exc).__name__}) — move it out of "
+            "the trace directory to analyse the rest (a crash loses at most that segment)") from exc
+    steps = schema.segment_steps(path.name)
+    if steps is None and meta.num_rows and "step" in meta.schema.names:
+        col = meta.schema.names.index("step")
+        stats = [meta.row_group(i).column(col).statistics for i in range(meta.num_row_groups)]
+        if all(st is not None and st.has_min_max for st in stats):
+            steps = (min(int(st.min) for st in stats), max(int(st.max) for st in stats))
+        else:  # no statistics: read the one column
+            import pyarrow.compute as pc
+
+            col_steps = pq.read_table(path, columns=["step"]).column("step")
+            steps = (int(pc.min(col_steps).as_py()), int(pc.max(col_steps).as_py()))
+    first, last = steps if steps is not None else (None, None)
+    return SegmentSpan(table, _partition(path, "rank"), _partition(path, "incarnation"), path,
+                       first, last, meta.num_rows)
+
+
 def _empty_select(table: str) -> str:
     cols = [f"CAST(NULL AS {_DUCK_TYPES[str(c.type)]}) AS {c.name}" for c in schema.COLUMNS[table]]
     return f"SELECT {', '.join(cols)}, CAST(NULL AS BIGINT) AS rank, CAST(NULL AS BIGINT) AS incarnation WHERE false"
@@ -140,6 +193,22 @@ def _raw_view(con: duckdb.DuckDBPyConnection, table: str, files: list[Path]) -> 
     con.execute(f"CREATE VIEW {table}_all AS {src}")
 
 
+def _superseded(con: duckdb.DuckDBPyConnection, spans: list[SegmentSpan]) -> None:
+    """`_superseded` (rank, incarnation, at_step) from the segments' step ranges, without a scan."""
+    firsts: dict[tuple[int, int], int] = {}
+    for s in spans:
+        if s.table in ("health", "steps") and s.first is not None and s.rows:
+            key = (s.rank, s.incarnation)
+            firsts[key] = min(firsts.get(key, s.first), s.first)
+    rows = []
+    for (rank, inc) in sorted(firsts):
+        later = [f for (r, i), f in firsts.items() if r == rank and i > inc]
+        rows.append((rank, inc, min(later) if later else None))
+    con.execute("CREATE TABLE _superseded (rank BIGINT, incarnation BIGINT, at_step BIGINT)")
+    if rows:
+        con.executemany("INSERT INTO _superseded VALUES (?, ?, ?)", rows)
+
+
 def _timeline_views(con: duckdb.DuckDBPyConnection) -> None:
     # An incarnation is superseded from the first step of any later incarnation of the same rank.
     con.execute("""
@@ -148,12 +217,6 @@ def _timeline_views(con: duckdb.DuckDBPyConnection) -> None:
         FROM (SELECT rank, incarnation, step FROM health_all UNION ALL
               SELECT rank, incarnation, step FROM steps_all)
         GROUP BY rank, incarnation""")
-    con.execute("""
-        CREATE VIEW _superseded AS
-        SELECT a.rank, a.incarnation, min(b.first_step) AS at_step
-        FROM incarnations a LEFT JOIN incarnations b
-          ON a.rank = b.rank AND b.incarnation > a.incarnation
-        GROUP BY a.rank, a.incarnation""")
     for table in _TIMELINE_TABLES:
         con.execute(f"""
             CREATE VIEW {table} AS SELECT t.* FROM {table}_all t
@@ -201,11 +264,14 @@ def open_trace(path: str | Path) -> Trace:
             f"expected files like {example}")
     segments = listing.files
     checks.check_files(by_table)
-    con = duckdb.connect()
+    spans = [_span(t, p) for t in schema.TABLES for p in by_table[t]]
+    con = duckdb.connect(config={"memory_limit": DUCKDB_MEMORY})
+    con.execute("SET enable_progress_bar = false")  # it would write into stdout (analyze --json)
     for table in schema.TABLES:
         _raw_view(con, table, by_table[table])
+    _superseded(con, spans)
     _timeline_views(con)
-    trace = Trace(root=root, con=con, manifests=manifests, segments=segments)
+    trace = Trace(root=root, con=con, manifests=manifests, segments=segments, spans=spans)
     trace.warnings = warnings + listing.warnings
     if listing.files:
         trace.warnings += checks.trace_warnings(trace, by_table)
@@ -215,7 +281,8 @@ def open_trace(path: str | Path) -> Trace:
 def info(trace: Trace) -> dict[str, Any]:
     """The summary `warninglight info` prints: run, steps, incarnations, components, ranks, size."""
     row = trace.one("SELECT count(DISTINCT step), min(step), max(step), count(DISTINCT rank) FROM steps")
-    incarnations = trace.one("SELECT count(*) FROM incarnations")
+    incarnations = {(s.rank, s.incarnation) for s in trace.spans
+                    if s.table in ("health", "steps") and s.rows}
     components = trace.one("SELECT count(DISTINCT component) FROM components")
     ranks = set(checks.data_ranks(trace))
     dropped: int | None = sum(int(inc.get("dropped_steps") or 0) for m in trace.manifests
@@ -226,7 +293,7 @@ def info(trace: Trace) -> dict[str, Any]:
         "trace": str(trace.root),
         "run_id": next((m.get("run_id") for m in trace.manifests), None),
         "steps": int(row[0]), "first_step": row[1], "last_step": row[2],
-        "incarnations": int(incarnations[0]), "components": int(components[0]),
+        "incarnations": len(incarnations), "components": int(components[0]),
         "ranks": int(row[3]),
         "segments": len(trace.segments),
         "size_bytes": sum(p.stat().st_size for p in trace.segments),
@@ -250,3 +317,54 @@ def health_frame(trace: Trace) -> pl.LazyFrame:
     comps = trace.frame("components")
     comps = comps.select(*[c for c in COMPONENT_KEYS if c in comps.collect_schema().names()])
     return trace.frame("health").join(comps, on=["rank", "component"], how="left")
+
+
+def health_steps(trace: Trace) -> tuple[int, int] | None:
+    """(first, last) step of the health rows, from the segments' step ranges (no scan)."""
+    spans = [s for s in trace.spans if s.table == "health" and s.first is not None and s.rows]
+    if not spans:
+        return None
+    return min(s.first for s in spans), max(s.last for s in spans)  # type: ignore[type-var]
+
+
+def window_files(trace: Trace, table: str, first: int, last: int) -> list[Path]:
+    """The segments of `table` that may hold steps first..last (their names or footers say so)."""
+    return [s.path for s in trace.spans if s.table == table and s.rows and s.first is not None
+            and s.first <= last and s.last >= first]  # type: ignore[operator]
+
+
+def health_window(trace: Trace, first: int, last: int, components: pl.DataFrame | None = None, *,
+                  columns: list[str] | None = None, names: list[str] | None = None,
+                  rank: int | None = None) -> pl.DataFrame:
+    """Effective-timeline health rows of steps first..last, reading only the files that hold them.
+
+    With `components` (the `components` view as a frame), each row also gets its component's
+    role, bound, parent and forward order, like `health_frame`. `columns`: only step, component,
+    rank and these; `names` / `rank`: only those components / that rank.
+    """
+    files = window_files(trace, "health", first, last)
+    picked = "t.*" if columns is None else ", ".join(
+        ["t.step", "t.component", "t.rank", *(f't."{c}"' for c in dict.fromkeys(columns))])
+    where = f"t.step BETWEEN {int(first)} AND {int(last)} AND (s.at_step IS NULL OR t.step < s.at_step)"
+    if names is not None:
+        where += " AND t.component IN (" + (", ".join(_quote(n) for n in names) or "NULL") + ")"
+    if rank is not None:
+        where += f" AND t.rank = {int(rank)}"
+    source = (f"read_parquet([{', '.join(_literal(p) for p in files)}], hive_partitioning = true, "
+              "hive_types = {'rank': BIGINT, 'incarnation': BIGINT}, union_by_name = true)"
+              if files else "health_all")
+    arrow = trace.con.sql(f"""
+        SELECT {picked} FROM {source} t
+        JOIN _superseded s ON t.rank = s.rank AND t.incarnation = s.incarnation
+        WHERE {where}""").to_arrow_table()
+    import polars as pl
+
+    frame: pl.DataFrame = pl.from_arrow(arrow)  # type: ignore[assignment]
+    if components is None:
+        return frame
+    comps = components.select(*[c for c in COMPONENT_KEYS if c in components.columns])
+    return frame.join(comps, on=["rank", "component"], how="left")
+
+
+def _quote(text: str) -> str:
+    return "'" + text.replace("'", "''") + "'"

@@ -7,12 +7,13 @@ Everything here turns the typed analysis (`analysis.Root`, `analysis.Alarm`,
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from .analysis import HEALTHY, Alarm, Analysis, Detectors, Root
 from .replay import Event
 from .rollback import Rollback
+from .texttable import text_table  # noqa: F401  (one table format for every command and the report)
 
 ALARM_TABLE_COLUMNS = ("step", "onset_step", "observed_on", "attributed_to", "condition", "metric", "magnitude")
 
@@ -124,7 +125,10 @@ def comparator_lines(detectors: Detectors) -> list[str]:
     def fired(step: int | None) -> str:
         return "never fired" if step is None else f"step {step}"
 
-    lines = [f"comparators: loss-spike rule {fired(detectors.loss_spike_step)}, gradient-norm (ZClip) rule "
+    loss = fired(detectors.loss_spike_step)
+    if detectors.loss_steps_judged == 0:  # e.g. a short run logging its loss every N steps
+        loss = f"had too few logged losses to judge any step ({detectors.loss_points} points)"
+    lines = [f"comparators: loss-spike rule {loss}, gradient-norm (ZClip) rule "
              f"{fired(detectors.grad_norm_spike_step)}"]
     for lead, name in ((detectors.light_lead_over_loss_spike, "loss spike"),
                        (detectors.light_lead_over_grad_norm_spike, "gradient-norm spike")):
@@ -156,18 +160,3 @@ def analysis_text(a: Analysis) -> str:
     lines += comparator_lines(a.detectors)
     note = warmup_note(a)
     return "\n".join(lines + ([note] if note else []))
-
-
-def _cell(v: Any) -> str:
-    if isinstance(v, float):
-        return f"{v:.4g}"
-    return "" if v is None else str(v)
-
-
-def text_table(rows: Sequence[Mapping[str, Any]], columns: Sequence[str]) -> str:
-    """A plain aligned text table (header, then rows)."""
-    cells = [[_cell(r.get(c)) for c in columns] for r in rows]
-    widths = [max([len(c), *(len(row[i]) for row in cells)]) for i, c in enumerate(columns)]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(columns, widths, strict=True)).rstrip()]
-    lines += ["  ".join(v.ljust(w) for v, w in zip(row, widths, strict=True)).rstrip() for row in cells]
-    return "\n".join(lines)

@@ -1,9 +1,64 @@
-"""The comparators as published: ZClip's z-score test on the total gradient norm."""
+"""The comparators: the loss-spike rule on dense and sparse losses (a loss logged every N steps,
+as Trainer does), and ZClip's z-score test on the total gradient norm as published."""
 
 from __future__ import annotations
 
 import numpy as np
+import pytest
+from warninglight.forensics import detectors
+from warninglight.forensics.analysis import Detectors
 from warninglight.forensics.detectors import ZClipRule, grad_norm_spikes
+from warninglight.forensics.wording import comparator_lines
+
+
+def _losses(steps: np.ndarray, spike_at: int | None, seed: int = 0) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    loss = 2.0 - 0.002 * steps + rng.normal(0, 0.01, len(steps))
+    if spike_at is not None:
+        loss[steps == spike_at] += 1.0
+    return loss
+
+
+@pytest.mark.parametrize(("every", "last", "spike", "judged_from"), [
+    (1, 300, 200, 33),   # dense: 32 past losses needed, as before
+    (5, 60, 55, 45),     # Trainer's logging_steps=5 on a 60-step run: 8 past points
+    (10, 400, 300, 90),  # 32 // 10 = 3 < 8: still 8 past points
+])
+def test_loss_rule_fires_on_the_points_that_exist(every: int, last: int, spike: int,
+                                                   judged_from: int) -> None:
+    steps = np.arange(every, last + 1, every)
+    loss = _losses(steps, spike)
+    assert detectors.loss_spikes(steps, loss) == [spike]
+    assert detectors.loss_steps_judged(steps, loss) == int((steps >= judged_from).sum())
+
+
+def test_dense_window_is_the_previous_128_steps() -> None:
+    steps = np.arange(1, 401)
+    loss = _losses(steps, None)
+    loss[:200] += 5.0  # far higher values more than 128 steps back do not count
+    loss[330] += 1.0  # above mean + 6σ of steps 203-330 (trend and noise), not of the old values
+    assert detectors.loss_spikes(steps, loss) == [331]
+
+
+def test_too_few_points_is_said_not_silent() -> None:
+    steps = np.arange(10, 71, 10)  # 7 logged losses
+    loss = _losses(steps, 50)
+    assert detectors.loss_spikes(steps, loss) == []
+    assert detectors.loss_steps_judged(steps, loss) == 0
+    found = Detectors(loss_spike_step=None, grad_norm_spike_step=None, loss_spike_first_step=None,
+                      grad_norm_spike_first_step=None, loss_spike_count=0, grad_norm_spike_count=0,
+                      loss_points=7, loss_steps_judged=0, light_lead_over_loss_spike=None,
+                      light_lead_over_grad_norm_spike=None, first_alarm_step=None)
+    assert comparator_lines(found)[0] == (
+        "comparators: loss-spike rule had too few logged losses to judge any step (7 points), "
+        "gradient-norm (ZClip) rule never fired")
+
+
+def test_a_nonfinite_loss_fires_at_once() -> None:
+    steps = np.arange(5, 51, 5)
+    loss = _losses(steps, None)
+    loss[2] = np.nan
+    assert detectors.loss_spikes(steps, loss) == [15]
 
 
 def test_zclip_waits_for_its_warmup_then_fires_on_a_spike() -> None:

@@ -25,3 +25,15 @@ def test_ci_runs_the_readme_commands_verbatim() -> None:
     ci_lines = (ROOT / ".ci" / "run").read_text().splitlines()
     for command in _setup_commands():
         assert command in ci_lines, f"{command!r} is in the README but not in .ci/run"
+
+
+def test_the_test_command_installs_every_extra() -> None:
+    """So no integration test (MLflow, TensorBoard, W&B, transformers, Lightning) is skipped in CI."""
+    import tomllib
+
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    everything = extras["all"][0]
+    assert everything.startswith("warninglight[")
+    named = set(everything[len("warninglight["):-1].split(","))
+    assert named == set(extras) - {"dev", "all"}
+    assert "'.[dev,all]'" in _setup_commands()[1]

@@ -19,6 +19,7 @@ import threading
 import time
 import uuid
 import warnings
+from collections.abc import Callable, Sequence
 from types import FrameType, TracebackType
 from typing import Any
 
@@ -54,6 +55,7 @@ _FORWARD_POS = [_METRIC_POS[m] for m in FORWARD_METRICS]
 _PARAM_POS = [_METRIC_POS[m] for m in PARAM_METRICS]
 assert sorted(_FORWARD_POS + _PARAM_POS) == list(range(len(schema.HEALTH_METRICS)))
 _MAX_WARNING_EVENTS = 20
+LIVE_FLUSH_STEPS, LIVE_FLUSH_S = 10, 2.0  # flush cadence when live alarms are on
 # The first segment closes after this many steps or seconds (if sooner than the flush settings).
 _FIRST_FLUSH_STEPS = 10
 _FIRST_FLUSH_S = 5.0
@@ -68,6 +70,8 @@ class Recorder:
                  sample_size: int = 16, sketch_size: int = 256, flush_every_steps: int = 100,
                  flush_every_s: float = 30.0, start_step: int = 0, run_id: str | None = None,
                  hooks_under_compile: str = "graph", replicas: bool | None = None,
+                 alarms: Sequence[Any] | None = None,
+                 on_alarm: Callable[[dict[str, Any]], Any] | None = None, alarm_config: Any = None,
                  config: dict[str, Any] | None = None) -> None:
         if sample_size < 1 or sketch_size < 1 or flush_every_steps < 1 or flush_every_s <= 0:
             raise ValueError("sample_size, sketch_size and flush_every_steps must be >= 1 and "
@@ -77,7 +81,7 @@ class Recorder:
             raise ValueError(f"hooks_under_compile={hooks_under_compile!r}; expected 'graph' (samples "
                              "taken inside the compiled graph), 'skip' (record "
                              "nothing inside torch.compile'd code) or 'eager' (graph breaks)")
-        self.model, self.optimizer = model, optimizer
+        self.model, self.optimizer = model, _usable_optimizer(optimizer)
         self.rank, self.world_size = _rank_and_world(rank, world_size)
         self.components = discover(model)
         if heads:
@@ -110,17 +114,26 @@ class Recorder:
                "heads": heads, "start_step": start_step,
                "hooks_under_compile": hooks_under_compile, "replicas": self.replicas is not None,
                **(config or {})}
+        self._monitor = None
+        if alarms or on_alarm is not None:  # live mode: the engine is imported only here
+            # built first: a bad sink is a SinkError before anything is written
+            from .alarms.monitor import LiveMonitor
+            self._monitor = LiveMonitor(list(alarms or []), on_alarm, self.rank, os.fspath(path),
+                                        alarm_config)
         self.writer = TraceWriter(path, self.rank, self.world_size, run_id or uuid.uuid4().hex[:12],
                                   type(model).__name__, cfg)
         self.incarnation = self.writer.incarnation
         self._event("start", detail=json.dumps(cfg, default=str))
         if self.incarnation > 1:
             self._event("restart", detail=f"incarnation {self.incarnation}")
+        if self._monitor is not None:
+            self.writer.on_segment = self._monitor.submit
         if self.replicas is not None and self.replicas.hook_note:
             self._event("warning", detail=self.replicas.hook_note)
         self._eager_under_compile = hooks_under_compile == "eager"
         self._in_graph = hooks_under_compile == "graph"
-        self._handles = self._install_hooks()
+        self._handles: list[Any] = []
+        self._install_hooks()
         self._prev_sigterm = self._install_sigterm()
         atexit.register(self._at_exit)
         self._check_writer()
@@ -131,6 +144,11 @@ class Recorder:
     def dropped_steps(self) -> int:
         """Steps whose rows were lost (writer failures, a full queue, probe errors)."""
         return self.writer.dropped_steps
+
+    @property
+    def alarms(self) -> list[dict[str, Any]]:
+        """Live alarms raised so far (`watch(..., alarms=...)`), oldest first; [] when not live."""
+        return list(self._monitor.alarms) if self._monitor is not None else []
 
     @property
     def path(self) -> str:
@@ -190,6 +208,11 @@ class Recorder:
         self._flush(final=True)
         self.writer.close(reason)
         self._check_writer()
+        if self._monitor is not None:
+            self._monitor.close()
+            self._monitor.deliver()  # the last alarms' on_alarm: close() is the last step boundary
+            for message in self._monitor.errors[:1]:
+                warnings.warn(f"warninglight: live alarms: {message}", RuntimeWarning, stacklevel=2)
 
     def __enter__(self) -> Recorder:
         return self
@@ -200,15 +223,23 @@ class Recorder:
 
     # --- hooks ------------------------------------------------------------------------------
 
-    def _install_hooks(self) -> list[Any]:
-        handles = [self.model.register_forward_pre_hook(self._root_pre_hook),
-                   self.model.register_forward_hook(self._root_hook)]
-        for comp in self.components:
-            handles.append(comp.module.register_forward_hook(self._make_hook(comp)))
-        if self.optimizer is not None:
-            handles.append(self.optimizer.register_step_pre_hook(lambda *_: self._pre_step()))
-            handles.append(self.optimizer.register_step_post_hook(lambda *_: self._post_step()))
-        return handles
+    def _install_hooks(self) -> None:
+        """Forward hooks, then the optimizer's step hooks; a failure removes those installed."""
+        handles = self._handles
+        try:
+            handles.append(self.model.register_forward_pre_hook(self._root_pre_hook))
+            handles.append(self.model.register_forward_hook(self._root_hook))
+            for comp in self.components:
+                handles.append(comp.module.register_forward_hook(self._make_hook(comp)))
+            if self.optimizer is not None:
+                handles.append(self.optimizer.register_step_pre_hook(lambda *_: self._pre_step()))
+                handles.append(self.optimizer.register_step_post_hook(lambda *_: self._post_step()))
+        except Exception as exc:  # an optimizer-like object without hooks: record nothing, break nothing
+            for h in handles:
+                h.remove()
+            handles.clear()
+            self._warn_once(f"could not install hooks ({type(exc).__name__}: {exc}); nothing will "
+                            f"be recorded — pass the torch optimizer itself to watch()")
 
     def _recording(self, module: nn.Module) -> bool:
         return not self._closed and module.training and torch.is_grad_enabled()
@@ -307,6 +338,8 @@ class Recorder:
             self.fwd.reset()
             self._in_step, self._micro_batches, self._last_step_time = False, 0, now
         self._check_writer()
+        if self._monitor is not None and self._monitor.on_alarm is not None:
+            self._monitor.deliver()
         pending = len(self.buffer.records)
         every_steps, every_s = self.flush_every_steps, self.flush_every_s
         if not self._flushed:  # the first segment closes early: a short-lived run leaves a trace
@@ -480,6 +513,23 @@ def _group_lrs(groups: list[dict[str, Any]]) -> list[float | None]:
             else None for g in groups]
 
 
+def _usable_optimizer(optimizer: Any) -> torch.optim.Optimizer | None:
+    """`optimizer`, or the torch optimizer a framework wrapper holds (accelerate, Lightning), or
+    None with a warning: a wrapper that subclasses Optimizer without its hook tables would fail."""
+    seen = optimizer
+    for _ in range(4):  # wrappers of wrappers
+        if seen is None or hasattr(seen, "_optimizer_step_pre_hooks"):
+            return seen
+        inner = getattr(seen, "optimizer", None) or getattr(seen, "_optimizer", None)
+        if inner is None or inner is seen:
+            break
+        seen = inner
+    warnings.warn(f"warninglight: {type(optimizer).__name__} is not a torch optimizer and holds "
+                  "none under .optimizer; recording without it (steps advance on rec.step())",
+                  RuntimeWarning, stacklevel=4)
+    return None
+
+
 def _is_scalar(value: Any) -> bool:
     if value is None or isinstance(value, torch.Tensor):
         return True
@@ -511,8 +561,15 @@ def watch(model: nn.Module, optimizer: torch.optim.Optimizer | str | os.PathLike
     outputs of the graph, no graph break, fullgraph=True works; "skip": they do nothing there,
     which is named in a warning event; "eager": they run outside the graph, one graph break per
     component, incompatible with fullgraph=True), replicas (per-rank weight checksums and local
-    gradient norms, tracer/replicas.py; default: on when world_size > 1); anything else is stored
-    in the manifest's config.
+    gradient norms, tracer/replicas.py; default: on when world_size > 1), alarms (sinks for live
+    alarms: "jsonl:PATH", "webhook:URL" or "webhook:$ENV_VAR", "mlflow:TRACKING_URI",
+    "tensorboard:LOGDIR", "wandb:offline", or objects with send(alarm)), on_alarm (called with
+    each alarm on the training thread at the next step boundary), alarm_config (thresholds, as
+    for `analyze --config`); anything else is stored in the manifest's config.
+
+    An optimizer-like wrapper (accelerate's AcceleratedOptimizer, Lightning's LightningOptimizer)
+    is unwrapped to the torch optimizer it holds; one that holds none is recorded without, with a
+    warning.
     """
     if isinstance(optimizer, (str, os.PathLike)):  # watch(model, "runs/x") without an optimizer
         if path is not None:  # watch(model, "runs/x", opt) would record no steps at all
@@ -522,7 +579,8 @@ def watch(model: nn.Module, optimizer: torch.optim.Optimizer | str | os.PathLike
     if path is None:
         raise ValueError("watch() needs a trace directory, e.g. watch(model, optimizer, 'runs/exp1')")
     known = ("rank", "world_size", "heads", "sample_size", "sketch_size", "flush_every_steps",
-             "flush_every_s", "start_step", "run_id", "hooks_under_compile", "replicas")
+             "flush_every_s", "start_step", "run_id", "hooks_under_compile", "replicas", "alarms",
+             "on_alarm", "alarm_config")
     kwargs = {k: v for k, v in options.items() if k in known}
     config = {k: v for k, v in options.items() if k not in known}
     for key in config:  # a misspelt option would otherwise be stored silently as run config
@@ -530,6 +588,10 @@ def watch(model: nn.Module, optimizer: torch.optim.Optimizer | str | os.PathLike
         if close:
             warnings.warn(f"warninglight: watch({key}=...) is not an option and is stored as run "
                           f"config; did you mean {close[0]}=?", UserWarning, stacklevel=2)
+    if kwargs.get("alarms") or kwargs.get("on_alarm") is not None:
+        # an alarm reaches the sinks within one flush interval (+ classification) of its step
+        kwargs.setdefault("flush_every_steps", LIVE_FLUSH_STEPS)
+        kwargs.setdefault("flush_every_s", LIVE_FLUSH_S)
     return Recorder(model, optimizer, path, config=config, **kwargs)
 
 

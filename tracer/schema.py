@@ -50,8 +50,6 @@ SEGMENT_SUFFIX = ".parquet"
 TMP_SUFFIX = ".tmp"
 _SEGMENT_NAME = re.compile(r"^part-(\d{6,})(?:-s(\d+)-(\d+))?\.parquet$")
 
-# Keyword arguments of `pyarrow.parquet.write_table` for every segment the recorder writes.
-PARQUET_WRITE_OPTIONS: dict[str, object] = {"compression": "zstd"}
 
 
 # What a health metric measures, by where its value comes from. Recorder and engine both ask
@@ -165,6 +163,23 @@ COLUMNS: dict[str, tuple[Column, ...]] = {
     "replicas": REPLICA_COLUMNS,
 }
 SCHEMAS: dict[str, pa.Schema] = {table: _schema(cols) for table, cols in COLUMNS.items()}
+
+# Keyword arguments of `pyarrow.parquet.write_table` for every segment the recorder writes.
+# Measured on recorded GPT health segments (docs/scale.md): floats as byte stream split (the
+# exponent bytes of a slowly moving norm compress; the mantissas do not), integers delta-packed,
+# a dictionary only for repeated names (a dictionary of float values is larger than the values),
+# statistics only on the keys (the footer is otherwise ~2 B per row of a 100-step segment). Any
+# Parquet reader reads these encodings; traces written before read as they were.
+_DICTIONARY = ("component", "kind", "role", "bound", "parent_param", "name")
+PARQUET_WRITE_OPTIONS: dict[str, object] = {
+    "compression": "zstd",
+    "use_dictionary": list(_DICTIONARY),
+    "column_encoding": {
+        c.name: "BYTE_STREAM_SPLIT" if pa.types.is_floating(c.type) else "DELTA_BINARY_PACKED"
+        for cols in COLUMNS.values() for c in cols
+        if pa.types.is_floating(c.type) or pa.types.is_integer(c.type)},
+    "write_statistics": ["step", "component"],
+}
 
 # Metric columns of `health`: everything but the keys, in table order.
 HEALTH_METRICS: tuple[str, ...] = tuple(c.name for c in HEALTH_COLUMNS if c.kind)

@@ -130,6 +130,8 @@ class TraceWriter:
         self._behind = False  # the last wait hit the cap: don't wait again until it catches up
         self._queue: queue.SimpleQueue[Segment | None] = queue.SimpleQueue()
         self._lock = threading.RLock()
+        # called on this thread with each segment once its files are in place (live alarms)
+        self.on_segment: Callable[[Segment], None] | None = None
         self.manifest = self._load_manifest(run_id, world_size, model_class, config)
         self._entry: dict[str, object] = {
             "incarnation": self.incarnation, "started_at": time.time(), "ended_at": None,
@@ -206,6 +208,8 @@ class TraceWriter:
         while (seg := self._queue.get()) is not None:
             self._guard(self._write_segment, len(seg.steps), seg)
             self._finished += 1
+            if self.on_segment is not None:
+                self._guard(self.on_segment, 0, seg)
 
     def _guard(self, fn, n_steps: int, *args: object) -> None:  # type: ignore[no-untyped-def]
         try:

@@ -1,0 +1,198 @@
+"""The engine at the size of a real run: analyze, replay and report on grown GPT traces.
+
+Grows the shipped GPT sample traces (bench/grow.py: components copied under new names, steps
+extended by walking the second half of the run back and forth; never a random number) to each
+size, one clean and one carrying the recorded weight corruption, and prints per size the wall
+time and peak RSS of `warninglight analyze`, `replay` and `report` (each in its own process, so
+each peak is its own) next to one DuckDB scan of the same health files, and the bytes a 1% step
+window (`--steps`) reads. The faulty trace must be named at the right component and step.
+
+Run: `python bench/engine_scale.py [--sizes 1e6 1e7] [--copies 56] [--keep]`. Traces are written
+under /tmp and deleted afterwards (a 1e8 trace is ~0.4-2 GB).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import grow  # noqa: E402
+
+CLI = [str(Path(sys.executable).parent / "warninglight")]  # the installed command, as a user runs it
+SCAN = """
+import sys, time, duckdb
+from pathlib import Path
+from warninglight.tracer import schema
+cols = ", ".join(f"avg({m})" for m in schema.HEALTH_METRICS)
+files = [str(p) for p in Path(sys.argv[1], "health").rglob("*.parquet")]
+start, cpu = time.perf_counter(), time.process_time()
+con = duckdb.connect()
+con.execute("SET enable_progress_bar = false")
+con.sql(f"SELECT count(*), {cols} FROM read_parquet({files})").fetchall()
+print(time.perf_counter() - start, time.process_time() - cpu)
+"""
+
+
+CPU_SECONDS: dict[tuple[str, ...], float] = {}  # command -> user + system CPU seconds it used
+
+
+def run_alone(cmd: list[str]) -> tuple[float, float, str]:
+    """(wall seconds, peak RSS in GiB, stdout) of one command in its own process; a fresh Python
+    starts it, so RUSAGE_CHILDREN is that command's alone. Its CPU seconds go to CPU_SECONDS:
+    on a shared machine they move less with the others' load than the wall time does."""
+    probe = ("import json, resource, subprocess, sys, time; t = time.perf_counter(); "
+             "p = subprocess.run(sys.argv[1:], capture_output=True, text=True); "
+             "u = resource.getrusage(resource.RUSAGE_CHILDREN); "
+             "print(json.dumps([time.perf_counter() - t, u.ru_maxrss, u.ru_utime + u.ru_stime, "
+             "p.returncode, p.stdout, p.stderr[-400:]]))")
+    out = subprocess.run([sys.executable, "-c", probe, *cmd], capture_output=True, text=True, check=True)
+    wall, peak_kb, cpu, code, stdout, stderr = json.loads(out.stdout)
+    if code not in (0, 1):
+        raise RuntimeError(f"{' '.join(cmd)} failed ({code}): {stderr}")
+    CPU_SECONDS[tuple(cmd)] = cpu
+    return wall, peak_kb / 2**20, stdout
+
+
+def window_bytes(trace: Path, steps: int) -> tuple[str, int, int]:
+    """A 1% window ending at the fault's step range, the bytes of the files it reads, of all files."""
+    from warninglight.forensics.conditions import Config
+    from warninglight.forensics.store import open_trace, window_files
+
+    first = steps - (grow.RECORDED - grow.FAULT_SOURCE) - steps // 200
+    last = first + steps // 100 - 1
+    history = Config().baseline.history(Config().conditions)
+    t = open_trace(trace)
+    try:
+        read = window_files(t, "health", first - history, last)
+        every = window_files(t, "health", 1, steps)
+    finally:
+        t.close()
+    return f"{first}:{last}", sum(p.stat().st_size for p in read), sum(p.stat().st_size for p in every)
+
+
+def bench_size(target: float, copies: int, workdir: Path, keep: bool,
+               commands: tuple[str, ...] = ("analyze", "replay", "report")) -> list[dict[str, object]]:
+    steps = grow.steps_for(target, 18 * copies)
+    rows = []
+    for faulty in (False, True):
+        trace = workdir / f"grown-{steps}-{'fault' if faulty else 'clean'}"
+        shutil.rmtree(trace, ignore_errors=True)
+        t0 = time.perf_counter()
+        truth = grow.grow(trace, steps, copies, faulty, checkpoint_every=max(100, steps // 10 // 100 * 100))
+        row: dict[str, object] = {"trace": trace.name, "component_steps": truth["health_rows"],
+                                  "bytes": truth["bytes"], "grow_s": time.perf_counter() - t0}
+        _, row["scan_gib"], out = run_alone([sys.executable, "-c", SCAN, str(trace)])
+        row["scan_s"], row["scan_cpu_s"] = (float(x) for x in out.split())  # the query alone
+        if "analyze" in commands:
+            row["analyze_s"], row["analyze_gib"], out = run_alone([*CLI, "analyze", "--json", str(trace)])
+            row["analyze_cpu_s"] = CPU_SECONDS[(*CLI, "analyze", "--json", str(trace))]
+            result = json.loads(out)
+            root = result["root"] or {}
+            if faulty:
+                row["named"] = (root.get("attributed_to") == truth["component"]
+                                and root.get("onset_step") == truth["step"])
+                row["found"] = (f"{root.get('attributed_to')} onset {root.get('onset_step')} "
+                                f"(truth {truth['component']} {truth['step']})")
+            else:
+                row["named"] = result["verdict"] == "healthy"
+                row["found"] = result["verdict"]
+        if "replay" in commands:
+            row["replay_s"], row["replay_gib"], _ = run_alone([*CLI, "replay", "--json", str(trace)])
+        if "report" in commands:
+            report = trace.parent / f"{trace.name}.html"
+            row["report_s"], row["report_gib"], _ = run_alone([*CLI, "report", str(trace), "-o", str(report)])
+            report.unlink(missing_ok=True)
+        if faulty:
+            window, read, total = window_bytes(trace, steps)
+            row["window"], row["window_bytes"], row["health_bytes"] = window, read, total
+            row["window_s"], row["window_gib"], out = run_alone([*CLI, "analyze", "--json", "--steps", window, str(trace)])
+            wroot = json.loads(out)["root"] or {}
+            row["window_named"] = wroot.get("attributed_to") == truth["component"] and wroot.get("onset_step") == truth["step"]
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+        if not keep:
+            shutil.rmtree(trace, ignore_errors=True)
+    return rows
+
+
+def _cell(r: dict[str, object], key: str) -> str:
+    if f"{key}_s" not in r:
+        return "not run | "
+    return f"{r[f'{key}_s']:.1f} s | {r[f'{key}_gib']:.2f} GiB | "
+
+
+def table(rows: list[dict[str, object]]) -> str:
+    head = ("| trace | component-steps | on disk | DuckDB scan (CPU) | analyze | peak RSS | replay | peak RSS | "
+            "report | peak RSS | analyze CPU / scan CPU | verdict |")
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for r in rows:
+        ratio = (f"{r['analyze_cpu_s']:.0f} s / {r['scan_cpu_s']:.1f} s = {r['analyze_cpu_s'] / r['scan_cpu_s']:.0f}x"  # type: ignore[operator]
+                 if "analyze_s" in r else "—")
+        found = f"{r['found']}{'' if r['named'] else ' (WRONG)'}" if "found" in r else "—"
+        lines.append(
+            f"| {r['trace']} | {r['component_steps']:.2e} | {r['bytes'] / 2**20:.0f} MiB | "
+            f"{r['scan_s']:.2f} s ({r['scan_cpu_s']:.1f} s) | "
+            f"{_cell(r, 'analyze')}{_cell(r, 'replay')}{_cell(r, 'report')}{ratio} | {found} |")
+    return "\n".join(lines)
+
+
+def cli_times(trace: Path, repeats: int = 5) -> dict[str, float]:
+    """Best-of CPU seconds (user + system) of the quick commands on a small trace, each a fresh
+    process as typed: on an idle machine the wall time is about this; on a loaded one far more."""
+    commands = {"--help": ["--help"], "conditions": ["conditions"], "info": ["info", str(trace)],
+                "query": ["query", str(trace), "SELECT count(*) FROM health"]}
+    best = {}
+    for name, args in commands.items():
+        times = []
+        for _ in range(repeats):
+            run_alone([*CLI, *args])
+            times.append(CPU_SECONDS[(*CLI, *args)])
+        best[name] = min(times)
+    return best
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", nargs="+", type=float, default=[1e6, 1e7])
+    parser.add_argument("--copies", type=int, default=56, help="copies of the 18 GPT components (56: 1008)")
+    parser.add_argument("--workdir", type=Path, default=None)
+    parser.add_argument("--keep", action="store_true", help="keep the grown traces")
+    parser.add_argument("--cli-only", action="store_true", help="time the quick CLI commands only")
+    parser.add_argument("--commands", nargs="*", default=["analyze", "replay", "report"],
+                        help="whole-trace commands to time (none: only the scan and the 1%% window)")
+    args = parser.parse_args()
+    workdir = args.workdir or Path(tempfile.mkdtemp(prefix="wl-scale-"))
+    load = os.getloadavg()[0]
+    print(f"machine: {os.cpu_count()} cores, load average {load:.1f} at start"
+          + (" (shared and loaded: figures are slower than on an idle machine)" if load > 1.5 else ""))
+    quick = cli_times(grow.SAMPLES / "gpt_weight_corruption")
+    print("CLI on a sample trace, CPU seconds (best of 5, fresh process each): "
+          + ", ".join(f"{k} {v:.2f} s" for k, v in quick.items()), flush=True)
+    if args.cli_only:
+        return
+    rows = []
+    try:
+        for size in args.sizes:
+            rows += bench_size(size, args.copies, workdir, args.keep, tuple(args.commands))
+    finally:
+        if not args.keep and args.workdir is None:
+            shutil.rmtree(workdir, ignore_errors=True)
+    print(table(rows))
+    for r in rows:
+        if "window" in r:
+            print(f"{r['trace']}: --steps {r['window']} (1% of the steps) reads {r['window_bytes'] / 2**20:.1f} MiB "
+                  f"of {r['health_bytes'] / 2**20:.1f} MiB of health files "
+                  f"({100 * r['window_bytes'] / r['health_bytes']:.1f}%), {r['window_s']:.1f} s, "
+                  f"{r['window_gib']:.2f} GiB, root {'right' if r['window_named'] else 'WRONG'}")
+
+
+if __name__ == "__main__":
+    main()

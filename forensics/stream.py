@@ -1,0 +1,143 @@
+"""The classifier fed step by step: what `analyze`, `replay` and a live monitor all run.
+
+`Classifier.feed(rows)` takes the health rows of steps later than any it has seen, judges them
+with the one classifier (`classify.score`, `hits`, `alarms`) on those rows plus the trailing rows
+it carried, and returns the alarms whose episode begins in them. It carries only the last
+`history` rows of each (rank, component) — every past value a rule reads — and the first and
+last step of each alarm's episode, so its memory does not grow with the run (except by the
+alarms themselves). Fed a whole trace at once or one step at a
+time, it raises the same alarms at the same steps.
+
+With `since`, rows of earlier steps only fill the trailing history (an incident window's
+warm-up): nothing before `since` is judged. It can also keep the report's heatmap, bounded: the worst |robust z| per component and bin of
+`heat_width` steps (width 1 keeps every step).
+"""
+
+from __future__ import annotations
+
+import polars as pl
+
+from .baseline import KEYS
+from .classify import ALARM_SCHEMA, alarms, hits, score
+from .conditions import Config
+
+GROUP = ["rank", "component", "condition"]
+HEAT_SCHEMA = {"component": pl.String, "step": pl.Int64, "score": pl.Float64}
+_NEW = "__new"  # marks the rows of the current call among the carried ones
+
+
+class StepOrderError(ValueError):
+    """Rows were fed for a step the classifier has already judged."""
+
+
+class Classifier:
+    """Causal, incremental classification of health rows (see the module docstring)."""
+
+    def __init__(self, config: Config, components: pl.DataFrame | None = None,
+                 heat_width: int | None = None, since: int | None = None,
+                 reference: pl.DataFrame | None = None) -> None:
+        self.config = config
+        self.reference = reference  # a reference run's baseline (forensics.reference), or None
+        self.history = config.baseline.history(config.conditions)
+        self._components = components
+        self._tail: pl.DataFrame | None = None
+        self._last_step: dict[int, int] = {}
+        self._episodes = pl.DataFrame(schema={**{k: ALARM_SCHEMA[k] for k in GROUP},
+                                              "start": pl.Int64, "last": pl.Int64})
+        self._alarms: list[pl.DataFrame] = []
+        self.heat_width = heat_width
+        self._heat: list[pl.DataFrame] = []
+        self.since = since  # steps before it are history only: read, never judged
+
+    def feed(self, rows: pl.DataFrame) -> pl.DataFrame:
+        """Judge the rows of new steps; return the alarms that begin in them (`ALARM_SCHEMA`)."""
+        if rows.is_empty():
+            return pl.DataFrame(schema=ALARM_SCHEMA)
+        rows = self._prepare(rows)
+        window = rows if self._tail is None else pl.concat([self._tail, rows], how="diagonal_relaxed")
+        judged = pl.col(_NEW) if self.since is None else pl.col(_NEW) & (pl.col("step") >= self.since)
+        scored = score(window.lazy(), self.config, self.reference).filter(judged).collect()
+        if self.heat_width is not None:
+            self._heat.append(heat_of(scored, self.heat_width))
+        new = self._episode_alarms(hits(scored.lazy(), self.config))
+        self._tail = self._carry(window)
+        return new
+
+    def alarms(self) -> pl.DataFrame:
+        """Every alarm so far, each with the last step of its episode; sorted like `classify.alarms`."""
+        if not self._alarms:
+            return pl.DataFrame(schema=ALARM_SCHEMA)
+        found = pl.concat(self._alarms)
+        last = self._episodes.select(*GROUP, pl.col("start").alias("step"), pl.col("last").alias("_last"))
+        found = found.join(last, on=[*GROUP, "step"], how="left").with_columns(
+            pl.coalesce("_last", "last_step").alias("last_step")).drop("_last")
+        return found.select(list(ALARM_SCHEMA)).sort("step", "rank", "component", "condition")
+
+    def heat(self) -> pl.DataFrame:
+        """Worst |robust z| per (component, bin start step), the largest over ranks and bins' steps."""
+        if not self._heat:
+            return pl.DataFrame(schema=HEAT_SCHEMA)
+        return (pl.concat(self._heat).group_by("component", "step").agg(pl.col("score").max())
+                .sort("component", "step"))
+
+    def _prepare(self, rows: pl.DataFrame) -> pl.DataFrame:
+        if "rank" not in rows.columns:
+            rows = rows.with_columns(pl.lit(0, pl.Int64).alias("rank"))
+        if self._components is not None and "role" not in rows.columns:
+            comps = self._components
+            on = [k for k in KEYS if k in comps.columns]
+            extra = [c for c in comps.columns if c not in rows.columns or c in on]
+            rows = rows.join(comps.select(extra).unique(on, keep="last"), on=on, how="left")
+        firsts = rows.group_by("rank").agg(pl.col("step").min(), pl.col("step").max().alias("last"))
+        for rank, first, last in firsts.iter_rows():
+            seen = self._last_step.get(rank)
+            if seen is not None and first <= seen:
+                raise StepOrderError(f"rank {rank}: fed step {first}, but steps up to {seen} were already "
+                                     "judged — feed each step once, in order")
+            self._last_step[rank] = last
+        return rows.with_columns(pl.lit(True).alias(_NEW))
+
+    def _carry(self, window: pl.DataFrame) -> pl.DataFrame:
+        """The last `history` rows of each (rank, component): all the past a rule reads."""
+        kept = window.sort([*KEYS, "step"]).filter(
+            pl.int_range(pl.len()).over(KEYS) >= pl.len().cast(pl.Int64).over(KEYS) - self.history)
+        return kept.with_columns(pl.lit(False).alias(_NEW))
+
+    def _episode_alarms(self, found: pl.DataFrame) -> pl.DataFrame:
+        """Alarms of the hits of new steps, continuing the episodes open before them."""
+        if found.is_empty():
+            return pl.DataFrame(schema=ALARM_SCHEMA)
+        groups = found.select(GROUP).unique()
+        open_ = self._episodes.sort("start").unique(GROUP, keep="last").join(groups, on=GROUP)
+        # each open episode enters as one hit at its last step: a new hit within `episode_gap`
+        # of it continues that episode instead of starting one
+        carried = open_.select(*GROUP, pl.col("last").alias("step")).join(
+            found.select(*GROUP, "metric", "value", "median", "magnitude").unique(GROUP, keep="first"),
+            on=GROUP)
+        raised = alarms(pl.concat([carried.select(found.columns), found]), self.config)
+        at_last = open_.select(*GROUP, pl.col("last").alias("step"), "start")
+        cont = raised.join(at_last, on=[*GROUP, "step"])
+        new = raised.join(at_last, on=[*GROUP, "step"], how="anti")
+        ends = pl.concat([
+            cont.select(*GROUP, "start", pl.col("last_step").alias("last")),
+            new.select(*GROUP, pl.col("step").alias("start"), pl.col("last_step").alias("last"))])
+        self._episodes = pl.concat([self._episodes.join(ends, on=[*GROUP, "start"], how="anti"),
+                                    ends]).cast(self._episodes.schema)
+        if not new.is_empty():
+            self._alarms.append(new)
+        return new
+
+
+def heat_of(scored: pl.DataFrame, width: int) -> pl.DataFrame:
+    """Worst |robust z| over the metrics per (component, bin of `width` steps), max over ranks.
+
+    A z before its metric has a baseline (warm-up, median null) is not a departure: left out.
+    """
+    z_cols = [c for c in scored.columns if c.endswith("__z")]
+    if not z_cols:
+        return pl.DataFrame(schema=HEAT_SCHEMA)
+    finite = [pl.when(pl.col(c).is_finite() & pl.col(c.replace("__z", "__med")).is_not_null()).then(pl.col(c).abs())
+              for c in z_cols]
+    step = pl.col("step") if width == 1 else (pl.col("step") - 1) // width * width + 1
+    return (scored.select("component", step.alias("step"), pl.max_horizontal(finite).alias("score"))
+            .group_by("component", "step").agg(pl.col("score").max()))

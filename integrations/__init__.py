@@ -1,0 +1,1 @@
+"""One-line callbacks for training frameworks: Hugging Face Trainer and Lightning."""

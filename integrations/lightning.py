@@ -1,0 +1,110 @@
+"""`WarningLightCallback(path, **watch_options)` for Lightning: one line.
+
+    trainer = L.Trainer(..., callbacks=[WarningLightCallback("runs/exp1")])
+
+What it records:
+- Steps: the hooks go on the torch optimizer Lightning holds (`trainer.optimizers[0]`; the
+  `LightningOptimizer` a module sees wraps it), so `accumulate_grad_batches` gives one health
+  step per optimizer step. With several optimizers the first is watched, with a warning.
+- Loss: the `loss` a `training_step` returns, every micro-batch (the mean lands on its step).
+- Checkpoints: every file a `ModelCheckpoint` callback saves (its path), at the step it holds.
+- Sample ids: when a batch is a dict with an `ids_key` ("sample_id") entry.
+- Nothing here raises into training: a failure warns once and recording stops.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from typing import Any
+
+import lightning.pytorch as pl
+from warninglight.tracer import watch
+
+
+class WarningLightCallback(pl.Callback):
+    """Record a Warning Light trace of a Lightning run into `path`."""
+
+    def __init__(self, path: str | os.PathLike[str], *, ids_key: str = "sample_id",
+                 stop_on_alarm: bool = False, **watch_options: Any) -> None:
+        self.path, self.ids_key, self.stop_on_alarm = os.fspath(path), ids_key, stop_on_alarm
+        self.watch_options = watch_options
+        self.rec: Any = None
+        self._saved: set[str] = set()
+        self._alarmed = False
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        options = dict(self.watch_options)
+        user_on_alarm = options.pop("on_alarm", None)
+
+        def on_alarm(alarm: dict[str, Any]) -> None:
+            self._alarmed = True
+            if user_on_alarm is not None:
+                user_on_alarm(alarm)
+
+        live = bool(options.get("alarms")) or user_on_alarm is not None or self.stop_on_alarm
+        try:
+            optimizers = list(trainer.optimizers)
+            if len(optimizers) > 1:
+                warnings.warn(f"warninglight: {len(optimizers)} optimizers; steps follow the first",
+                              RuntimeWarning, stacklevel=2)
+            options.setdefault("start_step", trainer.global_step)
+            self.rec = watch(pl_module, optimizers[0] if optimizers else None, self.path, **options,
+                             **({"on_alarm": on_alarm} if live else {}))
+        except Exception as exc:
+            self._give_up(exc)
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
+                             batch_idx: int) -> None:
+        self._record_checkpoints(trainer)  # saved after the previous step: step_count is its step
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any,
+                           batch: Any, batch_idx: int) -> None:
+        if self.rec is None:
+            return
+        # after this micro-batch's forward: the step in progress, or the one just completed
+        loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
+        if loss is not None:
+            self._guard(self.rec.log, loss=loss)
+        if isinstance(batch, dict) and self.ids_key in batch:
+            self._guard(self.rec.batch, batch[self.ids_key])
+        if self._alarmed and self.stop_on_alarm:
+            trainer.should_stop = True
+
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._record_checkpoints(trainer)
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._record_checkpoints(trainer)
+        if self.rec is not None:
+            self._guard(self.rec.close)
+
+    @property
+    def alarms(self) -> list[dict[str, Any]]:
+        """Live alarms raised so far (with `alarms=[...]` among the watch options)."""
+        return self.rec.alarms if self.rec is not None else []
+
+    def _record_checkpoints(self, trainer: pl.Trainer) -> None:
+        if self.rec is None:
+            return
+        for cb in trainer.checkpoint_callbacks:
+            # without a monitored metric only best_model_path names the file just saved
+            paths = [*getattr(cb, "best_k_models", {}), getattr(cb, "best_model_path", ""),
+                     getattr(cb, "last_model_path", "")]
+            for path in sorted(set(paths) - self._saved - {""}):
+                if os.path.exists(path):
+                    self._saved.add(path)
+                    self._guard(self.rec.checkpoint, path)
+
+    def _guard(self, fn: Any, *args: Any, **kwargs: Any) -> None:
+        try:
+            fn(*args, **kwargs)
+        except Exception as exc:
+            self._give_up(exc)
+
+    def _give_up(self, exc: Exception) -> None:
+        warnings.warn(f"warninglight: Lightning callback failed ({type(exc).__name__}: {exc}); "
+                      "training continues", RuntimeWarning, stacklevel=3)
+
+
+__all__ = ["WarningLightCallback"]

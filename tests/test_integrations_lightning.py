@@ -1,0 +1,127 @@
+"""Lightning with the one-line callback: a small MLP trained on CPU with accumulation and clipping."""
+
+from __future__ import annotations
+
+import math
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+L = pytest.importorskip("lightning.pytorch")
+
+from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
+from warninglight.forensics import analyze, open_trace  # noqa: E402
+from warninglight.integrations.lightning import WarningLightCallback  # noqa: E402
+from warninglight.lab import zoo  # noqa: E402
+from warninglight.tracer import watch  # noqa: E402
+
+STEPS, ACCUM, BATCH, SAVE_EVERY, WARMUP = 120, 2, 32, 40, 10
+
+
+class Teacher(torch.utils.data.Dataset):
+    def __init__(self) -> None:
+        self.x, self.y = zoo.teacher_classification(n=4096)
+
+    def __len__(self) -> int:
+        return len(self.y)
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        return {"x": self.x[i], "y": self.y[i], "sample_id": i}
+
+
+class Classifier(L.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = zoo.mlp()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        return F.cross_entropy(self(batch["x"]), batch["y"])
+
+    def configure_optimizers(self) -> Any:
+        opt = torch.optim.AdamW(self.parameters(), lr=3e-3)
+
+        def warmup_cosine(step: int) -> float:
+            if step < WARMUP:
+                return (step + 1) / WARMUP
+            return 0.5 * (1 + math.cos(math.pi * (step - WARMUP) / (STEPS - WARMUP)))
+
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup_cosine)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    root = tmp_path_factory.mktemp("pl")
+    torch.manual_seed(0)
+    ckpt = ModelCheckpoint(dirpath=root / "ckpt", every_n_train_steps=SAVE_EVERY, save_top_k=-1)
+    trainer = L.Trainer(max_steps=STEPS, accumulate_grad_batches=ACCUM, gradient_clip_val=1.0,
+                        accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
+                        enable_model_summary=False, num_sanity_val_steps=0,
+                        callbacks=[ckpt, WarningLightCallback(root / "trace")])  # the one line
+    loader = torch.utils.data.DataLoader(Teacher(), batch_size=BATCH, shuffle=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(Classifier(), loader)
+    ours = [str(w.message) for w in caught if "warninglight" in str(w.message)]
+    return {"trace": root / "trace", "ckpt": root / "ckpt", "warnings": ours}
+
+
+def test_one_health_step_per_optimizer_step(trained: dict[str, Any]) -> None:
+    assert trained["warnings"] == []
+    trace = open_trace(trained["trace"])
+    try:
+        steps = trace.con.execute(
+            "SELECT step, micro_batches, lr, loss, batch_ids FROM steps ORDER BY step").fetchall()
+        ckpts = trace.con.execute("SELECT step, path FROM checkpoints ORDER BY step").fetchall()
+    finally:
+        trace.close()
+    assert [s for s, *_ in steps] == list(range(1, STEPS + 1))
+    assert {m for _, m, *_ in steps} == {ACCUM}
+    lrs = [lr for _, _, lr, _, _ in steps]
+    assert lrs[0] < lrs[WARMUP - 1] and lrs[-1] < lrs[STEPS // 2]
+    assert all(loss is not None and 0 < loss < 10 for *_, loss, _ in steps)
+    assert all(len(ids) == ACCUM * BATCH and len(set(ids)) == len(ids) for *_, ids in steps)
+    assert [s for s, _ in ckpts] == list(range(SAVE_EVERY, STEPS + 1, SAVE_EVERY))
+    for step, path in ckpts:
+        assert Path(path).parent == trained["ckpt"] and f"step={step}" in Path(path).name
+        assert Path(path).is_file()
+
+
+def test_clean_warmup_cosine_clipped_run_is_healthy(trained: dict[str, Any]) -> None:
+    result = analyze(trained["trace"])
+    assert result.summary["steps"] == STEPS
+    assert result.verdict == "healthy", result.to_dict()["alarms"]
+
+
+def test_watch_unwraps_lightningoptimizer(tmp_path: Path) -> None:
+    from lightning.pytorch.core.optimizer import LightningOptimizer
+
+    model = zoo.mlp()
+    inner = torch.optim.SGD(model.parameters(), 0.1)
+    with watch(model, LightningOptimizer(inner), tmp_path) as rec:
+        for _ in range(3):
+            model(torch.randn(4, 32)).sum().backward()
+            inner.step()  # what LightningOptimizer.step does through its strategy
+            inner.zero_grad()
+    assert rec.step_count == 3  # the wrapper shares the optimizer's hook tables: steps are seen
+
+
+def test_watch_warns_on_an_optimizer_like_object_it_cannot_hook(tmp_path: Path) -> None:
+    class Opaque:  # an optimizer-like wrapper that holds no torch optimizer where we can see it
+        param_groups = [{"lr": 0.1}]
+
+        def step(self) -> None:
+            pass
+
+    model = zoo.mlp()
+    with pytest.warns(RuntimeWarning, match="not a torch optimizer"), watch(model, Opaque(), tmp_path) as rec:
+        model(torch.randn(4, 32)).sum().backward()
+        rec.step()
+    assert rec.step_count == 1

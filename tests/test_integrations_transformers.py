@@ -1,0 +1,98 @@
+"""Hugging Face Trainer with the one-line callback: a tiny GPT-2 trained on CPU, no downloads."""
+
+from __future__ import annotations
+
+import json
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("accelerate")
+
+from accelerate.optimizer import AcceleratedOptimizer  # noqa: E402
+from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments  # noqa: E402
+from warninglight.forensics import analyze, open_trace  # noqa: E402
+from warninglight.integrations.transformers import WarningLightCallback  # noqa: E402
+from warninglight.lab import zoo  # noqa: E402
+from warninglight.tracer import watch  # noqa: E402
+
+STEPS, ACCUM, BATCH, SAVE_EVERY, LOG_EVERY = 120, 2, 8, 40, 5
+
+
+class CharWindows(torch.utils.data.Dataset):
+    """Windows of the standard library's source as characters, each with its sample id."""
+
+    def __init__(self, n: int = 2048, block: int = 32) -> None:
+        tokens = zoo.char_corpus(max_bytes=200_000, vocab_size=64)
+        self.windows = tokens[: n * block].reshape(n, block)
+
+    def __len__(self) -> int:
+        return len(self.windows)
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        return {"input_ids": self.windows[i], "labels": self.windows[i], "sample_id": i}
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    root = tmp_path_factory.mktemp("hf")
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=32, n_embd=32, n_layer=2, n_head=2))
+    args = TrainingArguments(
+        output_dir=str(root / "out"), max_steps=STEPS, per_device_train_batch_size=BATCH,
+        gradient_accumulation_steps=ACCUM, learning_rate=3e-3, warmup_steps=10,
+        lr_scheduler_type="cosine", max_grad_norm=1.0, logging_steps=LOG_EVERY,
+        save_strategy="steps", save_steps=SAVE_EVERY, report_to=[], use_cpu=True,
+        disable_tqdm=True, seed=0, dataloader_num_workers=0)
+    callback = WarningLightCallback(root / "trace")  # the one line
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        Trainer(model=model, args=args, train_dataset=CharWindows(), callbacks=[callback]).train()
+    ours = [str(w.message) for w in caught if "warninglight" in str(w.message)]
+    return {"trace": root / "trace", "out": root / "out", "warnings": ours}
+
+
+def test_one_health_step_per_optimizer_step(trained: dict[str, Any]) -> None:
+    assert trained["warnings"] == []
+    trace = open_trace(trained["trace"])
+    try:
+        steps = trace.con.execute("SELECT step, micro_batches, lr, batch_ids FROM steps ORDER BY step").fetchall()
+        loss_steps = [s for (s,) in trace.con.execute(
+            "SELECT step FROM steps WHERE loss IS NOT NULL ORDER BY step").fetchall()]
+        ckpts = trace.con.execute("SELECT step, path FROM checkpoints ORDER BY step").fetchall()
+    finally:
+        trace.close()
+    assert [s for s, *_ in steps] == list(range(1, STEPS + 1))
+    assert {m for _, m, _, _ in steps} == {ACCUM}
+    lrs = [lr for _, _, lr, _ in steps]
+    assert lrs[0] < lrs[9] and lrs[-1] < lrs[STEPS // 2]  # warm-up, then cosine decay
+    assert loss_steps == list(range(LOG_EVERY, STEPS + 1, LOG_EVERY))
+    # every micro-batch's sample ids, on the step that consumed them (remove_unused_columns on)
+    assert all(len(ids) == ACCUM * BATCH for *_, ids in steps)
+    assert all(0 <= i < 2048 for *_, ids in steps for i in ids)
+    assert [s for s, _ in ckpts] == list(range(SAVE_EVERY, STEPS + 1, SAVE_EVERY))
+    for step, path in ckpts:
+        assert Path(path) == trained["out"] / f"checkpoint-{step}" and Path(path).is_dir()
+
+
+def test_clean_warmup_cosine_clipped_run_is_healthy(trained: dict[str, Any]) -> None:
+    result = analyze(trained["trace"])
+    assert result.summary["steps"] == STEPS
+    assert result.verdict == "healthy", result.to_dict()["alarms"]
+    assert json.loads((trained["trace"] / "manifest" / "rank=0.json").read_text())[
+        "config"]["loss_logged_every"] == LOG_EVERY
+
+
+def test_watch_unwraps_acceleratedoptimizer(tmp_path: Path) -> None:
+    model = zoo.mlp()
+    opt = AcceleratedOptimizer(torch.optim.SGD(model.parameters(), 0.1), device_placement=False)
+    with watch(model, opt, tmp_path) as rec:
+        for _ in range(3):
+            model(torch.randn(4, 32)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+    assert rec.step_count == 3

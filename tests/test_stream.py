@@ -1,0 +1,119 @@
+"""The incremental classifier: any feeding gives the whole-trace classifier's alarms, in bounded memory."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import polars as pl
+import pytest
+from warninglight.forensics.analysis import classify_trace
+from warninglight.forensics.classify import classify
+from warninglight.forensics.conditions import Config
+from warninglight.forensics.store import health_frame, health_window, open_trace, window_files
+from warninglight.forensics.stream import Classifier, StepOrderError, heat_of
+
+SAMPLES = Path(__file__).resolve().parent.parent / "sample_traces"
+
+
+@pytest.mark.parametrize("name", ["gpt_dying_layer", "gpt_nan", "mlp_creeping_corruption"])
+def test_feeding_in_any_chunks_gives_the_whole_trace_alarms(name: str) -> None:
+    cfg = Config()
+    trace = open_trace(SAMPLES / name)
+    try:
+        components = trace.frame("components").collect()
+        scored, expected = classify(health_frame(trace), cfg)
+        assert len(expected) > 0
+        for chunk in (7, 500):
+            clf = classify_trace(trace, cfg, components, heat_width=1, chunk_steps=chunk)
+            assert clf.alarms().equals(expected), chunk
+            # the heatmap it keeps is the whole scored frame's, cell for cell
+            heat = heat_of(scored, 1).sort("component", "step")
+            assert clf.heat().equals(heat), chunk
+    finally:
+        trace.close()
+
+
+def test_feed_returns_each_alarm_once_when_its_episode_begins() -> None:
+    cfg = Config()
+    trace = open_trace(SAMPLES / "gpt_dying_layer")
+    try:
+        components = trace.frame("components").collect()
+        _, expected = classify(health_frame(trace), cfg)
+        clf = Classifier(cfg, components)
+        raised = [clf.feed(health_window(trace, s, s, components)) for s in range(1, 301)]
+        carried = len(clf._tail) if clf._tail is not None else 0
+    finally:
+        trace.close()
+    assert clf.alarms().equals(expected)
+    steps = [int(a["step"]) for frame in raised for a in frame.iter_rows(named=True)]
+    for step, frame in zip(range(1, 301), raised, strict=True):
+        assert frame["step"].to_list() == [step] * len(frame)  # raised at its own step, not later
+    assert sorted(steps) == clf.alarms()["step"].to_list()
+    # the rows it carries: `history` steps of every component, however long the run
+    assert carried == clf.history * len(components)
+
+
+def test_a_step_fed_twice_is_refused() -> None:
+    trace = open_trace(SAMPLES / "mlp_clean")
+    try:
+        rows = health_window(trace, 1, 10, trace.frame("components").collect())
+    finally:
+        trace.close()
+    clf = Classifier(Config())
+    clf.feed(rows)
+    with pytest.raises(StepOrderError, match="steps up to 10 were already judged"):
+        clf.feed(rows.filter(pl.col("step") == 10))
+
+
+def test_a_step_window_reads_only_the_files_that_hold_it() -> None:
+    trace = open_trace(SAMPLES / "mlp_clean")  # format 1: step ranges come from the footers
+    try:
+        every = window_files(trace, "health", 1, 300)
+        some = window_files(trace, "health", 150, 160)
+        rows = health_window(trace, 150, 160)
+    finally:
+        trace.close()
+    assert len(every) == 3 and len(some) == 1
+    assert sorted(rows["step"].unique().to_list()) == list(range(150, 161))
+
+
+@pytest.mark.parametrize("module", ["warninglight.cli.main", "warninglight.forensics",
+                                    "warninglight.tracer.schema"])
+def test_the_cli_and_the_engine_never_import_torch(module: str) -> None:
+    code = f"import sys, {module}; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+
+
+@pytest.mark.parametrize(("name", "window"), [("gpt_dying_layer", (140, 175)), ("gpt_weight_corruption", (140, 160))])
+def test_an_incident_window_reports_the_whole_trace_alarms_raised_in_it(name: str, window: tuple[int, int]) -> None:
+    from warninglight.forensics import analyze
+
+    whole = analyze(SAMPLES / name)
+    part = analyze(SAMPLES / name, steps=window)
+    inside = whole.alarms.filter(pl.col("step").is_between(*window))
+    assert len(inside) > 0
+    # judged on the same history: the same alarms, onsets and root
+    keys = ["observed_on", "attributed_to", "condition", "step", "onset_step", "metric", "magnitude"]
+    assert part.alarms.select(keys).equals(inside.select(keys))
+    assert part.root == whole.root
+
+
+def test_a_window_outside_the_run_is_a_one_line_error() -> None:
+    from typer.testing import CliRunner
+    from warninglight.cli.main import app
+
+    result = CliRunner().invoke(app, ["analyze", str(SAMPLES / "mlp_clean"), "--steps", "900:950"])
+    assert result.exit_code == 2
+    assert "holds none of the recorded steps 1-300" in result.output
+    result = CliRunner().invoke(app, ["replay", str(SAMPLES / "mlp_clean"), "--steps", "9-10"])
+    assert result.exit_code == 2 and "expected A:B" in result.output
+
+
+def test_help_and_conditions_load_no_query_engine() -> None:
+    code = ("import sys, warninglight.cli.main, warninglight.forensics.conditions; "
+            "print(sorted(m for m in ('duckdb', 'polars', 'torch') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"

@@ -1,0 +1,157 @@
+"""The live classifier: the engine's `score → hits → alarms → locate → root_cause`, fed segment by segment.
+
+This is the same code path as `warninglight replay` (forensics/replay.py `stream`): each batch of
+new steps is scored on a sliding window holding the `BaselineConfig.history` steps before it, so
+a step's hits are exactly the offline hits. Episodes are cut by the engine's own `alarms` over
+every hit seen so far (hits are sparse), and an alarm is new when its first step was not seen
+before. Localisation walks back over the scored rows kept in memory: at most `reach` steps, so
+an excursion that began further back than that is dated to the edge of what is kept (the offline
+analysis has no such limit). Imported only when `watch(..., alarms=...)` is used.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+import numpy as np
+import polars as pl
+from warninglight.forensics import detectors
+from warninglight.forensics import rollback as rb
+from warninglight.forensics.analysis import ALARM_KEYS, Alarm, Detectors, _root, param_components
+from warninglight.forensics.classify import alarms, hits, score
+from warninglight.forensics.conditions import Config, load_config
+from warninglight.forensics.localise import Located, RootCause, locate, root_cause
+from warninglight.forensics.wording import alarm_line, summary_line
+
+from ..writer import Segment, health_table
+
+DEFAULT_REACH = 1024  # steps of scored rows kept for walking an onset back (memory: reach × components rows)
+_COMPONENT_COLUMNS = ("component", "kind", "role", "bound", "parent_param", "forward_index")
+
+
+class LiveClassifier:
+    """Feed it each closed segment; it returns the alarms those steps raised, located and rooted."""
+
+    def __init__(self, rank: int, config: Config | None = None, reach: int = DEFAULT_REACH) -> None:
+        self.rank = rank
+        self.config = config or load_config(None)
+        self.history = self.config.baseline.history(self.config.conditions)
+        self.reach = max(reach, self.history)
+        self.components: pl.DataFrame | None = None
+        self._raw: pl.DataFrame | None = None      # health rows of the last `history` steps
+        self._scored: pl.DataFrame | None = None   # scored rows of the last `reach` steps
+        self._hits: list[pl.DataFrame] = []
+        self._seen: set[tuple[Any, ...]] = set()   # (component, condition, step) of alarms raised
+        self._located: list[Located] = []
+        self._checkpoints: list[rb.Checkpoint] = []
+        self._batches: dict[int, list[int] | None] = {}
+        self._wall: dict[int, float] = {}
+        self._losses: dict[int, float | None] = {}  # every logged loss (one float a step)
+        self.last_step = 0
+
+    def feed(self, seg: Segment) -> list[dict[str, Any]]:
+        """The new alarms raised by the steps of `seg`, as `analyze --json` alarms plus root and rollback."""
+        self._take_tables(seg)
+        if not len(seg.steps) or self.components is None:
+            return []
+        self.last_step = int(seg.steps[-1])
+        first = int(seg.steps[0])
+        fresh = self._health_rows(seg)
+        self._raw = fresh if self._raw is None else pl.concat([self._raw, fresh], how="diagonal_relaxed")
+        window = self._raw.filter(pl.col("step") >= first - self.history)
+        self._raw = self._raw.filter(pl.col("step") > self.last_step - self.history)  # the next window's past
+        scored = score(window.lazy(), self.config).filter(pl.col("step") >= first).collect()
+        self._scored = scored if self._scored is None else pl.concat(
+            [self._scored.filter(pl.col("step") > self.last_step - self.reach), scored], how="diagonal_relaxed")
+        found = hits(scored.lazy(), self.config)
+        if found.is_empty():
+            return []
+        self._hits.append(found)
+        every = alarms(pl.concat(self._hits, how="diagonal_relaxed"), self.config)
+        rows = [r for r in every.filter(pl.col("step") >= first).iter_rows(named=True)
+                if (r["component"], r["condition"], r["step"]) not in self._seen]
+        if not rows:
+            return []
+        new = pl.DataFrame(rows, schema=every.schema)
+        fresh = locate(new, self._scored, self.components, self.config)
+        for a in fresh:
+            self._seen.add((a.observed_on, a.condition, a.step))
+        self._located += fresh
+        # the root as it stands with every alarm so far (it can move as later alarms come in)
+        root, _ = root_cause(self._located, self.config, param_components(self.components))
+        return [self._alarm(a, root) for a in fresh]
+
+    def _alarm(self, a: Located, root: RootCause | None) -> dict[str, Any]:
+        """The JSON of one alarm: `analyze --json`'s alarm fields, the root and rollback as they
+        stand now, and `text` (the verdict line and this alarm's line, worded by the engine)."""
+        alarm = Alarm(**{k: _plain(getattr(a, k)) for k in ALARM_KEYS})
+        alarm = replace(alarm, last_step=alarm.step)  # the episode is still open
+        typed_root = _root(root, self._located, 1)
+        loss_steps, losses = self._loss_series()
+        fired = detectors.loss_spikes(loss_steps, losses)  # on the losses logged so far
+        loss_spike = detectors.first_at_or_after(fired, root.alarm.onset_step if root else None)
+        rollback = self._rollback(root, loss_spike) if root else None
+        out: dict[str, Any] = {"text": "", **alarm.to_dict(),
+                               "step_wall_time_s": self._wall.get(alarm.step),
+                               "root": typed_root.to_dict() if typed_root else None,
+                               "rollback": rollback.to_dict() if rollback else None}
+        if typed_root is not None and rollback is not None:
+            first = min(r.step for r in self._located)
+            found = Detectors(  # as far as the run has gone; the gradient-norm rule is judged offline
+                loss_spike_step=loss_spike, grad_norm_spike_step=None, loss_spike_first_step=loss_spike,
+                grad_norm_spike_first_step=None, loss_spike_count=int(loss_spike is not None),
+                grad_norm_spike_count=0, first_alarm_step=first, light_lead_over_grad_norm_spike=None,
+                loss_points=len(loss_steps),
+                loss_steps_judged=detectors.loss_steps_judged(loss_steps, losses),
+                light_lead_over_loss_spike=None if loss_spike is None else loss_spike - first)
+            out["text"] = f"{summary_line(typed_root, rollback, found, 'fault')}\n{alarm_line(alarm)}"
+        else:
+            out["text"] = alarm_line(alarm)
+        return out
+
+    def _loss_series(self) -> tuple[np.ndarray, np.ndarray]:
+        steps = sorted(self._losses)
+        return (np.array(steps, dtype=np.int64),
+                np.array([self._losses[s] for s in steps], dtype=np.float64))
+
+    def _rollback(self, root: RootCause, loss_spike: int | None) -> rb.Rollback:
+        onset, step = root.alarm.onset_step, root.alarm.step
+        rec = rb.recommend(None, self._checkpoints, "trace", onset, step, loss_spike, self.last_step)
+        ids = [self._batches.get(s) for s in range(onset, step + 1)]
+        return replace(rec, skip_batches=[i for b in ids if b for i in b] if any(b is not None for b in ids) else None)
+
+    def _take_tables(self, seg: Segment) -> None:
+        if "components" in seg.tables:
+            comps = pl.DataFrame(seg.tables["components"], strict=False)
+            self.components = comps.with_columns(pl.lit(self.rank, pl.Int64).alias("rank"))
+        events = seg.tables.get("events", {})
+        for kind, step, path in zip(events.get("kind", []), events.get("step", []), events.get("path", []),
+                                    strict=False):
+            if kind == "checkpoint" and step is not None:
+                self._checkpoints.append(rb.Checkpoint(int(step), path))
+        steps = seg.tables.get("steps", {})
+        for s, ids, t, loss in zip(steps.get("step", []), steps.get("batch_ids", []),
+                                   steps.get("wall_time_s", []), steps.get("loss", []), strict=False):
+            self._batches[int(s)], self._wall[int(s)] = ids, t
+            if loss is not None:
+                self._losses[int(s)] = loss
+        for s in [s for s in self._batches if s <= self.last_step - self.reach]:
+            del self._batches[s], self._wall[s]
+
+    def _health_rows(self, seg: Segment) -> pl.DataFrame:
+        rows = pl.from_arrow(health_table(seg))
+        assert isinstance(rows, pl.DataFrame)
+        rows = rows.with_columns(pl.lit(self.rank, pl.Int64).alias("rank"))
+        comps = self.components.select([c for c in _COMPONENT_COLUMNS if c in self.components.columns])
+        return rows.join(comps.with_columns(pl.lit(self.rank, pl.Int64).alias("rank")),
+                         on=["rank", "component"], how="left")
+
+
+def _plain(v: Any) -> Any:
+    if isinstance(v, float) and not np.isfinite(v):
+        return None
+    return v
+
+
+__all__ = ["DEFAULT_REACH", "LiveClassifier"]

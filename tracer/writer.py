@@ -62,10 +62,12 @@ def health_table(seg: Segment) -> pa.Table:
     return pa.Table.from_pydict(cols, schema=schema.SCHEMAS["health"])
 
 
-def _with_all_columns(table: str, cols: dict[str, list[object]]) -> dict[str, list[object]]:
-    """`cols` with every column of the table's schema; one it lacks is all null (e.g. a newer one)."""
+def _table(name: str, cols: dict[str, list[object]]) -> pa.Table:
+    """One table of a segment; a column the rows do not carry is written as nulls, not an error
+    (a schema column added later must not cost the steps of a caller that predates it)."""
     rows = len(next(iter(cols.values()), []))
-    return {**{c.name: [None] * rows for c in schema.COLUMNS[table]}, **cols}
+    full = {f.name: cols.get(f.name, [None] * rows) for f in schema.SCHEMAS[name]}
+    return pa.Table.from_pydict(full, schema=schema.SCHEMAS[name])
 
 
 def next_incarnation(root: Path, rank: int) -> int:
@@ -232,8 +234,7 @@ class TraceWriter:
         seq = self._seq
         self._seq += 1  # a failed segment's number is not reused: names stay unique
         span = (int(seg.steps[0]), int(seg.steps[-1])) if len(seg.steps) else None
-        tables = {name: pa.Table.from_pydict(_with_all_columns(name, cols), schema=schema.SCHEMAS[name])
-                  for name, cols in seg.tables.items()}
+        tables = {name: _table(name, cols) for name, cols in seg.tables.items()}
         tables["health"] = health_table(seg)
         placed: list[Path] = []
         try:

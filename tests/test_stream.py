@@ -11,6 +11,7 @@ import pytest
 from warninglight.forensics.analysis import classify_trace
 from warninglight.forensics.classify import classify
 from warninglight.forensics.conditions import Config
+from warninglight.forensics.schedule import with_lr
 from warninglight.forensics.store import health_frame, health_window, open_trace, window_files
 from warninglight.forensics.stream import Classifier, StepOrderError, heat_of
 
@@ -23,7 +24,8 @@ def test_feeding_in_any_chunks_gives_the_whole_trace_alarms(name: str) -> None:
     trace = open_trace(SAMPLES / name)
     try:
         components = trace.frame("components").collect()
-        scored, expected = classify(health_frame(trace), cfg)
+        # the whole trace at once, judged as analyze judges it: update metrics per unit lr
+        scored, expected = classify(with_lr(health_frame(trace), trace), cfg)
         assert len(expected) > 0
         for chunk in (7, 500):
             clf = classify_trace(trace, cfg, components, heat_width=1, chunk_steps=chunk)

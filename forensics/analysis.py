@@ -32,11 +32,11 @@ from .schedule import component_lr, join_lr
 from .static_rules import StaticAlarm, StaticScan
 from .store import (
     COMPONENT_KEYS,
-    EmptyTraceError,
     Trace,
     health_steps,
     health_window,
     info,
+    no_health_error,
     open_trace,
 )
 from .stream import Classifier
@@ -302,13 +302,7 @@ def require_health(trace: Trace) -> tuple[int, int]:
     """(first, last) health step; an `EmptyTraceError` saying why when the trace holds none."""
     steps = health_steps(trace)
     if steps is None:
-        recorded = trace.one("SELECT count(*) FROM steps")[0]
-        why = (f"it recorded {recorded} steps but no component (the model has no submodules or "
-               "parameters to watch)" if recorded else
-               "the run recorded no complete steps (it stopped before its first optimizer step, "
-               "or was killed before its first segment was written)")
-        raise EmptyTraceError(f"no health rows in {trace.root}: {why} — nothing to analyse; "
-                              "`warninglight info` shows what it holds")
+        raise no_health_error(trace)
     return steps
 
 

@@ -304,16 +304,21 @@ def info(trace: Trace) -> dict[str, Any]:
 COMPONENT_KEYS = ("rank", "component", "kind", "role", "bound", "parent_param", "forward_index")
 
 
+def no_health_error(trace: Trace) -> EmptyTraceError:
+    """The error for a trace that holds no health rows, saying why (no steps, or no components)."""
+    steps = trace.one("SELECT count(*) FROM steps")[0]
+    why = (f"it recorded {steps} steps but no component (the model has no submodules or "
+           "parameters to watch)" if steps else
+           "the run recorded no complete steps (it stopped before its first optimizer step, "
+           "or was killed before its first segment was written)")
+    return EmptyTraceError(f"no health rows in {trace.root}: {why} — nothing to analyse; "
+                           "`warninglight info` shows what it holds")
+
+
 def health_frame(trace: Trace) -> pl.LazyFrame:
     """Effective-timeline health rows joined with each component's role, bound, parent and order."""
     if trace.one("SELECT count(*) FROM health")[0] == 0:  # empty segments: closed before a step
-        steps = trace.one("SELECT count(*) FROM steps")[0]
-        why = (f"it recorded {steps} steps but no component (the model has no submodules or "
-               "parameters to watch)" if steps else
-               "the run recorded no complete steps (it stopped before its first optimizer step, "
-               "or was killed before its first segment was written)")
-        raise EmptyTraceError(f"no health rows in {trace.root}: {why} — nothing to analyse; "
-                              "`warninglight info` shows what it holds")
+        raise no_health_error(trace)
     comps = trace.frame("components")
     comps = comps.select(*[c for c in COMPONENT_KEYS if c in comps.collect_schema().names()])
     return trace.frame("health").join(comps, on=["rank", "component"], how="left")

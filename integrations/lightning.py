@@ -21,36 +21,28 @@ from typing import Any
 import lightning.pytorch as pl
 from warninglight.tracer import watch
 
+from ._recording import Recording
 
-class WarningLightCallback(pl.Callback):
+
+class WarningLightCallback(Recording, pl.Callback):
     """Record a Warning Light trace of a Lightning run into `path`."""
+
+    framework = "Lightning"
 
     def __init__(self, path: str | os.PathLike[str], *, ids_key: str = "sample_id",
                  stop_on_alarm: bool = False, **watch_options: Any) -> None:
-        self.path, self.ids_key, self.stop_on_alarm = os.fspath(path), ids_key, stop_on_alarm
-        self.watch_options = watch_options
-        self.rec: Any = None
+        super().__init__(path, ids_key, stop_on_alarm, watch_options)
         self._saved: set[str] = set()
-        self._alarmed = False
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        options = dict(self.watch_options)
-        user_on_alarm = options.pop("on_alarm", None)
-
-        def on_alarm(alarm: dict[str, Any]) -> None:
-            self._alarmed = True
-            if user_on_alarm is not None:
-                user_on_alarm(alarm)
-
-        live = bool(options.get("alarms")) or user_on_alarm is not None or self.stop_on_alarm
+        options = self._options()
         try:
             optimizers = list(trainer.optimizers)
             if len(optimizers) > 1:
                 warnings.warn(f"warninglight: {len(optimizers)} optimizers; steps follow the first",
                               RuntimeWarning, stacklevel=2)
             options.setdefault("start_step", trainer.global_step)
-            self.rec = watch(pl_module, optimizers[0] if optimizers else None, self.path, **options,
-                             **({"on_alarm": on_alarm} if live else {}))
+            self.rec = watch(pl_module, optimizers[0] if optimizers else None, self.path, **options)
         except Exception as exc:
             self._give_up(exc)
 
@@ -79,11 +71,6 @@ class WarningLightCallback(pl.Callback):
         if self.rec is not None:
             self._guard(self.rec.close)
 
-    @property
-    def alarms(self) -> list[dict[str, Any]]:
-        """Live alarms raised so far (with `alarms=[...]` among the watch options)."""
-        return self.rec.alarms if self.rec is not None else []
-
     def _record_checkpoints(self, trainer: pl.Trainer) -> None:
         if self.rec is None:
             return
@@ -96,15 +83,6 @@ class WarningLightCallback(pl.Callback):
                     self._saved.add(path)
                     self._guard(self.rec.checkpoint, path)
 
-    def _guard(self, fn: Any, *args: Any, **kwargs: Any) -> None:
-        try:
-            fn(*args, **kwargs)
-        except Exception as exc:
-            self._give_up(exc)
-
-    def _give_up(self, exc: Exception) -> None:
-        warnings.warn(f"warninglight: Lightning callback failed ({type(exc).__name__}: {exc}); "
-                      "training continues", RuntimeWarning, stacklevel=3)
 
 
 __all__ = ["WarningLightCallback"]

@@ -22,45 +22,36 @@ What it records, and how it meets Trainer's habits:
 from __future__ import annotations
 
 import os
-import warnings
 from typing import Any
 
 from transformers import TrainerCallback
 from warninglight.tracer import watch
 
+from ._recording import Recording
+
 PREFIX = "checkpoint"  # transformers.trainer_utils.PREFIX_CHECKPOINT_DIR
 
 
-class WarningLightCallback(TrainerCallback):
+class WarningLightCallback(Recording, TrainerCallback):
     """Record a Warning Light trace of a `transformers.Trainer` run into `path`."""
+
+    framework = "Trainer"
 
     def __init__(self, path: str | os.PathLike[str], *, ids_key: str = "sample_id",
                  stop_on_alarm: bool = False, **watch_options: Any) -> None:
-        self.path, self.ids_key, self.stop_on_alarm = os.fspath(path), ids_key, stop_on_alarm
-        self.watch_options = watch_options
-        self.rec: Any = None
+        super().__init__(path, ids_key, stop_on_alarm, watch_options)
         self._ids: list[Any] = []
-        self._alarmed = False
         self._ids_hook: Any = None
 
     def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None,
                        optimizer: Any = None, train_dataloader: Any = None, **kwargs: Any) -> None:
-        options = dict(self.watch_options)
-        user_on_alarm = options.pop("on_alarm", None)
-
-        def on_alarm(alarm: dict[str, Any]) -> None:
-            self._alarmed = True
-            if user_on_alarm is not None:
-                user_on_alarm(alarm)
-
-        live = bool(options.get("alarms")) or user_on_alarm is not None or self.stop_on_alarm
+        options = self._options()
         try:
             self._ids_hook = model.register_forward_pre_hook(self._take_ids, with_kwargs=True)
             _keep_ids_column(train_dataloader, self.ids_key)
             options.setdefault("start_step", state.global_step)
             options.setdefault("loss_logged_every", args.logging_steps)
-            self.rec = watch(model, optimizer, self.path, **options,
-                             **({"on_alarm": on_alarm} if live else {}))
+            self.rec = watch(model, optimizer, self.path, **options)
         except Exception as exc:
             self._give_up(exc)
 
@@ -88,11 +79,6 @@ class WarningLightCallback(TrainerCallback):
         if self.rec is not None:
             self._guard(self.rec.close)
 
-    @property
-    def alarms(self) -> list[dict[str, Any]]:
-        """Live alarms raised so far (with `alarms=[...]` among the watch options)."""
-        return self.rec.alarms if self.rec is not None else []
-
     def _take_ids(self, module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if self.ids_key not in kwargs:
             return None
@@ -105,15 +91,6 @@ class WarningLightCallback(TrainerCallback):
                 self._give_up(exc)
         return args, kwargs
 
-    def _guard(self, fn: Any, *args: Any, **kwargs: Any) -> None:
-        try:
-            fn(*args, **kwargs)
-        except Exception as exc:
-            self._give_up(exc)
-
-    def _give_up(self, exc: Exception) -> None:
-        warnings.warn(f"warninglight: Trainer callback failed ({type(exc).__name__}: {exc}); "
-                      "training continues", RuntimeWarning, stacklevel=3)
 
 
 def _keep_ids_column(loader: Any, key: str) -> None:

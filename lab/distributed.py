@@ -35,17 +35,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import zoo
+from .rehearsal import ScenarioError
 
 TRUTH_FILE = "truth.json"
 GPT = zoo.GPTConfig(vocab_size=96, block_size=16, n_layer=1, n_head=2, n_embd=16)
 CHECKPOINT_EVERY = 10
 
 
-class DistributedScenarioError(KeyError):
+class DistributedScenarioError(ScenarioError):
     """An unknown distributed scenario, or a group that cannot run together."""
-
-    def __str__(self) -> str:
-        return str(self.args[0])
 
 
 @dataclass(frozen=True)

@@ -28,20 +28,31 @@ def component_lr(trace: Trace) -> pl.DataFrame | None:
     steps, comps = _columns(trace, "steps"), _columns(trace, "components")
     if "lr" not in steps:
         return None
-    if "lr_groups" in steps and "param_group" in comps:
+    step_cols = ", ".join(c for c in ("rank", "step", "lr", "lr_groups") if c in steps)
+    comp_cols = ", ".join(c for c in ("rank", "component", "param_count", "param_group") if c in comps)
+    return lr_of_components(trace.con.sql(f"SELECT {step_cols} FROM steps").pl(),
+                            trace.con.sql(f"SELECT {comp_cols} FROM components").pl())
+
+
+def lr_of_components(steps: pl.DataFrame, components: pl.DataFrame) -> pl.DataFrame | None:
+    """rank, step, component, lr from a `steps` and a `components` table (as frames; the live
+    monitor has them in memory); None if no lr was recorded."""
+    if "lr" not in steps.columns:
+        return None
+    lr = pl.col("lr").cast(pl.Float64)
+    if "lr_groups" in steps.columns and "param_group" in components.columns:
         # lr_groups is null where the run had no optimizer; param_group null: no group holds the
-        # component, so no learning rate applies to it (NaN, see `with_lr`)
-        lr = ("CASE WHEN s.lr_groups IS NULL THEN s.lr WHEN c.param_group IS NULL THEN 'NaN'::DOUBLE "
-              "ELSE s.lr_groups[c.param_group + 1] END")
-    else:
-        lr = "s.lr"
-    rows = trace.con.sql(f"""
-        SELECT s.rank, s.step, c.component, CAST({lr} AS DOUBLE) AS lr
-        FROM steps s JOIN components c ON s.rank = c.rank
-        WHERE c.param_count > 0""").pl()
+        # component, so no learning rate applies to it (NaN, see `join_lr`)
+        lr = (pl.when(pl.col("lr_groups").is_null()).then(lr)
+              .when(pl.col("param_group").is_null()).then(pl.lit(float("nan")))
+              .otherwise(pl.col("lr_groups").list.get(pl.col("param_group"), null_on_oob=True))
+              .cast(pl.Float64))
+    owners = components.filter(pl.col("param_count") > 0)
+    rows = steps.join(owners, on="rank").select(
+        pl.col("rank").cast(pl.Int64), pl.col("step").cast(pl.Int64), "component", lr.alias("lr"))
     if rows.is_empty() or rows["lr"].is_null().all():
         return None
-    return rows.with_columns(pl.col("rank").cast(pl.Int64), pl.col("step").cast(pl.Int64))
+    return rows
 
 
 def not_held(trace: Trace) -> list[str]:

@@ -48,6 +48,7 @@ class Classifier:
         self.heat_width = heat_width
         self._heat: list[pl.DataFrame] = []
         self.since = since  # steps before it are history only: read, never judged
+        self.scored: pl.DataFrame | None = None
 
     def feed(self, rows: pl.DataFrame) -> pl.DataFrame:
         """Judge the rows of new steps; return the alarms that begin in them (`ALARM_SCHEMA`)."""
@@ -57,6 +58,7 @@ class Classifier:
         window = rows if self._tail is None else pl.concat([self._tail, rows], how="diagonal_relaxed")
         judged = pl.col(_NEW) if self.since is None else pl.col(_NEW) & (pl.col("step") >= self.since)
         scored = score(window.lazy(), self.config, self.reference).filter(judged).collect()
+        self.scored = scored  # the judged rows of this call, for a caller that localises live
         if self.heat_width is not None:
             self._heat.append(heat_of(scored, self.heat_width))
         new = self._episode_alarms(hits(scored.lazy(), self.config))

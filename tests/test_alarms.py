@@ -266,3 +266,27 @@ def test_wandb_offline_run_holds_the_alarms(live: dict[str, Any]) -> None:
     steps = [int(float(i.value_json)) for h in logged for i in h.item
              if i.nested_key == ["warninglight/alarm_step"] or i.key == "warninglight/alarm_step"]
     assert steps == _alarm_steps(live)
+
+
+def test_a_scheduled_lr_drop_raises_no_live_alarm_as_replay_raises_none(tmp_path: Path) -> None:
+    """Live alarms judge update sizes per unit of the lr each component saw, as analyze does: a
+    step decay (SGD + momentum, lr x0.1) is the schedule working, not a fault, live or offline."""
+    torch.manual_seed(0)
+    model = zoo.mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    decay = torch.optim.lr_scheduler.StepLR(opt, step_size=120, gamma=0.1)
+    data = zoo.batches(*zoo.teacher_classification(n=1024), 64)
+    sink = tmp_path / "alarms.jsonl"
+    with watch(model, opt, tmp_path / "trace", alarms=[f"jsonl:{sink}"]) as rec:
+        for _ in range(200):
+            _, x, y = next(data)
+            loss = F.cross_entropy(model(x), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            decay.step()
+            rec.log(loss=loss.item())
+    assert rec.writer.dropped_steps == 0
+    assert replay(tmp_path / "trace").alarms.is_empty()
+    assert rec.alarms == []
+    assert not sink.exists() or sink.read_text() == ""

@@ -1,12 +1,13 @@
-"""The live classifier: the engine's `score → hits → alarms → locate → root_cause`, fed segment by segment.
+"""The live classifier: the engine's own `stream.Classifier`, then `locate → root_cause`, fed
+segment by segment.
 
-This is the same code path as `warninglight replay` (forensics/replay.py `stream`): each batch of
-new steps is scored on a sliding window holding the `BaselineConfig.history` steps before it, so
-a step's hits are exactly the offline hits. Episodes are cut by the engine's own `alarms` over
-every hit seen so far (hits are sparse), and an alarm is new when its first step was not seen
-before. Localisation walks back over the scored rows kept in memory: at most `reach` steps, so
-an excursion that began further back than that is dated to the edge of what is kept (the offline
-analysis has no such limit). Imported only when `watch(..., alarms=...)` is used.
+This is the code path of `warninglight analyze` and `replay`: each closed segment's health rows,
+with the learning rate each component saw joined on (`schedule.join_lr`), are fed to one
+`stream.Classifier`, which carries the trailing history and the open episodes, so an alarm is
+raised at exactly the step the offline analysis raises it. Localisation walks back over the scored
+rows kept in memory: at most `reach` steps, so an excursion that began further back than that is
+dated to the edge of what is kept (the offline analysis has no such limit). Imported only when
+`watch(..., alarms=...)` is used.
 """
 
 from __future__ import annotations
@@ -19,9 +20,10 @@ import polars as pl
 from warninglight.forensics import detectors
 from warninglight.forensics import rollback as rb
 from warninglight.forensics.analysis import ALARM_KEYS, Alarm, Detectors, _root, param_components
-from warninglight.forensics.classify import alarms, hits, score
 from warninglight.forensics.conditions import Config, load_config
 from warninglight.forensics.localise import Located, RootCause, locate, root_cause
+from warninglight.forensics.schedule import join_lr, lr_of_components
+from warninglight.forensics.stream import Classifier
 from warninglight.forensics.wording import alarm_line, summary_line
 
 from ..writer import Segment, health_table
@@ -39,10 +41,8 @@ class LiveClassifier:
         self.history = self.config.baseline.history(self.config.conditions)
         self.reach = max(reach, self.history)
         self.components: pl.DataFrame | None = None
-        self._raw: pl.DataFrame | None = None      # health rows of the last `history` steps
+        self._classifier: Classifier | None = None  # made when the components are known
         self._scored: pl.DataFrame | None = None   # scored rows of the last `reach` steps
-        self._hits: list[pl.DataFrame] = []
-        self._seen: set[tuple[Any, ...]] = set()   # (component, condition, step) of alarms raised
         self._located: list[Located] = []
         self._checkpoints: list[rb.Checkpoint] = []
         self._batches: dict[int, list[int] | None] = {}
@@ -56,27 +56,15 @@ class LiveClassifier:
         if not len(seg.steps) or self.components is None:
             return []
         self.last_step = int(seg.steps[-1])
-        first = int(seg.steps[0])
-        fresh = self._health_rows(seg)
-        self._raw = fresh if self._raw is None else pl.concat([self._raw, fresh], how="diagonal_relaxed")
-        window = self._raw.filter(pl.col("step") >= first - self.history)
-        self._raw = self._raw.filter(pl.col("step") > self.last_step - self.history)  # the next window's past
-        scored = score(window.lazy(), self.config).filter(pl.col("step") >= first).collect()
+        if self._classifier is None:
+            self._classifier = Classifier(self.config, self.components)
+        new = self._classifier.feed(self._health_rows(seg))
+        scored = self._classifier.scored
         self._scored = scored if self._scored is None else pl.concat(
             [self._scored.filter(pl.col("step") > self.last_step - self.reach), scored], how="diagonal_relaxed")
-        found = hits(scored.lazy(), self.config)
-        if found.is_empty():
+        if new.is_empty():
             return []
-        self._hits.append(found)
-        every = alarms(pl.concat(self._hits, how="diagonal_relaxed"), self.config)
-        rows = [r for r in every.filter(pl.col("step") >= first).iter_rows(named=True)
-                if (r["component"], r["condition"], r["step"]) not in self._seen]
-        if not rows:
-            return []
-        new = pl.DataFrame(rows, schema=every.schema)
         fresh = locate(new, self._scored, self.components, self.config)
-        for a in fresh:
-            self._seen.add((a.observed_on, a.condition, a.step))
         self._located += fresh
         # the root as it stands with every alarm so far (it can move as later alarms come in)
         root, _ = root_cause(self._located, self.config, param_components(self.components))
@@ -144,8 +132,15 @@ class LiveClassifier:
         assert isinstance(rows, pl.DataFrame)
         rows = rows.with_columns(pl.lit(self.rank, pl.Int64).alias("rank"))
         comps = self.components.select([c for c in _COMPONENT_COLUMNS if c in self.components.columns])
-        return rows.join(comps.with_columns(pl.lit(self.rank, pl.Int64).alias("rank")),
+        rows = rows.join(comps.with_columns(pl.lit(self.rank, pl.Int64).alias("rank")),
                          on=["rank", "component"], how="left")
+        # update sizes are judged per unit of the lr each component saw, as analyze judges them
+        steps = {k: v for k, v in seg.tables.get("steps", {}).items() if k in ("step", "lr", "lr_groups")}
+        if "step" not in steps:
+            return rows
+        lr = lr_of_components(pl.DataFrame(steps, strict=False).with_columns(
+            pl.lit(self.rank, pl.Int64).alias("rank")), self.components)
+        return join_lr(rows.lazy(), lr).collect()
 
 
 def _plain(v: Any) -> Any:

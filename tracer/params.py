@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -37,6 +38,17 @@ def _sketch_slice(p: torch.Tensor, k: int, gen: np.random.Generator) -> tuple[in
         stride -= 1
     offset = int(gen.integers(0, n - (k - 1) * stride))
     return offset, stride
+
+
+class _Row(NamedTuple):
+    """Views of one step's row in `ParamProbe.rows`."""
+
+    fwd_sketch: torch.Tensor
+    end_sketch: torch.Tensor
+    fwd_norms: torch.Tensor
+    grad_norms: torch.Tensor
+    end_norms: torch.Tensor
+    pre_norms: torch.Tensor
 
 
 @dataclass
@@ -97,6 +109,8 @@ class ParamProbe:
         self._fwd_n, self._grad_n, self._end_n, self._pre_n = (
             slice(2 * k + i * n_p, 2 * k + (i + 1) * n_p) for i in range(4))
         self.rows = torch.zeros(FORWARD_BATCH_STEPS, 2 * k + 4 * n_p, device=device)
+        self._row_views = self._views_of(self.rows)  # made once: a slice costs a few us a step
+        self._sharded = any(callable(getattr(p, "to_local", None)) for p in self.params)
         self.pending: list[_Step] = []
         # the last reduced step: its update and weight sketch, its per-component weight norms
         self._carry: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
@@ -134,12 +148,17 @@ class ParamProbe:
                 self._views.append(p.reshape(-1)[idx])
                 self._gathered.append((i, idx))
 
-    def _row(self) -> torch.Tensor:
+    def _views_of(self, rows: torch.Tensor) -> list[_Row]:
+        return [_Row(*(r[sl] for sl in (self._fwd_sketch, self._end_sketch, self._fwd_n,
+                                         self._grad_n, self._end_n, self._pre_n))) for r in rows]
+
+    def _row(self) -> _Row:
         """The row of the step in progress (the buffer grows if `reduce` was not called in time)."""
         j = len(self.pending)
         if j >= self.rows.shape[0]:
             self.rows = torch.cat([self.rows, torch.zeros_like(self.rows)])
-        return self.rows[j]
+            self._row_views = self._views_of(self.rows)
+        return self._row_views[j]
 
     def _sketch_into(self, out: torch.Tensor) -> None:
         parts = self._views
@@ -159,8 +178,8 @@ class ParamProbe:
         """First training forward of a step: note the weights as the step found them."""
         if self.params:
             row = self._row()
-            self._sketch_into(row[self._fwd_sketch])
-            self._norms_into(row[self._fwd_n], self._flat)
+            self._sketch_into(row.fwd_sketch)
+            self._norms_into(row.fwd_norms, self._flat)
         self.begun = True
 
     def grads_suspect(self) -> bool:
@@ -173,18 +192,21 @@ class ParamProbe:
     def _grads(self) -> list[torch.Tensor]:
         # a parameter without a gradient stands in as an empty tensor (norm 0): the list, and so
         # the per-tensor -> component index, is the same every step whatever has a gradient
-        return [z if p.grad is None else local_shard(p.grad)
-                for p, z in zip(self.params, self._no_grad, strict=True)]
+        if self._sharded:
+            return [z if p.grad is None else local_shard(p.grad)
+                    for p, z in zip(self.params, self._no_grad, strict=True)]
+        # plain tensors are read as they are (no detach: this runs under no_grad)
+        return [z if (g := p.grad) is None else g for p, z in zip(self.params, self._no_grad, strict=True)]
 
     def _versions(self) -> tuple[object, ...]:
-        return tuple(None if p.grad is None else (id(p.grad), p.grad._version) for p in self.params)
+        return tuple(None if (g := p.grad) is None else (id(g), g._version) for p in self.params)
 
     @torch.no_grad()
     def after_backward(self) -> None:
         """End of a backward pass: note the gradients' versions (and norms, if the loop modifies them)."""
         taken = self.modified_after_backward and bool(self.params)
         if taken:
-            self._norms_into(self._row()[self._pre_n], self._grads())
+            self._norms_into(self._row().pre_norms, self._grads())
         self._at_backward = (self._versions(), taken)
 
     @torch.no_grad()
@@ -204,9 +226,9 @@ class ParamProbe:
         row = self._row()
         unchanged = at_bw is not None and at_bw[0] == self._versions()
         if unchanged and at_bw[1]:
-            row[self._grad_n].copy_(row[self._pre_n])  # the same gradients: no second pass
+            row.grad_norms.copy_(row.pre_norms)  # the same gradients: no second pass
         else:
-            self._norms_into(row[self._grad_n], grads)
+            self._norms_into(row.grad_norms, grads)
         if unchanged:
             self._preclip = _SAME_AS_TOTAL
         elif at_bw is not None:
@@ -215,7 +237,7 @@ class ParamProbe:
                 self._preclip = _AT_BACKWARD
         # on CPU reading the verdict is free, so the per-tensor counts run only when needed (the
         # total norm is finite exactly when every per-tensor norm is)
-        self.grads_finite = self.device.type != "cpu" or bool(torch.isfinite(row[self._grad_n]).all())
+        self.grads_finite = self.device.type != "cpu" or bool(torch.isfinite(row.grad_norms).all())
         if not self.grads_finite or self.device.type != "cpu":
             counts = torch.stack([g.numel() - torch.isfinite(g).sum() for g in grads])
             self._bad = torch.zeros(self.n, dtype=torch.long, device=self.device).index_add_(
@@ -231,8 +253,8 @@ class ParamProbe:
         if not self.begun:
             self.begin()
         row = self._row()
-        self._sketch_into(row[self._end_sketch])
-        self._norms_into(row[self._end_n], self._flat)
+        self._sketch_into(row.end_sketch)
+        self._norms_into(row.end_norms, self._flat)
         valid = self._valid[min(self._ends, 1)].copy()
         has_total = self.has_grad is not None
         if has_total:

@@ -57,6 +57,23 @@ def to_device(a: np.ndarray, device: torch.device) -> torch.Tensor:
     return t.to(device, non_blocking=True)
 
 
+def rows_view(t: torch.Tensor, rows: int, channel_first: bool) -> tuple[tuple[int, int], tuple[int, int]] | None:
+    """(size, stride) of the strided-rows view `subsample` copies from a contiguous, units-last
+    output; None for other outputs (images, non-contiguous), which take its general path."""
+    if t.dim() >= 2 and t.is_contiguous() and not (t.dim() >= 4 or (channel_first and t.dim() == 3)):
+        units = t.shape[-1]
+        n = t.numel() // units
+        r = min(rows, max(_MIN_ROWS, _MAX_VALUES // units), n)
+        return (r, units), (max(1, n // r) * units, 1)
+    return None
+
+
+def _copy(src: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+    if out is not None and out.shape == src.shape and out.dtype == src.dtype:
+        return out.copy_(src)
+    return src.clone(memory_format=torch.contiguous_format)  # row by row: a cheap copy
+
+
 def subsample(t: torch.Tensor, rows: int, channel_first: bool,
               out: torch.Tensor | None = None) -> torch.Tensor:
     """An (r, units) copy of r <= `rows` evenly strided rows of `t` viewed as (rows, units).
@@ -66,24 +83,17 @@ def subsample(t: torch.Tensor, rows: int, channel_first: bool,
     inside a forward pass (cold caches), far more than its arithmetic, so the usual case (a
     contiguous output, units last) is one strided view and one copy.
     """
-    if t.dim() >= 2 and t.is_contiguous() and not (t.dim() >= 4 or (channel_first and t.dim() == 3)):
-        units = t.shape[-1]
-        n = t.numel() // units
-        r = min(rows, max(_MIN_ROWS, _MAX_VALUES // units), n)
-        step = max(1, n // r)
-        src = t.as_strided((r, units), (step * units, 1))
-    else:
-        if t.dim() < 2:
-            t = t.reshape(1, -1)
-        if t.dim() >= 4 or (channel_first and t.dim() == 3):
-            b = t.shape[0]
-            t = t[:: max(1, b // _MAX_IMAGES)][:_MAX_IMAGES].movedim(1, -1)  # (b', *spatial, C)
-        flat = t.reshape(-1, t.shape[-1])
-        rows = min(rows, max(_MIN_ROWS, _MAX_VALUES // flat.shape[1]))
-        src = flat[:: max(1, flat.shape[0] // rows)][:rows]
-    if out is not None and out.shape == src.shape and out.dtype == src.dtype:
-        return out.copy_(src)
-    return src.clone(memory_format=torch.contiguous_format)  # row by row: a cheap copy
+    view = rows_view(t, rows, channel_first)
+    if view is not None:
+        return _copy(t.as_strided(*view), out)
+    if t.dim() < 2:
+        t = t.reshape(1, -1)
+    if t.dim() >= 4 or (channel_first and t.dim() == 3):
+        b = t.shape[0]
+        t = t[:: max(1, b // _MAX_IMAGES)][:_MAX_IMAGES].movedim(1, -1)  # (b', *spatial, C)
+    flat = t.reshape(-1, t.shape[-1])
+    rows = min(rows, max(_MIN_ROWS, _MAX_VALUES // flat.shape[1]))
+    return _copy(flat[:: max(1, flat.shape[0] // rows)][:rows], out)
 
 
 Key = tuple[tuple[int, int, int], ...]  # (component, rows, units) of each sample, in hook order
@@ -218,6 +228,8 @@ class ForwardProbe:
         self.from_graph: list[tuple[int, torch.Tensor, torch.Tensor]] = []
         self._layouts: dict[tuple[Key, int], _Layout] = {}
         self._plan: _Plan | None = None   # where this step's samples go (shaped like the last)
+        # per component: the shape of its last output and the rows view of such an output
+        self._views: dict[int, tuple[torch.Size, tuple[tuple[int, int], tuple[int, int]] | None]] = {}
         self._last_key: Key | None = None
 
     def observe(self, comp: Component, out: object) -> None:
@@ -228,18 +240,28 @@ class ForwardProbe:
         is only held until the gradients exist: `settle` counts it if they are not finite.
         """
         t = first_tensor(out)
-        if t is None or t.numel() == 0:
+        if t is None:
             return
+        idx, shape = comp.index, t.shape
+        known = self._views.get(idx)  # (output shape, its rows view) of the last call
+        if known is None or known[0] != shape:
+            if t.numel() == 0:
+                return
+            known = self._views[idx] = (shape, rows_view(t, self.rows, comp.channel_first))
         t = t.detach()
-        if t.device.type == "cpu":
-            self.held.append((comp.index, t))
+        if t.is_cpu:
+            self.held.append((idx, t))
         else:
-            self._bad_counts()[comp.index].add_(torch.isfinite(t).logical_not_().sum().to(self.device))
-        if not self.sampled[comp.index]:
-            self.sampled[comp.index] = True
-            plan, k = self._plan, len(self.pending)
-            out = plan.views[k].get(comp.index) if plan is not None and k < plan.steps else None
-            self.samples.append((comp.index, subsample(t, self.rows, comp.channel_first, out)))
+            self._bad_counts()[idx].add_(torch.isfinite(t).logical_not_().sum().to(self.device))
+        if self.sampled[idx]:
+            return
+        self.sampled[idx] = True
+        plan, k = self._plan, len(self.pending)
+        dest = plan.views[k].get(idx) if plan is not None and k < plan.steps else None
+        if known[1] is not None and t.is_contiguous():  # the usual case: one view, one copy
+            self.samples.append((idx, _copy(t.as_strided(*known[1]), dest)))
+        else:
+            self.samples.append((idx, subsample(t, self.rows, comp.channel_first, dest)))
 
     def observe_in_graph(self, comp: Component, out: object) -> None:
         """The hook body traced by torch.compile: only tensor ops and one list append."""

@@ -163,6 +163,8 @@ class _Plan:
                     self.views[k][c] = buf[:, k * units + off:k * units + off + u]
                 off += u
             self.buffers.append((buf, units))
+        # room for the reduction's element-wise temporaries (float32, like the reduced samples)
+        self.scratch = [torch.empty(b.shape, device=device) for b, _ in self.buffers]
 
     def holds(self, k: int, samples: list[tuple[int, torch.Tensor]]) -> bool:
         """Whether `samples` (step `k` of the batch) all sit in their places here."""
@@ -172,13 +174,15 @@ class _Plan:
         return all(views.get(c) is s for c, s in samples)
 
 
-def _unit_stats(m: torch.Tensor) -> list[torch.Tensor]:
+def _unit_stats(m: torch.Tensor, scratch: torch.Tensor | None = None) -> list[torch.Tensor]:
     """Per unit (column of m): finite count, sum, sum of squares, zeros, absmax; m with NaN/Inf -> 0.
 
     The ops are picked for speed on CPU (one thread, a (16, 11264) sample): sum 12 us, square-sum
-    ~35 us, amax and amin ~10 us each (abs().amax ~35 us, aminmax slower still), sign().abs().sum ~85 us, where vector_norm(dim=0) takes 1.2 ms, (m == 0)
-    .sum 250 us and `isfinite` more: on CPU it runs only when a column sum says a value is not
-    finite (one host read per row group and batch of steps; free on CPU).
+    ~35 us, amax and amin ~10 us each (abs().amax ~35 us, aminmax slower still), sign().abs().sum
+    ~85 us, where vector_norm(dim=0) takes 1.2 ms, (m == 0).sum 250 us and `isfinite` more: on
+    CPU it runs only when a column sum says a value is not finite (one host read per row group
+    and batch of steps; free on CPU). `scratch` (m's shape) takes the element-wise temporaries:
+    fresh multi-MB tensors each time cost page faults.
     """
     r = m.shape[0]
     usum = m.sum(0)
@@ -189,10 +193,11 @@ def _unit_stats(m: torch.Tensor) -> list[torch.Tensor]:
         usum = m.sum(0)
     else:
         nfin = torch.full_like(usum, r)
-    usq = (m * m).sum(0)
+    tmp = scratch if scratch is not None and scratch.dtype == m.dtype else torch.empty_like(m)
+    usq = torch.mul(m, m, out=tmp).sum(0)
     # max |x| as max(max x, -min x): two reductions, no |m| temporary; abs_ turns a -0.0 into 0.0
     uabs = torch.maximum(m.amax(0), m.amin(0).neg_()).abs_()
-    zeros = nfin - m.sign().abs().sum(0)  # replaced non-finite values count as neither
+    zeros = nfin - torch.sign(m, out=tmp).abs_().sum(0)  # replaced non-finite values count as neither
     return [nfin, usum, usq, zeros, uabs, m]
 
 
@@ -357,22 +362,26 @@ class ForwardProbe:
             lay = self._layouts[(key, k)] = _Layout(key, k, self.components, self.device)
         return lay
 
-    def _group_matrix(self, steps: list[_StepSamples], g: int, group: list[int]) -> torch.Tensor:
-        """Row group `g` of the steps' samples as one (rows, K * units) matrix, step-major."""
+    def _group_matrix(self, steps: list[_StepSamples], g: int,
+                      group: list[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Row group `g` of the steps' samples as one (rows, K * units) matrix, step-major, and
+        scratch room of its shape if there is some."""
         plan, k0 = steps[0].plan, steps[0].k
         if plan is not None and plan.key == steps[0].key and all(
                 s.plan is plan and s.k == k0 + i for i, s in enumerate(steps)):
             buf, units = plan.buffers[g]  # the hooks wrote the samples in place: a view, no copy
-            return buf[:, k0 * units:(k0 + len(steps)) * units]
+            cols = slice(k0 * units, (k0 + len(steps)) * units)
+            return buf[:, cols], plan.scratch[g][:, cols]
         blocks = [s.samples[p][1] for s in steps for p in group]
-        return torch.cat(blocks, 1) if len(blocks) > 1 else blocks[0]
+        return (torch.cat(blocks, 1) if len(blocks) > 1 else blocks[0]), None
 
     def _sample_stats(self, steps: list[_StepSamples]) -> dict[str, torch.Tensor]:
         k, n = len(steps), self.n
         lay = self._layout(steps[0].key, k)
         per_unit = []
         for g, group in enumerate(lay.groups):
-            *stats, m = _unit_stats(self._group_matrix(steps, g, group).float())
+            m, scratch = self._group_matrix(steps, g, group)
+            *stats, m = _unit_stats(m.float(), scratch)
             if lay.bounded[g]:
                 stats.append(((m - lay.centre[g]).abs() >= lay.half[g]).sum(0).float())
             else:

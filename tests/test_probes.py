@@ -170,3 +170,22 @@ def test_activation_statistics_match_the_output_at_every_step(tmp_path: Path) ->
     assert len(expected) == 20 * 5
     assert got["out_dead_frac"][(20, "1")] >= 3 / 12
     assert got["out_sat_frac"][(20, "3")] >= 4 / 12
+
+
+def test_an_output_written_in_place_after_its_hook_is_recorded_as_the_layer_left_it(tmp_path: Path) -> None:
+    # nn.ReLU(inplace=True) overwrites the Linear's output after the Linear's hook has run
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 12), nn.ReLU(inplace=True), nn.Linear(12, 3))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    expected: dict[int, float] = {}
+    step = [1]
+    model[0].register_forward_hook(lambda m, a, out: expected.__setitem__(step[0], float(out.detach().mean())))
+    with watch(model, opt, tmp_path):
+        for s in range(1, 13):
+            step[0] = s
+            F.mse_loss(model(torch.randn(16, 6)), torch.zeros(16, 3)).backward()
+            opt.step()
+            opt.zero_grad()
+    got = health(tmp_path, "out_mean")
+    assert [got[(s, "0")] for s in range(1, 13)] == pytest.approx([expected[s] for s in range(1, 13)], rel=1e-6)
+    assert health(tmp_path, "out_zero_frac")[(12, "0")] == 0.0  # before the ReLU: no zeros

@@ -2,7 +2,8 @@
 
 For every (rank, component) and metric, the baseline at step t is the median and a robust scale
 (interquartile range / 1.349, which equals the standard deviation for Gaussian noise) of the
-metric's finite values over the `window` steps ending `lag` steps before t. It is causal: step
+metric's finite values over the `window` steps ending `lag` steps before t (the order statistics
+come from one compiled pass per metric, `quantiles.py`; the rest is Polars). It is causal: step
 t's baseline uses only steps < t - lag + 1, so an alarm at t is what a live monitor would raise.
 
 Columns added per metric m: `m__med`, `m__scale`, `m__z`. Norms and ratios (`LOG_METRICS`) vary
@@ -18,6 +19,7 @@ import numpy as np
 import polars as pl
 from warninglight.tracer import schema
 
+from . import quantiles
 from .conditions import BaselineConfig
 
 KEYS = ("rank", "component")
@@ -35,6 +37,8 @@ LR_SCALED = frozenset({"update_norm_l2", "update_ratio"})  # proportional to the
 DERIVED_METRICS = ("lr", "lr_surge")  # from the optimizer's schedule (`schedule.py`)
 LOG_TINY = 1e-12  # log(0) stand-in: a norm of exactly 0 is a collapse, not a missing value
 LOG_SCALE_FLOOR = 0.02  # log units: ±2%
+POS = "__pos"  # a row's place in its (rank, component) series, from 0: what windows over rows need
+_Q = ("25", "50", "75")  # suffixes of the order-statistic columns, as in quantiles.QUANTILES
 
 
 def transform(metric: str, x: pl.Expr) -> pl.Expr:
@@ -77,16 +81,39 @@ def lr_surge() -> pl.Expr:
     return pl.when(lr.is_not_null()).then(rise).alias("lr_surge")
 
 
-def baseline_exprs(metric: str, cfg: BaselineConfig, lr: bool = False) -> list[pl.Expr]:
-    """Median, robust scale and z of `metric` against its trailing window, per component.
+def series_starts(frame: pl.DataFrame) -> np.ndarray:
+    """The first row of each (rank, component) series of `frame` (sorted by them), then its height."""
+    new = pl.col("rank").ne_missing(pl.col("rank").shift(1)) | pl.col("component").ne_missing(pl.col("component").shift(1))
+    return np.append(np.flatnonzero(frame.select(new.fill_null(True)).to_series().to_numpy()), frame.height)
+
+
+def _order_stats(frame: pl.DataFrame, metrics: list[str], cfg: BaselineConfig, lr: bool) -> pl.DataFrame:
+    """`frame` (sorted by rank, component, step) with each metric's trailing quartiles and median
+    (`m__q25`, `m__q50`, `m__q75`, on the baseline's scale; null until a full window) and each
+    row's place in its series (`POS`), computed in one compiled pass per metric (`quantiles.py`)."""
+    starts = series_starts(frame)
+    frame = frame.with_columns(pl.Series(POS, np.arange(frame.height) - np.repeat(starts[:-1], np.diff(starts))))
+    if not metrics or frame.is_empty():
+        return frame.with_columns(pl.lit(None, pl.Float64).alias(f"{m}__q{q}") for m in metrics for q in _Q)
+    per_pass = max(1, quantiles.WORKERS)  # columns in flight at once: bounds the float arrays held
+    for i in range(0, len(metrics), per_pass):
+        batch = metrics[i:i + per_pass]
+        values = frame.select(_finite(m, lr and m in LR_SCALED).alias(m) for m in batch)
+        stats = quantiles.trailing_many([values[m].fill_null(np.nan).to_numpy() for m in batch],
+                                        starts, cfg.window, cfg.lag, cfg.min_samples)
+        frame = frame.with_columns(pl.Series(f"{m}__q{q}", out[:, k], nan_to_null=True)
+                                   for m, out in zip(batch, stats) for k, q in enumerate(_Q))
+    return frame
+
+
+def baseline_exprs(metric: str, lr: bool = False) -> list[pl.Expr]:
+    """Median and robust scale of `metric` from its trailing order statistics (`_order_stats`).
 
     `lr`: the frame has an `lr` column; `LR_SCALED` metrics are then judged relative to it.
     """
     scaled = lr and metric in LR_SCALED
-    past = _finite(metric, scaled).shift(cfg.lag)
-    roll = {"window_size": cfg.window, "min_samples": cfg.min_samples}
-    med = past.rolling_median(**roll).over(KEYS)
-    iqr = (past.rolling_quantile(0.75, **roll) - past.rolling_quantile(0.25, **roll)).over(KEYS)
+    med = pl.col(f"{metric}__q50")
+    iqr = pl.col(f"{metric}__q75") - pl.col(f"{metric}__q25")
     if metric in LOG_METRICS:
         scale = pl.max_horizontal(iqr / IQR_TO_SIGMA, pl.lit(LOG_SCALE_FLOOR))
         expected = med.exp() * _lr_factor() if scaled else med.exp()  # the update this step's lr intends
@@ -121,10 +148,14 @@ def with_baseline(frame: pl.LazyFrame, cfg: BaselineConfig, metrics: list[str] |
         frame = frame.with_columns(lr_surge())
     metrics = metrics if metrics is not None else metrics_in(frame)
     given &= set(metrics)
-    frame = frame.with_columns([e for m in metrics for e in (
-        reference_exprs(m, lr, suffix) if m in given else baseline_exprs(m, cfg, lr))])
+    own = [m for m in metrics if m not in given]
+    rows = _order_stats(frame.collect(), own, cfg, lr)
+    rows = rows.with_columns([e for m in metrics for e in (
+        reference_exprs(m, lr, suffix) if m in given else baseline_exprs(m, lr))])
+    rows = rows.drop([f"{m}__q{q}" for m in own for q in _Q])
     if given:
-        frame = frame.drop([c for c in reference.columns if c.endswith(suffix)])  # type: ignore[union-attr]
+        rows = rows.drop([c for c in reference.columns if c.endswith(suffix)])  # type: ignore[union-attr]
+    frame = rows.lazy()
     return frame.with_columns([  # null where there is no baseline yet
         pl.when(pl.col(f"{m}__med").is_not_null()).then(
             (transform(m, pl.col(m).cast(pl.Float64)) - transform(m, pl.col(f"{m}__med")))

@@ -102,7 +102,7 @@ def _order_stats(frame: pl.DataFrame, metrics: list[str], cfg: BaselineConfig, l
         stats = quantiles.trailing_many([values[m].fill_null(np.nan).to_numpy() for m in batch],
                                         starts, cfg.window, cfg.lag, cfg.min_samples)
         frame = frame.with_columns(pl.Series(f"{m}__q{q}", out[:, k], nan_to_null=True)
-                                   for m, out in zip(batch, stats) for k, q in enumerate(_Q))
+                                   for m, out in zip(batch, stats, strict=True) for k, q in enumerate(_Q))
     return frame
 
 

@@ -40,6 +40,6 @@ def test_trailing_many_spreads_columns_and_keeps_their_order() -> None:
     columns = [rng.normal(size=500) * (k + 1) for k in range(5)]
     starts = np.array([0, 200, 500])
     many = quantiles.trailing_many(columns, starts, window=16, lag=2, min_samples=8)
-    for column, got in zip(columns, many):
+    for column, got in zip(columns, many, strict=True):
         assert np.array_equal(got, quantiles.trailing(column, starts, 16, 2, 8), equal_nan=True)
     assert np.isnan(many[0][:2 + 8 - 1]).all() and not np.isnan(many[0][2 + 8 - 1]).any()

@@ -73,12 +73,23 @@ def _finite(metric: str, scaled: bool = False) -> pl.Expr:
     return pl.when(x.is_finite()).then(value)
 
 
-def lr_surge() -> pl.Expr:
-    """The lr's one-step rise where it exceeds every earlier lr of the component, else 1."""
-    lr = pl.col("lr").cast(pl.Float64)
-    prev, peak = lr.shift(1).over(KEYS), lr.shift(1).cum_max().over(KEYS)
-    rise = pl.when((lr > peak) & (prev > 0)).then(lr / prev).otherwise(pl.lit(1.0))
-    return pl.when(lr.is_not_null()).then(rise).alias("lr_surge")
+def lr_surge(lr: pl.Series, starts: np.ndarray) -> pl.Series:
+    """The lr's one-step rise where it exceeds every earlier lr of its series, else 1 (null where
+    the lr is null); `lr` is series after series (`starts`), each in step order.
+
+    Comparisons follow Polars' order, in which NaN (the lr of a component no param group holds)
+    is above every number: its rise is NaN, which no rule reads as a surge."""
+    value = lr.cast(pl.Float64).fill_null(np.nan).to_numpy()
+    missing = lr.is_null().to_numpy()
+    prev, no_prev = np.roll(value, 1), np.roll(missing, 1)
+    no_prev[starts[:-1]] = True  # nothing before a series' first step
+    peak = np.where(no_prev, np.nan, prev)
+    for a, b in zip(starts[:-1], starts[1:], strict=True):  # the highest earlier lr, NaN passed over
+        np.fmax.accumulate(peak[a:b], out=peak[a:b])
+    above = ~missing & ~no_prev & ((value > peak) | (np.isnan(value) & ~np.isnan(peak)))
+    with np.errstate(divide="ignore", invalid="ignore"):
+        rise = np.where(above & ~no_prev & ((prev > 0) | np.isnan(prev)), value / prev, 1.0)
+    return pl.Series("lr_surge", rise).set(lr.is_null(), None)
 
 
 def series_starts(frame: pl.DataFrame) -> np.ndarray:
@@ -87,11 +98,11 @@ def series_starts(frame: pl.DataFrame) -> np.ndarray:
     return np.append(np.flatnonzero(frame.select(new.fill_null(True)).to_series().to_numpy()), frame.height)
 
 
-def _order_stats(frame: pl.DataFrame, metrics: list[str], cfg: BaselineConfig, lr: bool) -> pl.DataFrame:
+def _order_stats(frame: pl.DataFrame, starts: np.ndarray, metrics: list[str], cfg: BaselineConfig,
+                 lr: bool) -> pl.DataFrame:
     """`frame` (sorted by rank, component, step) with each metric's trailing quartiles and median
     (`m__q25`, `m__q50`, `m__q75`, on the baseline's scale; null until a full window) and each
     row's place in its series (`POS`), computed in one compiled pass per metric (`quantiles.py`)."""
-    starts = series_starts(frame)
     frame = frame.with_columns(pl.Series(POS, np.arange(frame.height) - np.repeat(starts[:-1], np.diff(starts))))
     if not metrics or frame.is_empty():
         return frame.with_columns(pl.lit(None, pl.Float64).alias(f"{m}__q{q}") for m in metrics for q in _Q)
@@ -131,7 +142,7 @@ def reference_exprs(metric: str, lr: bool, suffix: str) -> list[pl.Expr]:
     return [med.alias(f"{metric}__med"), pl.col(f"{metric}__scale{suffix}").alias(f"{metric}__scale")]
 
 
-def with_baseline(frame: pl.LazyFrame, cfg: BaselineConfig, metrics: list[str] | None = None,
+def with_baseline(frame: pl.LazyFrame | pl.DataFrame, cfg: BaselineConfig, metrics: list[str] | None = None,
                   reference: pl.DataFrame | None = None, suffix: str = "__ref") -> pl.LazyFrame:
     """`frame` (health rows, sorted here by rank, component, step) with baseline columns added.
 
@@ -141,15 +152,16 @@ def with_baseline(frame: pl.LazyFrame, cfg: BaselineConfig, metrics: list[str] |
     given: set[str] = set()
     if reference is not None:  # joined first: a join does not keep the row order rolling windows need
         given = {m for m in metrics_in(frame) if f"{m}__med{suffix}" in reference.columns}
-        frame = frame.join(reference.lazy(), on=["component", "step"], how="left")
-    frame = frame.sort([*KEYS, "step"])
-    lr = "lr" in frame.collect_schema().names()
+        frame = frame.lazy().join(reference.lazy(), on=["component", "step"], how="left")
+    rows = frame.lazy().collect().sort([*KEYS, "step"])  # eager: quick when the rows come sorted
+    starts = series_starts(rows)
+    lr = "lr" in rows.columns
     if lr:
-        frame = frame.with_columns(lr_surge())
-    metrics = metrics if metrics is not None else metrics_in(frame)
+        rows = rows.with_columns(lr_surge(rows["lr"], starts))
+    metrics = metrics if metrics is not None else metrics_in(rows)
     given &= set(metrics)
     own = [m for m in metrics if m not in given]
-    rows = _order_stats(frame.collect(), own, cfg, lr)
+    rows = _order_stats(rows, starts, own, cfg, lr)
     rows = rows.with_columns([e for m in metrics for e in (
         reference_exprs(m, lr, suffix) if m in given else baseline_exprs(m, lr))])
     rows = rows.drop([f"{m}__q{q}" for m in own for q in _Q])

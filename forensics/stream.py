@@ -15,9 +15,10 @@ warm-up): nothing before `since` is judged. It can also keep the report's heatma
 
 from __future__ import annotations
 
+import numpy as np
 import polars as pl
 
-from .baseline import KEYS
+from .baseline import KEYS, series_starts
 from .classify import ALARM_SCHEMA, alarms, hits, score
 from .conditions import Config
 
@@ -56,6 +57,7 @@ class Classifier:
             return pl.DataFrame(schema=ALARM_SCHEMA)
         rows = self._prepare(rows)
         window = rows if self._tail is None else pl.concat([self._tail, rows], how="diagonal_relaxed")
+        window = window.sort([*KEYS, "step"])  # once: the baseline and the carry read series in order
         judged = pl.col(_NEW) if self.since is None else pl.col(_NEW) & (pl.col("step") >= self.since)
         scored = score(window.lazy(), self.config, self.reference).filter(judged).collect()
         self.scored = scored  # the judged rows of this call, for a caller that localises live
@@ -100,9 +102,11 @@ class Classifier:
         return rows.with_columns(pl.lit(True).alias(_NEW))
 
     def _carry(self, window: pl.DataFrame) -> pl.DataFrame:
-        """The last `history` rows of each (rank, component): all the past a rule reads."""
-        kept = window.sort([*KEYS, "step"]).filter(
-            pl.int_range(pl.len()).over(KEYS) >= pl.len().cast(pl.Int64).over(KEYS) - self.history)
+        """The last `history` rows of each (rank, component) of `window` (sorted by them and step):
+        all the past a rule reads."""
+        starts = series_starts(window)
+        ends = np.repeat(starts[1:], np.diff(starts))  # each row's series end
+        kept = window.filter(pl.Series(np.arange(window.height) >= ends - self.history))
         return kept.with_columns(pl.lit(False).alias(_NEW))
 
     def _episode_alarms(self, found: pl.DataFrame) -> pl.DataFrame:

@@ -98,27 +98,31 @@ def series_starts(frame: pl.DataFrame) -> np.ndarray:
     return np.append(np.flatnonzero(frame.select(new.fill_null(True)).to_series().to_numpy()), frame.height)
 
 
-def _order_stats(frame: pl.DataFrame, starts: np.ndarray, metrics: list[str], cfg: BaselineConfig,
-                 lr: bool) -> pl.DataFrame:
-    """`frame` (sorted by rank, component, step) with each metric's trailing quartiles and median
-    (`m__q25`, `m__q50`, `m__q75`, on the baseline's scale; null until a full window) and each
-    row's place in its series (`POS`), computed in one compiled pass per metric (`quantiles.py`)."""
+def _own_baseline(frame: pl.DataFrame, starts: np.ndarray, metrics: list[str], cfg: BaselineConfig,
+                  lr: bool) -> pl.DataFrame:
+    """`frame` (sorted by rank, component, step) with each row's place in its series (`POS`) and
+    each metric's median and scale against its own trailing window (`baseline_exprs`), from the
+    window's quartiles and median (`m__q25`, `m__q50`, `m__q75`, on the baseline's scale), which
+    one compiled pass per metric computes (`quantiles.py`) and which are dropped once used."""
     frame = frame.with_columns(pl.Series(POS, np.arange(frame.height) - np.repeat(starts[:-1], np.diff(starts))))
-    if not metrics or frame.is_empty():
-        return frame.with_columns(pl.lit(None, pl.Float64).alias(f"{m}__q{q}") for m in metrics for q in _Q)
     per_pass = max(1, quantiles.WORKERS)  # columns in flight at once: bounds the float arrays held
     for i in range(0, len(metrics), per_pass):
         batch = metrics[i:i + per_pass]
-        values = frame.select(_finite(m, lr and m in LR_SCALED).alias(m) for m in batch)
-        stats = quantiles.trailing_many([values[m].fill_null(np.nan).to_numpy() for m in batch],
-                                        starts, cfg.window, cfg.lag, cfg.min_samples)
-        frame = frame.with_columns(pl.Series(f"{m}__q{q}", out[:, k], nan_to_null=True)
-                                   for m, out in zip(batch, stats, strict=True) for k, q in enumerate(_Q))
+        if frame.is_empty():
+            stats = [np.empty((3, 0)) for _ in batch]
+        else:
+            values = frame.select(_finite(m, lr and m in LR_SCALED).alias(m) for m in batch)
+            stats = quantiles.trailing_many([values[m].fill_null(np.nan).to_numpy() for m in batch],
+                                            starts, cfg.window, cfg.lag, cfg.min_samples)
+        frame = (frame.with_columns(pl.Series(f"{m}__q{q}", out[k], dtype=pl.Float64, nan_to_null=True)
+                                    for m, out in zip(batch, stats, strict=True) for k, q in enumerate(_Q))
+                 .with_columns(e for m in batch for e in baseline_exprs(m, lr))
+                 .drop(f"{m}__q{q}" for m in batch for q in _Q))
     return frame
 
 
 def baseline_exprs(metric: str, lr: bool = False) -> list[pl.Expr]:
-    """Median and robust scale of `metric` from its trailing order statistics (`_order_stats`).
+    """Median and robust scale of `metric` from its trailing order statistics (`_own_baseline`).
 
     `lr`: the frame has an `lr` column; `LR_SCALED` metrics are then judged relative to it.
     """
@@ -161,11 +165,9 @@ def with_baseline(frame: pl.LazyFrame | pl.DataFrame, cfg: BaselineConfig, metri
     metrics = metrics if metrics is not None else metrics_in(rows)
     given &= set(metrics)
     own = [m for m in metrics if m not in given]
-    rows = _order_stats(rows, starts, own, cfg, lr)
-    rows = rows.with_columns([e for m in metrics for e in (
-        reference_exprs(m, lr, suffix) if m in given else baseline_exprs(m, lr))])
-    rows = rows.drop([f"{m}__q{q}" for m in own for q in _Q])
+    rows = _own_baseline(rows, starts, own, cfg, lr)
     if given:
+        rows = rows.with_columns([e for m in metrics if m in given for e in reference_exprs(m, lr, suffix)])
         rows = rows.drop([c for c in reference.columns if c.endswith(suffix)])  # type: ignore[union-attr]
     frame = rows.lazy()
     return frame.with_columns([  # null where there is no baseline yet

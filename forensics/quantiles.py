@@ -30,7 +30,7 @@ WORKERS = os.cpu_count() or 1  # columns computed at once by `trailing_many`
 @numba.njit(cache=True, nogil=True)
 def _trailing(values: np.ndarray, starts: np.ndarray, window: int, lag: int, min_samples: int,
               out: np.ndarray) -> None:  # pragma: no cover - compiled
-    """`out[i]` = (q25, median, q75) of the series window ending `lag` rows before row i.
+    """`out[:, i]` = (q25, median, q75) of the series window ending `lag` rows before row i.
 
     One function, no compiled helpers: each compiled function is one more cache entry to load
     when a command starts (~0.05 s each)."""
@@ -79,22 +79,23 @@ def _trailing(values: np.ndarray, starts: np.ndarray, window: int, lag: int, min
                         buf[k] = buf[k - 1]
                 buf[at] = x_in
             if n >= min_samples and n > 0:
-                out[i, 0] = buf[min(int(math.floor((n - 1) * 0.25 + 0.5)), n - 1)]  # nearest rank
+                out[0, i] = buf[min(int(math.floor((n - 1) * 0.25 + 0.5)), n - 1)]  # nearest rank
                 mid_at = (n - 1) * 0.5  # the median interpolates linearly
                 lo_i, hi_i = int(math.floor(mid_at)), int(math.ceil(mid_at))
-                out[i, 1] = buf[lo_i] if lo_i == hi_i else buf[lo_i] + (buf[hi_i] - buf[lo_i]) * (mid_at - lo_i)
-                out[i, 2] = buf[min(int(math.floor((n - 1) * 0.75 + 0.5)), n - 1)]
+                out[1, i] = buf[lo_i] if lo_i == hi_i else buf[lo_i] + (buf[hi_i] - buf[lo_i]) * (mid_at - lo_i)
+                out[2, i] = buf[min(int(math.floor((n - 1) * 0.75 + 0.5)), n - 1)]
             else:
-                out[i, 0] = out[i, 1] = out[i, 2] = np.nan
+                out[0, i] = out[1, i] = out[2, i] = np.nan
 
 
 def trailing(values: np.ndarray, starts: np.ndarray, window: int, lag: int, min_samples: int) -> np.ndarray:
-    """(rows, 3) float64: `QUANTILES` of each row's trailing window; NaN where none yet.
+    """(3, rows) float64: `QUANTILES` of each row's trailing window; NaN where none yet (one
+    contiguous row per quantile: a Polars column is made from it without a copy).
 
     `values`: float64, NaN where a value is missing or non-finite, series after series, each in
     step order; `starts`: the first row of every series, then the number of rows.
     """
-    out = np.empty((len(values), 3))
+    out = np.empty((3, len(values)))
     _trailing(np.ascontiguousarray(values, dtype=np.float64), np.asarray(starts, dtype=np.int64),
               window, lag, min_samples, out)
     return out

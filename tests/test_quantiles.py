@@ -15,7 +15,7 @@ def _polars(values: np.ndarray, valid: np.ndarray, series: np.ndarray, window: i
     past = pl.col("x").shift(lag)
     roll = {"window_size": window, "min_samples": min_samples}
     return frame.select(past.rolling_quantile(0.25, **roll).over("g"), past.rolling_median(**roll).over("g").alias("m"),
-                        past.rolling_quantile(0.75, **roll).over("g").alias("u")).to_numpy()
+                        past.rolling_quantile(0.75, **roll).over("g").alias("u")).to_numpy().T
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -42,4 +42,4 @@ def test_trailing_many_spreads_columns_and_keeps_their_order() -> None:
     many = quantiles.trailing_many(columns, starts, window=16, lag=2, min_samples=8)
     for column, got in zip(columns, many, strict=True):
         assert np.array_equal(got, quantiles.trailing(column, starts, 16, 2, 8), equal_nan=True)
-    assert np.isnan(many[0][:2 + 8 - 1]).all() and not np.isnan(many[0][2 + 8 - 1]).any()
+    assert np.isnan(many[0][:, :2 + 8 - 1]).all() and not np.isnan(many[0][:, 2 + 8 - 1]).any()

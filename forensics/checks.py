@@ -13,7 +13,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import pyarrow.parquet as pq
 from warninglight.tracer import schema
 
 if TYPE_CHECKING:
@@ -56,27 +55,6 @@ def manifest_problem(manifest: Any) -> str | None:
     if bad:
         return f"has non-integer field(s) {', '.join(bad[:5])}"
     return None
-
-
-def check_files(by_table: dict[str, list[Path]]) -> None:
-    """Raise `CorruptSegmentError` for a segment that is not Parquet or lacks its table's keys."""
-    from .store import CorruptSegmentError
-
-    for table, files in by_table.items():
-        for path in files:
-            try:
-                names = pq.read_schema(path).names
-            except Exception as exc:  # pyarrow raises several types for a damaged footer
-                raise CorruptSegmentError(
-                    f"segment {path} is not readable Parquet ({type(exc).__name__}) — move it out "
-                    "of the trace directory to analyse the rest (a crash loses at most that "
-                    "segment)") from exc
-            missing = [k for k in KEY_COLUMNS[table] if k not in names]
-            if missing:
-                raise CorruptSegmentError(
-                    f"segment {path} has no {' or '.join(f'`{k}`' for k in missing)} column, so "
-                    f"its {table} rows belong to no step — it was not written by warninglight; "
-                    "move it out of the trace directory to analyse the rest")
 
 
 def manifest_ranks(trace: Trace) -> set[int]:

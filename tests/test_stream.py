@@ -119,3 +119,16 @@ def test_help_and_conditions_load_no_query_engine() -> None:
             "print(sorted(m for m in ('duckdb', 'polars', 'torch') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+@pytest.mark.parametrize("args", [["info"], ["query", "SELECT component, avg(out_rms) FROM health GROUP BY 1"]])
+def test_info_and_query_read_a_trace_with_duckdb_alone(args: list[str]) -> None:
+    # pyarrow (with numpy) and Polars cost ~0.4 s to import: the quick commands never load them
+    trace = str(SAMPLES / "gpt_clean")
+    code = ("import sys; from warninglight.cli.main import app; sys.argv = ['warninglight', *sys.argv[1:]]\n"
+            "try:\n    app()\nexcept SystemExit:\n    pass\n"
+            "print(sorted(m for m in ('numpy', 'polars', 'pyarrow', 'torch') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code, args[0], trace, *args[1:]], capture_output=True,
+                         text=True, check=True)
+    lines = out.stdout.strip().splitlines()
+    assert lines[-1] == "[]" and len(lines) > 3  # the command printed its answer, then no heavy module

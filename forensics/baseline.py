@@ -37,6 +37,7 @@ LR_SCALED = frozenset({"update_norm_l2", "update_ratio"})  # proportional to the
 DERIVED_METRICS = ("lr", "lr_surge")  # from the optimizer's schedule (`schedule.py`)
 LOG_TINY = 1e-12  # log(0) stand-in: a norm of exactly 0 is a collapse, not a missing value
 LOG_SCALE_FLOOR = 0.02  # log units: ±2%
+LR_PEAK = "__lr_peak"  # the highest lr a series had before a window's rows (stream.Classifier)
 POS = "__pos"  # a row's place in its (rank, component) series, from 0: what windows over rows need
 _Q = ("25", "50", "75")  # suffixes of the order-statistic columns, as in quantiles.QUANTILES
 
@@ -73,9 +74,11 @@ def _finite(metric: str, scaled: bool = False) -> pl.Expr:
     return pl.when(x.is_finite()).then(value)
 
 
-def lr_surge(lr: pl.Series, starts: np.ndarray) -> pl.Series:
+def lr_surge(lr: pl.Series, starts: np.ndarray, before: np.ndarray | None = None) -> pl.Series:
     """The lr's one-step rise where it exceeds every earlier lr of its series, else 1 (null where
-    the lr is null); `lr` is series after series (`starts`), each in step order.
+    the lr is null); `lr` is series after series (`starts`), each in step order. `before`: per
+    row, the highest lr its series had before these rows (read at each series' first row; NaN:
+    none), so a window of a longer run judges a rise against the whole run.
 
     Comparisons follow Polars' order, in which NaN (the lr of a component no param group holds)
     is above every number: its rise is NaN, which no rule reads as a surge."""
@@ -86,10 +89,24 @@ def lr_surge(lr: pl.Series, starts: np.ndarray) -> pl.Series:
     peak = np.where(no_prev, np.nan, prev)
     for a, b in zip(starts[:-1], starts[1:], strict=True):  # the highest earlier lr, NaN passed over
         np.fmax.accumulate(peak[a:b], out=peak[a:b])
+        if before is not None:
+            np.fmax(peak[a:b], before[a], out=peak[a:b])
     above = ~missing & ~no_prev & ((value > peak) | (np.isnan(value) & ~np.isnan(peak)))
     with np.errstate(divide="ignore", invalid="ignore"):
         rise = np.where(above & ~no_prev & ((prev > 0) | np.isnan(prev)), value / prev, 1.0)
     return pl.Series("lr_surge", rise).set(lr.is_null(), None)
+
+
+def lr_peaks(frame: pl.DataFrame, starts: np.ndarray, kept_from: np.ndarray) -> pl.DataFrame:
+    """(rank, component, `LR_PEAK`): the highest lr of each series of `frame` (sorted by them and
+    step) before row `kept_from[g]` of series g, counting the `LR_PEAK` it came with."""
+    value = frame["lr"].cast(pl.Float64).fill_null(np.nan).to_numpy()
+    before = (frame[LR_PEAK].fill_null(np.nan).to_numpy() if LR_PEAK in frame.columns
+              else np.full(frame.height, np.nan))
+    first = starts[:-1]
+    peaks = np.array([np.fmax.reduce(value[a:k], initial=before[a]) if k > a else before[a]
+                      for a, k in zip(first, kept_from, strict=True)])
+    return frame[first].select(*KEYS).with_columns(pl.Series(LR_PEAK, peaks, dtype=pl.Float64))
 
 
 def series_starts(frame: pl.DataFrame) -> np.ndarray:
@@ -161,7 +178,9 @@ def with_baseline(frame: pl.LazyFrame | pl.DataFrame, cfg: BaselineConfig, metri
     starts = series_starts(rows)
     lr = "lr" in rows.columns
     if lr:
-        rows = rows.with_columns(lr_surge(rows["lr"], starts))
+        before = rows[LR_PEAK].fill_null(np.nan).to_numpy() if LR_PEAK in rows.columns else None
+        rows = rows.with_columns(lr_surge(rows["lr"], starts, before))
+    rows = rows.drop(LR_PEAK, strict=False)
     metrics = metrics if metrics is not None else metrics_in(rows)
     given &= set(metrics)
     own = [m for m in metrics if m not in given]

@@ -132,3 +132,26 @@ def test_info_and_query_read_a_trace_with_duckdb_alone(args: list[str]) -> None:
                          text=True, check=True)
     lines = out.stdout.strip().splitlines()
     assert lines[-1] == "[]" and len(lines) > 3  # the command printed its answer, then no heavy module
+
+
+def _restarting_lr(steps: int = 400, period: int = 100) -> pl.DataFrame:
+    """Two components under cosine decay with warm restarts to the first peak, then a real spike."""
+    import math
+
+    lrs = [1e-3 * (0.5 + 0.5 * math.cos(math.pi * ((s - 1) % period) / period)) + 1e-5 for s in range(1, steps + 1)]
+    lrs[349] = 5e-3  # step 350: five times any lr set before
+    rows = [{"rank": 0, "component": c, "step": s, "lr": lr, "role": "param"}
+            for s, lr in enumerate(lrs, start=1) for c in ("a", "b")]
+    return pl.DataFrame(rows)
+
+
+def test_a_warm_restart_back_to_the_run_peak_is_no_surge_however_it_is_fed() -> None:
+    frame = _restarting_lr()
+    _, whole = classify(frame.lazy(), Config())
+    surges = whole.filter(pl.col("metric") == "lr_surge")
+    assert sorted(set(surges["step"].to_list())) == [350]  # the spike, not the restarts at 101, 201, 301
+    for chunk in (1, 7, 100):
+        clf = Classifier(Config())
+        for first in range(1, 401, chunk):
+            clf.feed(frame.filter(pl.col("step").is_between(first, first + chunk - 1)))
+        assert clf.alarms().equals(whole), chunk

@@ -38,6 +38,35 @@ def literal(path: Path) -> str:
     return "'" + "".join(f"[{c}]" if c in "[*?{" else c for c in str(path)).replace("'", "''") + "'"
 
 
+def read_files(files: list[Path]) -> str:
+    """DuckDB's table function reading exactly `files`, with their rank and incarnation folders."""
+    return (f"read_parquet([{', '.join(literal(p) for p in files)}], hive_partitioning = true, "
+            "hive_types = {'rank': BIGINT, 'incarnation': BIGINT}, union_by_name = true)")
+
+
+def overlapping(spans: list[SegmentSpan], table: str) -> list[Path]:
+    """Segments of `table` whose step range meets another's of the same rank and incarnation:
+    the only places a step can be recorded twice (a segment holds each step once)."""
+    groups: dict[tuple[int, int], list[SegmentSpan]] = {}
+    for s in spans:
+        if s.table == table and s.first is not None and s.last is not None:
+            groups.setdefault((s.rank, s.incarnation), []).append(s)
+    out: list[Path] = []
+    for group in groups.values():
+        group.sort(key=lambda s: (s.first, s.last))
+        cluster, reach = [group[0]], group[0].last
+        for s in [*group[1:], None]:
+            if s is not None and s.first <= reach:  # type: ignore[operator]
+                cluster.append(s)
+                reach = max(reach, s.last)  # type: ignore[type-var]
+                continue
+            if len(cluster) > 1:
+                out += [c.path for c in cluster]
+            if s is not None:
+                cluster, reach = [s], s.last
+    return out
+
+
 def _partition(path: Path, key: str) -> int:
     for part in path.parts:
         if part.startswith(key + "="):

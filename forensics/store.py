@@ -37,7 +37,7 @@ if TYPE_CHECKING:  # Polars loads with the first frame asked for: `info` needs n
     import polars as pl
 
 from . import checks
-from .footers import SegmentSpan, literal, read_spans
+from .footers import SegmentSpan, read_files, read_spans
 from .segments import list_segments
 
 _DUCK_TYPES = {"int64": "BIGINT", "float": "FLOAT", "double": "DOUBLE", "string": "VARCHAR",
@@ -133,12 +133,8 @@ def _empty_select(table: str) -> str:
 
 
 def _raw_view(con: duckdb.DuckDBPyConnection, table: str, files: list[Path]) -> None:
-    if files:  # an explicit list of literal names: never another run's files
-        listed = ", ".join(literal(p) for p in files)
-        src = (f"SELECT * FROM read_parquet([{listed}], hive_partitioning = true, "
-               "hive_types = {'rank': BIGINT, 'incarnation': BIGINT}, union_by_name = true)")
-    else:
-        src = _empty_select(table)
+    # an explicit list of literal names: never another run's files
+    src = f"SELECT * FROM {read_files(files)}" if files else _empty_select(table)
     con.execute(f"CREATE VIEW {table}_all AS {src}")
 
 
@@ -307,9 +303,7 @@ def health_window(trace: Trace, first: int, last: int, components: pl.DataFrame 
         where += " AND t.component IN (" + (", ".join(_quote(n) for n in names) or "NULL") + ")"
     if rank is not None:
         where += f" AND t.rank = {int(rank)}"
-    source = (f"read_parquet([{', '.join(literal(p) for p in files)}], hive_partitioning = true, "
-              "hive_types = {'rank': BIGINT, 'incarnation': BIGINT}, union_by_name = true)"
-              if files else "health_all")
+    source = read_files(files) if files else "health_all"
     arrow = trace.con.sql(f"""
         SELECT {picked} FROM {source} t
         JOIN _superseded s ON t.rank = s.rank AND t.incarnation = s.incarnation

@@ -27,50 +27,46 @@ QUANTILES = (0.25, 0.5, 0.75)  # columns of `trailing`'s result
 WORKERS = os.cpu_count() or 1  # columns computed at once by `trailing_many`
 
 
+@numba.njit(nogil=True, inline="always")
+def _rank(buf: np.ndarray, n: int, x: float) -> int:  # pragma: no cover - compiled
+    """How many of the sorted `buf[:n]` are below `x` (binary search)."""
+    lo, hi = 0, n
+    while lo < hi:
+        mid = (lo + hi) >> 1
+        if buf[mid] < x:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo
+
+
 @numba.njit(cache=True, nogil=True)
 def _trailing(values: np.ndarray, starts: np.ndarray, window: int, lag: int, min_samples: int,
               out: np.ndarray) -> None:  # pragma: no cover - compiled
     """`out[:, i]` = (q25, median, q75) of the series window ending `lag` rows before row i.
 
-    One function, no compiled helpers: each compiled function is one more cache entry to load
-    when a command starts (~0.05 s each)."""
+    Helpers are inlined at compile time: one cached function to load when a command starts."""
     buf = np.empty(window + 1)  # the window's finite values, sorted: buf[:n]
     for g in range(len(starts) - 1):
         first, end = starts[g], starts[g + 1]
         n = 0
         for i in range(first, end):
-            enter, leave = i - lag, i - lag - window
-            x_in = values[enter] if enter >= first else np.nan
-            x_out = values[leave] if leave >= first else np.nan
-            if not math.isnan(x_out):
-                lo, hi = 0, n  # the leaving value's place: the first holding it
-                while lo < hi:
-                    mid = (lo + hi) >> 1
-                    if buf[mid] < x_out:
-                        lo = mid + 1
-                    else:
-                        hi = mid
-                if math.isnan(x_in):  # close the gap
+            x_in = values[i - lag] if i - lag >= first else np.nan
+            x_out = values[i - lag - window] if i - lag - window >= first else np.nan
+            entering, leaving = not math.isnan(x_in), not math.isnan(x_out)
+            if leaving:
+                lo = _rank(buf, n, x_out)  # the leaving value's place (the first holding it)
+                if not entering:  # close the gap
                     for k in range(lo, n - 1):
                         buf[k] = buf[k + 1]
                     n -= 1
-                    continue_ = False
-                else:
-                    continue_ = True
-            else:
-                lo, continue_ = n, not math.isnan(x_in)
-                if continue_:  # a new place at the end, for the value to move from
-                    buf[n] = np.inf
-                    n += 1
-            if continue_:  # move x_in into buf[lo]'s place; copy loops compile to memmove
-                at, hi = 0, n  # where x_in goes once buf[lo] is out: count of others below it
-                while at < hi:
-                    mid = (at + hi) >> 1
-                    if buf[mid] < x_in:
-                        at = mid + 1
-                    else:
-                        hi = mid
-                if at > lo:  # values between the two places shift down one
+            elif entering:  # a new place at the end, for the entering value to move from
+                lo = n
+                buf[n] = np.inf
+                n += 1
+            if entering:  # move x_in into buf[lo]'s place, shifting only the values between
+                at = _rank(buf, n, x_in)  # counts buf[lo] too when it is below x_in
+                if at > lo:
                     at -= 1
                     for k in range(lo, at):
                         buf[k] = buf[k + 1]

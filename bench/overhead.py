@@ -1,11 +1,15 @@
 """Step-time ratio with/without the recorder (every step, every component), measured side by side.
 
-Blocks of steps with and without the recorder alternate in one process on the same model (order
-swapped every other pair), so drift in machine load hits both; the figure is the median over block
-pairs of time(with) / time(without), with its spread. Wall-clock is the figure that matters; the
-process-CPU ratio is printed too because on a shared machine it is less disturbed by others' load.
-Every metric of every component is recorded at every step (forward statistics are computed for
-8 steps at once, but each step keeps its own values). Run: `python bench/overhead.py [--steps N]`.
+Two copies of the model (same initial weights, same batches) train in one process, one of them
+watched from start to end like a real run; blocks of steps of the two alternate (order swapped
+every other pair), so drift in machine load hits both. The watched run flushes a segment once per
+block (every block-length steps: more often than the default of 100), so every watched block pays
+for one flush, and the writer thread's work is charged to it too (each watched block ends by
+waiting for the writer to be idle); the first, early segment is written before the timed blocks. The figure is the median over block pairs of time(with) / time(without), with its
+spread. Wall-clock is the figure that matters; the process-CPU ratio is printed too because on
+a shared machine it is less disturbed by others' load. Every metric of every component is
+recorded at every step (forward statistics are computed for 8 steps at once, but each step
+keeps its own values). Run: `python bench/overhead.py [--steps N] [--pairs N] [--threads T]`.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 from warninglight.lab import zoo
-from warninglight.tracer import watch
+from warninglight.tracer import Recorder, watch
 
 
 def gpt_case(batch: int, n_layer: int, n_embd: int, block: int) -> tuple[torch.nn.Module, Callable[[], torch.Tensor]]:
@@ -47,8 +51,9 @@ def mlp_case(batch: int) -> tuple[torch.nn.Module, Callable[[], torch.Tensor]]:
 
 
 def run_block(loss_fn: Callable[[], torch.Tensor], opt: torch.optim.Optimizer, steps: int,
-              rec: object | None) -> tuple[float, float]:
-    """Wall seconds and process CPU seconds per step over `steps` training steps."""
+              rec: Recorder | None) -> tuple[float, float]:
+    """Wall seconds and process CPU seconds per step over `steps` training steps (with `rec`:
+    until its writer thread is idle again, so the writing it was given counts too)."""
     t0, c0 = time.perf_counter(), time.process_time()
     for _ in range(steps):
         loss = loss_fn()
@@ -56,50 +61,60 @@ def run_block(loss_fn: Callable[[], torch.Tensor], opt: torch.optim.Optimizer, s
         opt.step()
         opt.zero_grad(set_to_none=True)
         if rec is not None:
-            rec.log(loss=loss)  # type: ignore[attr-defined]
+            rec.log(loss=loss)
+    if rec is not None:
+        rec.writer.ready()
     return (time.perf_counter() - t0) / steps, (time.process_time() - c0) / steps
 
 
-def measure(name: str, model: torch.nn.Module, loss_fn: Callable[[], torch.Tensor],
-            pairs: int, steps: int) -> None:
-    """Alternate blocks without/with the recorder and print the median ratio and its spread."""
+Case = tuple[torch.nn.Module, Callable[[], torch.Tensor]]
+
+
+def measure(name: str, make: Callable[[], Case], pairs: int, steps: int) -> None:
+    """Alternate blocks of a plain and a watched copy; print the median ratio and its spread."""
+    torch.manual_seed(0)
+    plain_model, plain_loss = make()
+    torch.manual_seed(0)
+    model, loss_fn = make()
+    plain_opt = torch.optim.AdamW(plain_model.parameters(), lr=1e-3)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    run_block(loss_fn, opt, 3, None)  # warm-up: allocator, thread pools
     wall, cpu, base = [], [], []
     with tempfile.TemporaryDirectory() as tmp:
+        run_block(plain_loss, plain_opt, 3, None)  # warm-up: allocator, thread pools
+        rec = watch(model, opt, f"{tmp}/run", flush_every_steps=steps)
+        run_block(loss_fn, opt, 11, rec)  # settles components, writes the early first segment
         for i in range(pairs):
-            rec = watch(model, opt, f"{tmp}/run{i}", flush_every_steps=50)
-            run_block(loss_fn, opt, 1, rec)  # first step settles components (not timed)
             if i % 2:  # alternate the order inside a pair: load drift does not favour one side
                 recorded = run_block(loss_fn, opt, steps, rec)
-                rec.close()
-                plain = run_block(loss_fn, opt, steps, None)
+                plain = run_block(plain_loss, plain_opt, steps, None)
             else:
-                rec.close()
-                plain = run_block(loss_fn, opt, steps, None)
-                rec = watch(model, opt, f"{tmp}/run{i}b", flush_every_steps=50)
-                run_block(loss_fn, opt, 1, rec)
+                plain = run_block(plain_loss, plain_opt, steps, None)
                 recorded = run_block(loss_fn, opt, steps, rec)
-                rec.close()
             wall.append(recorded[0] / plain[0])
             cpu.append(recorded[1] / plain[1])
             base.append(plain[0])
+        rec.close()
+        lost = rec.dropped_steps
     print(f"{name}: {statistics.median(base) * 1e3:.2f} ms/step without the recorder "
-          f"({pairs} block pairs of {steps} steps)")
+          f"({pairs} block pairs of {steps} steps, one flush in each watched block"
+          f"{f'; {lost} steps DROPPED' if lost else ''})")
     for label, ratios in (("wall-clock", wall), ("process CPU", cpu)):
         q = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else [ratios[0]] * 3
         print(f"  {label} ratio with/without: median {statistics.median(ratios):.3f} "
               f"(quartiles {q[0]:.3f}-{q[2]:.3f}, min {min(ratios):.3f}, max {max(ratios):.3f})")
+    print(f"  load average after: {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--steps", type=int, default=10, help="steps per timed block")
+    ap.add_argument("--steps", type=int, default=25,
+                    help="steps per timed block and flush interval (small GPT x3, MLP x20)")
     ap.add_argument("--pairs", type=int, default=6, help="with/without block pairs")
     ap.add_argument("--batch", type=int, default=8, help="GPT batch size")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: leave as is)")
     ap.add_argument("--skip-mlp", action="store_true", help="only the GPT figures")
     ap.add_argument("--skip-bench-gpt", action="store_true", help="not the d=256 GPT")
+    ap.add_argument("--skip-small-gpt", action="store_true", help="not the d=128 GPT")
     ap.add_argument("--skip-replicas", action="store_true",
                     help="skip the per-rank evidence figure (bench/replica_overhead.py)")
     args = ap.parse_args()
@@ -110,13 +125,13 @@ def main() -> None:
     print(f"load average before: {' '.join(f'{x:.1f}' for x in os.getloadavg())} on {os.cpu_count()} "
           "CPUs (a loaded, shared machine moves these figures by several points)")
     if not args.skip_bench_gpt:
-        model, loss_fn = gpt_case(args.batch, n_layer=4, n_embd=256, block=128)
-        measure("bench GPT 4 layers, d=256, seq 128, batch 8", model, loss_fn, args.pairs, args.steps)
-    model, loss_fn = gpt_case(16, n_layer=4, n_embd=128, block=64)
-    measure("small GPT 4 layers, d=128, seq 64, batch 16", model, loss_fn, args.pairs, args.steps * 3)
+        measure(f"bench GPT 4 layers, d=256, seq 128, batch {args.batch}",
+                lambda: gpt_case(args.batch, n_layer=4, n_embd=256, block=128), args.pairs, args.steps)
+    if not args.skip_small_gpt:
+        measure("small GPT 4 layers, d=128, seq 64, batch 16",
+                lambda: gpt_case(16, n_layer=4, n_embd=128, block=64), args.pairs, args.steps * 3)
     if not args.skip_mlp:
-        model, loss_fn = mlp_case(batch=64)
-        measure("MLP 32-64-64-64-10, batch 64", model, loss_fn, args.pairs, args.steps * 20)
+        measure("MLP 32-64-64-64-10, batch 64", lambda: mlp_case(batch=64), args.pairs, args.steps * 20)
     if not args.skip_replicas:  # data-parallel runs only: weight checksums, local gradient norms
         from replica_overhead import report as replica_report
 

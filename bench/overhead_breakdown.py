@@ -25,7 +25,8 @@ PARTS = ((recorder.Recorder, "_root_pre_hook", 0), (params.ParamProbe, "begin", 
          (probes.ForwardProbe, "observe", 0), (recorder.Recorder, "_after_backward", 0),
          (recorder.Recorder, "_pre_step", 0), (params.ParamProbe, "grads", 1),
          (recorder.Recorder, "_post_step", 0), (params.ParamProbe, "end", 1),
-         (probes.ForwardProbe, "compute", 1), (recorder.Recorder, "_flush", 1),
+         (recorder.Recorder, "_reduce_pending", 1), (params.ParamProbe, "reduce", 2),
+         (probes.ForwardProbe, "compute", 2), (recorder.Recorder, "_flush", 1),
          (recorder.Recorder, "log", 0))
 
 

@@ -1,20 +1,31 @@
 """Parameter statistics per step: gradient, weight, update and drift norms of every component.
 
 Three passes over memory per step (weight norms as the step found them, gradient norms, weight
-norms after the step), each one fused `torch._foreach_norm`; everything else works on a fixed
-sketch of a few hundred coordinates per parameter, read through views made once.
+norms after the step), each one fused `torch._foreach_norm` whose per-tensor norms go straight
+into the step's row of a preallocated buffer, beside a fixed sketch of a few hundred coordinates
+per parameter (read through views made once: one `torch.cat` into the same row). Everything
+derived from those rows (per-component norms, update, cosine, drift, the total gradient norm) is
+computed by `reduce` for a batch of steps at once, with the same arithmetic as one step at a
+time: on a small model each eager op costs more than its arithmetic, so a step does ~8 ops here
+and the derivation ~30 per batch.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import torch
 
 from .components import Component
-from .probes import PARAM_METRICS, to_device
+from .probes import FORWARD_BATCH_STEPS, PARAM_METRICS, to_device
 from .replicas import local_shard
+
+_PM = {m: i for i, m in enumerate(PARAM_METRICS)}
+# where a step's pre-clip total gradient norm comes from
+_NO_PRECLIP, _SAME_AS_TOTAL, _AT_BACKWARD = 0, 1, 2
 
 
 def _sketch_slice(p: torch.Tensor, k: int, gen: np.random.Generator) -> tuple[int, int]:
@@ -27,6 +38,26 @@ def _sketch_slice(p: torch.Tensor, k: int, gen: np.random.Generator) -> tuple[in
         stride -= 1
     offset = int(gen.integers(0, n - (k - 1) * stride))
     return offset, stride
+
+
+class _Row(NamedTuple):
+    """Views of one step's row in `ParamProbe.rows`."""
+
+    fwd_sketch: torch.Tensor
+    end_sketch: torch.Tensor
+    fwd_norms: torch.Tensor
+    grad_norms: torch.Tensor
+    end_norms: torch.Tensor
+    pre_norms: torch.Tensor
+
+
+@dataclass
+class _Step:
+    """A finished step whose row waits for `reduce`."""
+
+    slot: int                   # its row in the step buffer
+    preclip: int                # _NO_PRECLIP, _SAME_AS_TOTAL or _AT_BACKWARD
+    bad: torch.Tensor | None    # (C,) float64 non-finite gradient counts; None: all finite
 
 
 class ParamProbe:
@@ -70,17 +101,32 @@ class ParamProbe:
         self._no_grad = [local_shard(p).new_zeros(0) for p in self.params]
         self.is_param = np.zeros(self.n, dtype=bool)
         self.is_param[self.param_comp_np] = True
+        # a step's row: the sketch at its first forward and after it, then four per-tensor norm
+        # vectors (weights at the first forward, gradients, weights after, gradients at backward end)
+        k, n_p = len(self.scale), len(self.params)
+        self._fwd_sketch, self._end_sketch = slice(0, k), slice(k, 2 * k)
+        self._norms = slice(2 * k, 2 * k + 4 * n_p)
+        self._fwd_n, self._grad_n, self._end_n, self._pre_n = (
+            slice(2 * k + i * n_p, 2 * k + (i + 1) * n_p) for i in range(4))
+        self.rows = torch.zeros(FORWARD_BATCH_STEPS, 2 * k + 4 * n_p, device=device)
+        self._row_views = self._views_of(self.rows)  # made once: a slice costs a few us a step
+        self._sharded = any(callable(getattr(p, "to_local", None)) for p in self.params)
+        self.pending: list[_Step] = []
+        # the last reduced step: its update and weight sketch, its per-component weight norms
+        self._carry: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        self._ends = 0  # steps ended so far: update cosine and drift need a step before
+        self._valid = np.zeros((2, self.n, len(PARAM_METRICS)), dtype=bool)  # [first step, later]
+        for m in ("weight_norm_l2", "update_norm_l2", "update_ratio"):
+            self._valid[:, :, _PM[m]] = self.is_param
+        for m in ("update_cos", "weight_drift_l2"):
+            self._valid[1, :, _PM[m]] = self.is_param
         self.begun = False
-        self._fwd: tuple[torch.Tensor, torch.Tensor] | None = None
-        self._prev_end: tuple[torch.Tensor, torch.Tensor] | None = None
-        self._prev_update: torch.Tensor | None = None
-        self.grad_cols: dict[str, torch.Tensor] = {}
-        self.has_grad = np.zeros(self.n, dtype=bool)
-        self.total_grad_norm: torch.Tensor | None = None
-        self.grads_finite = True        # CPU only: the host verdict on the total gradient norm
-        self.preclip_total: torch.Tensor | None = None
+        self.has_grad: np.ndarray | None = None  # this step's components with a gradient
+        self.grads_finite = True        # CPU only: the host verdict on the gradient norms
+        self._preclip = _NO_PRECLIP
+        self._bad: torch.Tensor | None = None
         self.modified_after_backward = False  # the loop was seen to change gradients after backward
-        self._at_backward: tuple[tuple[object, ...], tuple[torch.Tensor, ...] | None] | None = None
+        self._at_backward: tuple[tuple[object, ...], bool] | None = None  # versions, norms taken
         self.refresh()
 
     def refresh(self) -> None:
@@ -102,28 +148,38 @@ class ParamProbe:
                 self._views.append(p.reshape(-1)[idx])
                 self._gathered.append((i, idx))
 
-    def _sketch(self) -> torch.Tensor:
+    def _views_of(self, rows: torch.Tensor) -> list[_Row]:
+        return [_Row(*(r[sl] for sl in (self._fwd_sketch, self._end_sketch, self._fwd_n,
+                                         self._grad_n, self._end_n, self._pre_n))) for r in rows]
+
+    def _row(self) -> _Row:
+        """The row of the step in progress (the buffer grows if `reduce` was not called in time)."""
+        j = len(self.pending)
+        if j >= self.rows.shape[0]:
+            self.rows = torch.cat([self.rows, torch.zeros_like(self.rows)])
+            self._row_views = self._views_of(self.rows)
+        return self._row_views[j]
+
+    def _sketch_into(self, out: torch.Tensor) -> None:
         parts = self._views
         if self._gathered:
             parts = list(parts)
             for i, idx in self._gathered:
                 parts[i] = self._flat[i].reshape(-1)[idx]
-        return torch.cat(parts).float()
+        torch.cat(parts, out=out)  # float32 whatever the parameters' dtype
 
-    def _comp_norms(self, tensors: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        """(per-component L2 norms, per-tensor L2 norms): one fused pass over `tensors`."""
-        norms = torch.stack(torch._foreach_norm(tensors)).float()
-        sq = torch.zeros(self.n, device=self.device).index_add_(0, self.param_comp, norms * norms)
-        return sq.sqrt(), norms
-
-    def _weights(self) -> tuple[torch.Tensor, torch.Tensor]:
-        return self._sketch(), self._comp_norms(self._flat)[0]
+    @staticmethod
+    def _norms_into(out: torch.Tensor, tensors: list[torch.Tensor]) -> None:
+        """Per-tensor L2 norms of `tensors` into `out`: one fused pass."""
+        torch.stack(torch._foreach_norm(tensors), out=out)
 
     @torch.no_grad()
     def begin(self) -> None:
-        """First training forward of a step: remember the weights as the step found them."""
+        """First training forward of a step: note the weights as the step found them."""
         if self.params:
-            self._fwd = self._weights()
+            row = self._row()
+            self._sketch_into(row.fwd_sketch)
+            self._norms_into(row.fwd_norms, self._flat)
         self.begun = True
 
     def grads_suspect(self) -> bool:
@@ -136,94 +192,118 @@ class ParamProbe:
     def _grads(self) -> list[torch.Tensor]:
         # a parameter without a gradient stands in as an empty tensor (norm 0): the list, and so
         # the per-tensor -> component index, is the same every step whatever has a gradient
-        return [z if p.grad is None else local_shard(p.grad)
-                for p, z in zip(self.params, self._no_grad, strict=True)]
+        if self._sharded:
+            return [z if p.grad is None else local_shard(p.grad)
+                    for p, z in zip(self.params, self._no_grad, strict=True)]
+        # plain tensors are read as they are (no detach: this runs under no_grad)
+        return [z if (g := p.grad) is None else g for p, z in zip(self.params, self._no_grad, strict=True)]
 
     def _versions(self) -> tuple[object, ...]:
-        return tuple(None if p.grad is None else (id(p.grad), p.grad._version) for p in self.params)
+        return tuple(None if (g := p.grad) is None else (id(g), g._version) for p in self.params)
 
     @torch.no_grad()
     def after_backward(self) -> None:
         """End of a backward pass: note the gradients' versions (and norms, if the loop modifies them)."""
-        norms = None
-        if self.modified_after_backward and self.params:
-            norms = self._comp_norms(self._grads())
-        self._at_backward = (self._versions(), norms)
+        taken = self.modified_after_backward and bool(self.params)
+        if taken:
+            self._norms_into(self._row().pre_norms, self._grads())
+        self._at_backward = (self._versions(), taken)
 
     @torch.no_grad()
     def grads(self) -> None:
-        """optimizer.step pre-hook: per-component gradient norms and non-finite counts."""
+        """optimizer.step pre-hook: per-tensor gradient norms (and non-finite counts if needed)."""
         if not self.begun:
             self.begin()
         has = np.fromiter((p.grad is not None for p in self.params), dtype=bool, count=len(self.params))
+        self._preclip, self._bad = _NO_PRECLIP, None
+        at_bw, self._at_backward = self._at_backward, None
+        if not has.any():
+            self.has_grad = None
+            return
         self.has_grad = np.zeros(self.n, dtype=bool)
         self.has_grad[self.param_comp_np[has]] = True
-        self.preclip_total = None
-        if not has.any():
-            self.grad_cols, self.total_grad_norm = {}, None
-            return
         grads = self._grads()
-        at_bw = self._at_backward
+        row = self._row()
         unchanged = at_bw is not None and at_bw[0] == self._versions()
-        if unchanged and at_bw[1] is not None:
-            comp_norms, norms = at_bw[1]
+        if unchanged and at_bw[1]:
+            row.grad_norms.copy_(row.pre_norms)  # the same gradients: no second pass
         else:
-            comp_norms, norms = self._comp_norms(grads)
-        self.total_grad_norm = norms.double().square().sum().sqrt()
+            self._norms_into(row.grad_norms, grads)
         if unchanged:
-            self.preclip_total = self.total_grad_norm
+            self._preclip = _SAME_AS_TOTAL
         elif at_bw is not None:
             self.modified_after_backward = True
-            if at_bw[1] is not None:
-                self.preclip_total = at_bw[1][1].double().square().sum().sqrt()
-        self._at_backward = None
-        bad = torch.zeros(self.n, dtype=torch.long, device=self.device)
-        self.grads_finite = self.device.type != "cpu" or bool(torch.isfinite(self.total_grad_norm))
-        if self.device.type != "cpu" or not self.grads_finite:
-            # on CPU reading the total is free, so the per-tensor counts run only when needed
+            if at_bw[1]:
+                self._preclip = _AT_BACKWARD
+        # on CPU reading the verdict is free, so the per-tensor counts run only when needed (the
+        # total norm is finite exactly when every per-tensor norm is)
+        self.grads_finite = self.device.type != "cpu" or bool(torch.isfinite(row.grad_norms).all())
+        if not self.grads_finite or self.device.type != "cpu":
             counts = torch.stack([g.numel() - torch.isfinite(g).sum() for g in grads])
-            bad.index_add_(0, self.param_comp, counts)
-        self.grad_cols = {"grad_norm_l2": comp_norms, "grad_nonfinite_count": bad.double()}
+            self._bad = torch.zeros(self.n, dtype=torch.long, device=self.device).index_add_(
+                0, self.param_comp, counts).double()
 
     @torch.no_grad()
-    def end(self) -> tuple[torch.Tensor, np.ndarray]:
-        """optimizer.step post-hook: the (C, len(PARAM_METRICS)) block of this step and its validity."""
-        n = self.n
-        nan = torch.full((n,), math.nan, device=self.device)
-        cols = dict.fromkeys(PARAM_METRICS, nan)
-        valid = {m: np.zeros(n, dtype=bool) for m in PARAM_METRICS}
+    def end(self, slot: int) -> tuple[np.ndarray, bool, bool]:
+        """optimizer.step post-hook: note the weights after the step; the step's values go to buffer
+        row `slot` at `reduce`. Returns their (C, len(PARAM_METRICS)) validity, and whether the step
+        has a total and a pre-clip gradient norm."""
         if not self.params:
-            return torch.stack([cols[m] for m in PARAM_METRICS], 1), _stack(valid)
+            return np.zeros((self.n, len(PARAM_METRICS)), dtype=bool), False, False
         if not self.begun:
             self.begin()
-        cols.update(self.grad_cols)
-        valid["grad_norm_l2"] = valid["grad_nonfinite_count"] = self.has_grad
-        sketch, wnorm = self._weights()
-        cols["weight_norm_l2"] = wnorm
-        valid["weight_norm_l2"] = self.is_param
-        if self._fwd is not None:
-            fwd_sketch, fwd_norm = self._fwd
-            update = sketch - fwd_sketch
-            prev = self._prev_update if self._prev_update is not None else update
-            drift = fwd_sketch - (self._prev_end[0] if self._prev_end is not None else fwd_sketch)
-            # the four per-component sums of scaled sketch products in one segment reduction
-            terms = torch.stack([update * update, update * prev, prev * prev, drift * drift])
-            sums = torch.zeros(4, n, device=self.device).index_add_(1, self.coord_comp, terms * self.scale)
-            unorm = sums[0].sqrt()
-            cols["update_norm_l2"], cols["update_ratio"] = unorm, unorm / wnorm
-            valid["update_norm_l2"] = valid["update_ratio"] = self.is_param
-            if self._prev_update is not None:
-                cols["update_cos"] = sums[1] / (unorm * sums[2].sqrt())
-                valid["update_cos"] = self.is_param
-            if self._prev_end is not None:
-                cols["weight_drift_l2"] = torch.maximum(sums[3].sqrt(), (fwd_norm - self._prev_end[1]).abs())
-                valid["weight_drift_l2"] = self.is_param
-            self._prev_update = update
-        self._prev_end = (sketch, wnorm)
-        self.begun, self._fwd, self.grad_cols = False, None, {}
-        self.has_grad = np.zeros(n, dtype=bool)
-        return torch.stack([cols[m] for m in PARAM_METRICS], 1), _stack(valid)
+        row = self._row()
+        self._sketch_into(row.end_sketch)
+        self._norms_into(row.end_norms, self._flat)
+        valid = self._valid[min(self._ends, 1)].copy()
+        has_total = self.has_grad is not None
+        if has_total:
+            valid[:, _PM["grad_norm_l2"]] = valid[:, _PM["grad_nonfinite_count"]] = self.has_grad
+        preclip = self._preclip if has_total else _NO_PRECLIP
+        self.pending.append(_Step(slot, preclip, self._bad))
+        self._ends += 1
+        self.begun, self.has_grad, self._bad, self._preclip = False, None, None, _NO_PRECLIP
+        return valid, has_total, preclip != _NO_PRECLIP
 
+    @torch.no_grad()
+    def reduce(self) -> tuple[list[int], torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """The queued steps' values, computed together: (their buffer rows, (K, C, len(PARAM_METRICS))
+        block, (K,) float64 total gradient norms, (K,) pre-clip totals); None if none are queued.
 
-def _stack(valid: dict[str, np.ndarray]) -> np.ndarray:
-    return np.stack([valid[m] for m in PARAM_METRICS], 1)
+        Values of rows the validity marks null are arbitrary (a step without gradients)."""
+        steps, self.pending = self.pending, []
+        if not steps:
+            return None
+        k, n = len(steps), self.n
+        rows = self.rows[:k]
+        fwd_sketch, sketch = rows[:, self._fwd_sketch], rows[:, self._end_sketch]
+        norms = rows[:, self._norms].view(k, 4, -1)
+        # per-component norms of the four per-tensor vectors: fwd weights, grads, weights, pre-clip
+        comp = torch.zeros(k, 4, n, device=self.device).index_add_(
+            2, self.param_comp, norms * norms).sqrt()
+        fwd_norm, wnorm = comp[:, 0], comp[:, 2]
+        update = sketch - fwd_sketch
+        if self._carry is None:  # the first step: no update or weights before it (null values)
+            self._carry = (update[0], fwd_sketch[0], fwd_norm[0])
+        prev_update, prev_sketch, prev_wnorm = (torch.cat([c[None], x[:-1]]) for c, x in zip(
+            self._carry, (update, sketch, wnorm), strict=True))
+        drift = fwd_sketch - prev_sketch
+        # the four per-component sums of scaled sketch products in one segment reduction
+        terms = torch.stack([update * update, update * prev_update, prev_update * prev_update,
+                             drift * drift], 1)
+        sums = torch.zeros(k, 4, n, device=self.device).index_add_(2, self.coord_comp, terms * self.scale)
+        unorm = sums[:, 0].sqrt()
+        zero = torch.zeros(n, dtype=torch.float64, device=self.device)
+        cols = {"grad_norm_l2": comp[:, 1],
+                "grad_nonfinite_count": torch.stack([zero if s.bad is None else s.bad for s in steps]),
+                "weight_norm_l2": wnorm, "update_norm_l2": unorm, "update_ratio": unorm / wnorm,
+                "update_cos": sums[:, 1] / (unorm * sums[:, 2].sqrt()),
+                "weight_drift_l2": torch.maximum(sums[:, 3].sqrt(), (fwd_norm - prev_wnorm).abs())}
+        self._carry = (update[-1], sketch[-1].clone(), wnorm[-1])
+        total = rows[:, self._grad_n].double().square().sum(1).sqrt()
+        preclip = total
+        if any(s.preclip == _AT_BACKWARD for s in steps):
+            at_bw = to_device(np.array([s.preclip == _AT_BACKWARD for s in steps]), self.device)
+            preclip = torch.where(at_bw, rows[:, self._pre_n].double().square().sum(1).sqrt(), total)
+        block = torch.stack([cols[m] for m in PARAM_METRICS], 2)
+        return [s.slot for s in steps], block, total, preclip

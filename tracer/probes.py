@@ -26,6 +26,7 @@ _MAX_VALUES = 65536  # sampled values per component and step: very wide outputs 
 _MIN_ROWS = 4        # ... but never fewer than this (a unit is "dead" only if all rows are ~0)
 FORWARD_BATCH_STEPS = 8  # steps whose subsamples are reduced together (memory: 8 steps of samples)
 _MAX_LAYOUTS = 8     # distinct sample layouts kept; shapes that keep changing rebuild instead
+_UNIT_STATS = 7     # per-unit statistics: finite count, sum, square sum, zeros, absmax, saturated, dead
 FORWARD_METRICS = schema.metrics_of(schema.FORWARD, schema.HEAD)  # what `compute` returns, in order
 PARAM_METRICS = schema.metrics_of(schema.GRADIENT, schema.WEIGHTS)  # what `ParamProbe.end` returns
 
@@ -56,19 +57,35 @@ def to_device(a: np.ndarray, device: torch.device) -> torch.Tensor:
     return t.to(device, non_blocking=True)
 
 
-def subsample(t: torch.Tensor, rows: int, channel_first: bool) -> torch.Tensor:
-    """An (r, units) copy of r <= `rows` evenly strided rows of `t` viewed as (rows, units).
-
-    `t` must be detached. Each op here costs ~10-20 us inside a forward pass (cold caches), far
-    more than its arithmetic, so the usual case (a contiguous output, units last) is one strided
-    view and one copy.
-    """
+def rows_view(t: torch.Tensor, rows: int, channel_first: bool) -> tuple[tuple[int, int], tuple[int, int]] | None:
+    """(size, stride) of the strided-rows view `subsample` copies from a contiguous, units-last
+    output; None for other outputs (images, non-contiguous), which take its general path."""
     if t.dim() >= 2 and t.is_contiguous() and not (t.dim() >= 4 or (channel_first and t.dim() == 3)):
         units = t.shape[-1]
         n = t.numel() // units
         r = min(rows, max(_MIN_ROWS, _MAX_VALUES // units), n)
-        step = max(1, n // r)
-        return t.as_strided((r, units), (step * units, 1)).clone()
+        return (r, units), (max(1, n // r) * units, 1)
+    return None
+
+
+def _copy(src: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+    if out is not None and out.shape == src.shape and out.dtype == src.dtype:
+        return out.copy_(src)
+    return src.clone(memory_format=torch.contiguous_format)  # row by row: a cheap copy
+
+
+def subsample(t: torch.Tensor, rows: int, channel_first: bool,
+              out: torch.Tensor | None = None) -> torch.Tensor:
+    """An (r, units) copy of r <= `rows` evenly strided rows of `t` viewed as (rows, units).
+
+    `t` must be detached. The copy goes into `out` when it has the sample's shape and dtype (a
+    slot of the staging buffer, see `_Plan`), else into a new tensor. Each op here costs ~10-20 us
+    inside a forward pass (cold caches), far more than its arithmetic, so the usual case (a
+    contiguous output, units last) is one strided view and one copy.
+    """
+    view = rows_view(t, rows, channel_first)
+    if view is not None:
+        return _copy(t.as_strided(*view), out)
     if t.dim() < 2:
         t = t.reshape(1, -1)
     if t.dim() >= 4 or (channel_first and t.dim() == 3):
@@ -76,8 +93,7 @@ def subsample(t: torch.Tensor, rows: int, channel_first: bool) -> torch.Tensor:
         t = t[:: max(1, b // _MAX_IMAGES)][:_MAX_IMAGES].movedim(1, -1)  # (b', *spatial, C)
     flat = t.reshape(-1, t.shape[-1])
     rows = min(rows, max(_MIN_ROWS, _MAX_VALUES // flat.shape[1]))
-    flat = flat[:: max(1, flat.shape[0] // rows)][:rows]
-    return flat.clone(memory_format=torch.contiguous_format)  # row by row: a cheap copy
+    return _copy(flat[:: max(1, flat.shape[0] // rows)][:rows], out)
 
 
 Key = tuple[tuple[int, int, int], ...]  # (component, rows, units) of each sample, in hook order
@@ -93,6 +109,7 @@ class _Layout:
             by_rows.setdefault(r, []).append(pos)
         self.groups = list(by_rows.values())
         slot, centre, half, n_unit = [], [], [], np.zeros(n)
+        seg_len, seg_slot = [], []  # runs of units of one (step, component), in unit order
         self.bounded: list[bool] = []
         for group in self.groups:
             g_slot, g_centre, g_half = [], [], []
@@ -100,6 +117,8 @@ class _Layout:
                 for p in group:
                     c, _, units = key[p]
                     g_slot.append(np.full(units, k * n + c))
+                    seg_len.append(units)
+                    seg_slot.append(k * n + c)
                     cen, hal = SAT_RANGES.get(components[c].bound or "", (0.0, math.inf))
                     g_centre.append(np.full(units, cen))
                     g_half.append(np.full(units, 0.98 * hal))  # within 1% of the bound (|x| >= 0.98 half-range)
@@ -112,15 +131,58 @@ class _Layout:
         self.centre = [to_device(c.astype(np.float32), device) for c in centre]
         self.half = [to_device(h.astype(np.float32), device) for h in half]
         self.n_unit = to_device(np.maximum(n_unit, 1).astype(np.float32), device)
+        lengths = np.broadcast_to(np.asarray(seg_len, dtype=np.int64), (_UNIT_STATS, len(seg_len)))
+        self.seg_lengths = to_device(lengths, device)
+        self.seg_slot = to_device(np.asarray(seg_slot, dtype=np.int64), device)
 
 
-def _unit_stats(m: torch.Tensor) -> list[torch.Tensor]:
+class _Plan:
+    """Staging buffers for the samples of up to `steps` steps shaped like `key`.
+
+    A step whose hooks see the shapes of the step before writes each sample straight into its
+    columns here, laid out as `torch.cat` of the samples would lay them out (per row group:
+    step-major, then hook order), so the reduction reads the buffer and nothing is concatenated.
+    A sample of another shape or dtype goes into a tensor of its own, and a batch of steps with
+    any such sample is concatenated as before: the values are the same either way.
+    """
+
+    def __init__(self, key: Key, steps: int, dtype: torch.dtype, device: torch.device) -> None:
+        self.key, self.steps = key, steps
+        self.views: list[dict[int, torch.Tensor]] = [{} for _ in range(steps)]
+        self.buffers: list[tuple[torch.Tensor, int]] = []  # per row group: (buffer, units a step)
+        by_rows: dict[int, list[int]] = {}
+        for pos, (_, r, _) in enumerate(key):
+            by_rows.setdefault(r, []).append(pos)
+        for r, group in by_rows.items():
+            units = sum(key[p][2] for p in group)
+            buf = torch.empty(r, steps * units, dtype=dtype, device=device)
+            off = 0
+            for p in group:
+                c, _, u = key[p]
+                for k in range(steps):
+                    self.views[k][c] = buf[:, k * units + off:k * units + off + u]
+                off += u
+            self.buffers.append((buf, units))
+        # room for the reduction's element-wise temporaries (float32, like the reduced samples)
+        self.scratch = [torch.empty(b.shape, device=device) for b, _ in self.buffers]
+
+    def holds(self, k: int, samples: list[tuple[int, torch.Tensor]]) -> bool:
+        """Whether `samples` (step `k` of the batch) all sit in their places here."""
+        if k >= self.steps:
+            return False
+        views = self.views[k]
+        return all(views.get(c) is s for c, s in samples)
+
+
+def _unit_stats(m: torch.Tensor, scratch: torch.Tensor | None = None) -> list[torch.Tensor]:
     """Per unit (column of m): finite count, sum, sum of squares, zeros, absmax; m with NaN/Inf -> 0.
 
     The ops are picked for speed on CPU (one thread, a (16, 11264) sample): sum 12 us, square-sum
-    and abs().amax ~35 us, sign().abs().sum ~85 us, where vector_norm(dim=0) takes 1.2 ms, (m == 0)
-    .sum 250 us and `isfinite` more: on CPU it runs only when a column sum says a value is not
-    finite (one host read per row group and batch of steps; free on CPU).
+    ~35 us, amax and amin ~10 us each (abs().amax ~35 us, aminmax slower still), sign().abs().sum
+    ~85 us, where vector_norm(dim=0) takes 1.2 ms, (m == 0).sum 250 us and `isfinite` more: on
+    CPU it runs only when a column sum says a value is not finite (one host read per row group
+    and batch of steps; free on CPU). `scratch` (m's shape) takes the element-wise temporaries:
+    fresh multi-MB tensors each time cost page faults.
     """
     r = m.shape[0]
     usum = m.sum(0)
@@ -131,9 +193,11 @@ def _unit_stats(m: torch.Tensor) -> list[torch.Tensor]:
         usum = m.sum(0)
     else:
         nfin = torch.full_like(usum, r)
-    usq = (m * m).sum(0)
-    uabs = m.abs().amax(0)
-    zeros = nfin - m.sign().abs().sum(0)  # replaced non-finite values count as neither
+    tmp = scratch if scratch is not None and scratch.dtype == m.dtype else torch.empty_like(m)
+    usq = torch.mul(m, m, out=tmp).sum(0)
+    # max |x| as max(max x, -min x): two reductions, no |m| temporary; abs_ turns a -0.0 into 0.0
+    uabs = torch.maximum(m.amax(0), m.amin(0).neg_()).abs_()
+    zeros = nfin - torch.sign(m, out=tmp).abs_().sum(0)  # replaced non-finite values count as neither
     return [nfin, usum, usq, zeros, uabs, m]
 
 
@@ -144,6 +208,8 @@ class _StepSamples:
     slot: int                             # the step's row in the step buffer
     samples: list[tuple[int, torch.Tensor]]  # (component, (rows, units) sample)
     bad: torch.Tensor | None              # (C,) float64 non-finite counts; None = none seen
+    plan: _Plan | None = None             # the staging buffers holding all its samples, if any
+    k: int = 0                            # its step index in those buffers
 
     @property
     def key(self) -> Key:
@@ -166,6 +232,10 @@ class ForwardProbe:
         # (component, sample, non-finite count) appended by compiled graphs, absorbed at step end
         self.from_graph: list[tuple[int, torch.Tensor, torch.Tensor]] = []
         self._layouts: dict[tuple[Key, int], _Layout] = {}
+        self._plan: _Plan | None = None   # where this step's samples go (shaped like the last)
+        # per component: the shape of its last output and the rows view of such an output
+        self._views: dict[int, tuple[torch.Size, tuple[tuple[int, int], tuple[int, int]] | None]] = {}
+        self._last_key: Key | None = None
 
     def observe(self, comp: Component, out: object) -> None:
         """Hook body: subsample the output once per step; count its non-finite values.
@@ -175,16 +245,28 @@ class ForwardProbe:
         is only held until the gradients exist: `settle` counts it if they are not finite.
         """
         t = first_tensor(out)
-        if t is None or t.numel() == 0:
+        if t is None:
             return
+        idx, shape = comp.index, t.shape
+        known = self._views.get(idx)  # (output shape, its rows view) of the last call
+        if known is None or known[0] != shape:
+            if t.numel() == 0:
+                return
+            known = self._views[idx] = (shape, rows_view(t, self.rows, comp.channel_first))
         t = t.detach()
-        if t.device.type == "cpu":
-            self.held.append((comp.index, t))
+        if t.is_cpu:
+            self.held.append((idx, t))
         else:
-            self._bad_counts()[comp.index].add_(torch.isfinite(t).logical_not_().sum().to(self.device))
-        if not self.sampled[comp.index]:
-            self.sampled[comp.index] = True
-            self.samples.append((comp.index, subsample(t, self.rows, comp.channel_first)))
+            self._bad_counts()[idx].add_(torch.isfinite(t).logical_not_().sum().to(self.device))
+        if self.sampled[idx]:
+            return
+        self.sampled[idx] = True
+        plan, k = self._plan, len(self.pending)
+        dest = plan.views[k].get(idx) if plan is not None and k < plan.steps else None
+        if known[1] is not None and t.is_contiguous():  # the usual case: one view, one copy
+            self.samples.append((idx, _copy(t.as_strided(*known[1]), dest)))
+        else:
+            self.samples.append((idx, subsample(t, self.rows, comp.channel_first, dest)))
 
     def observe_in_graph(self, comp: Component, out: object) -> None:
         """The hook body traced by torch.compile: only tensor ops and one list append."""
@@ -219,7 +301,19 @@ class ForwardProbe:
 
     def take(self, slot: int) -> None:
         """The step is finished: queue its observations for `compute` under buffer row `slot`."""
-        self.pending.append(_StepSamples(slot, self.samples, self.bad))
+        step = _StepSamples(slot, self.samples, self.bad)
+        k, plan = len(self.pending), self._plan
+        if plan is not None and plan.holds(k, step.samples):
+            step.plan, step.k = plan, k
+        if self.samples:
+            key = step.key
+            # a shape seen on two steps in a row gets staging buffers (alternating shapes do not)
+            if (plan is None or plan.key != key) and key == self._last_key:
+                dtypes = {s.dtype for _, s in self.samples}
+                self._plan = _Plan(key, FORWARD_BATCH_STEPS, dtypes.pop(), self.device) \
+                    if len(dtypes) == 1 else None
+            self._last_key = key
+        self.pending.append(step)
         self.samples, self.bad = [], None
 
     def reset(self) -> None:
@@ -268,29 +362,44 @@ class ForwardProbe:
             lay = self._layouts[(key, k)] = _Layout(key, k, self.components, self.device)
         return lay
 
+    def _group_matrix(self, steps: list[_StepSamples], g: int,
+                      group: list[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Row group `g` of the steps' samples as one (rows, K * units) matrix, step-major, and
+        scratch room of its shape if there is some."""
+        plan, k0 = steps[0].plan, steps[0].k
+        if plan is not None and plan.key == steps[0].key and all(
+                s.plan is plan and s.k == k0 + i for i, s in enumerate(steps)):
+            buf, units = plan.buffers[g]  # the hooks wrote the samples in place: a view, no copy
+            cols = slice(k0 * units, (k0 + len(steps)) * units)
+            return buf[:, cols], plan.scratch[g][:, cols]
+        blocks = [s.samples[p][1] for s in steps for p in group]
+        return (torch.cat(blocks, 1) if len(blocks) > 1 else blocks[0]), None
+
     def _sample_stats(self, steps: list[_StepSamples]) -> dict[str, torch.Tensor]:
         k, n = len(steps), self.n
         lay = self._layout(steps[0].key, k)
         per_unit = []
         for g, group in enumerate(lay.groups):
-            blocks = [s.samples[p][1] for s in steps for p in group]
-            m = (torch.cat(blocks, 1) if len(blocks) > 1 else blocks[0]).float()
-            *stats, m = _unit_stats(m)
+            m, scratch = self._group_matrix(steps, g, group)
+            *stats, m = _unit_stats(m.float(), scratch)
             if lay.bounded[g]:
                 stats.append(((m - lay.centre[g]).abs() >= lay.half[g]).sum(0).float())
             else:
                 stats.append(torch.zeros_like(stats[0]))
-            per_unit.append(torch.stack(stats, 1))  # (K * units, 6)
-        unit = torch.cat(per_unit) if len(per_unit) > 1 else per_unit[0]
-        dead = (unit[:, 4] <= DEAD_EPS).float()
-        unit = torch.cat([unit, dead[:, None]], 1)
-        sums = torch.zeros(k * n, 7, device=self.device).index_add_(0, lay.unit_slot, unit).view(k, n, 7)
+            stats.append((stats[4] <= DEAD_EPS).float())
+            per_unit.append(torch.stack(stats))  # (7, K * units): rows are contiguous
+        unit = torch.cat(per_unit, 1) if len(per_unit) > 1 else per_unit[0]
+        # per (step, component): its units are one run, so a segment sum (in unit order, as an
+        # index_add would add them) gives its totals; absent components stay 0 (null rows)
+        seg = torch.segment_reduce(unit, "sum", lengths=lay.seg_lengths, axis=1)
+        sums = torch.zeros(_UNIT_STATS, k * n, device=self.device).index_copy_(1, lay.seg_slot, seg)
+        sums = sums.view(_UNIT_STATS, k, n)
         absmax = torch.zeros(k * n, device=self.device).scatter_reduce_(
-            0, lay.unit_slot, unit[:, 4], "amax").view(k, n)
-        count = sums[..., 0].clamp_min(1)
-        return {"out_mean": sums[..., 1] / count, "out_rms": (sums[..., 2] / count).sqrt(),
-                "out_absmax": absmax, "out_zero_frac": sums[..., 3] / count,
-                "out_sat_frac": sums[..., 5] / count, "out_dead_frac": sums[..., 6] / lay.n_unit}
+            0, lay.unit_slot, unit[4], "amax").view(k, n)
+        count = sums[0].clamp_min(1)
+        return {"out_mean": sums[1] / count, "out_rms": (sums[2] / count).sqrt(),
+                "out_absmax": absmax, "out_zero_frac": sums[3] / count,
+                "out_sat_frac": sums[5] / count, "out_dead_frac": sums[6] / lay.n_unit}
 
     def _head_stats(self, steps: list[_StepSamples]) -> dict[str, torch.Tensor]:
         k, n = len(steps), self.n

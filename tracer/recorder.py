@@ -312,7 +312,7 @@ class Recorder:
             # forward outputs held on CPU are counted only if the gradients say something was
             # not finite; a non-finite output that never reaches the gradients goes uncounted
             if self.fwd.held:
-                self.fwd.settle(self.params.total_grad_norm is None or not self.params.grads_finite)
+                self.fwd.settle(self.params.has_grad is None or not self.params.grads_finite)
         except Exception as exc:
             self._probe_failed(exc)
 
@@ -329,8 +329,8 @@ class Recorder:
             self._step_record(now)
             if self.replicas is not None:
                 self.replicas.end_step(self.step_count)
-            if len(self.fwd.pending) >= FORWARD_BATCH_STEPS:
-                self._reduce_forward()
+            if max(len(self.fwd.pending), len(self.params.pending)) >= FORWARD_BATCH_STEPS:
+                self._reduce_pending()
         except Exception as exc:
             self._probe_failed(exc)
             self.writer.record_failure(f"step {self.step_count} not recorded", 1)
@@ -348,19 +348,13 @@ class Recorder:
             self._flush(final=False)
 
     def _step_record(self, now: float) -> None:
-        """Put this step's parameter block and step values in the buffer; queue its forward samples."""
+        """Record this step (its values reach the buffer at `_reduce_pending`); queue its samples."""
         slot = self.buffer.next_slot()
         self.fwd.settle(True)  # outputs still held: no gradients were seen this step
-        block, pvalid = self.params.end()
-        self.buffer.put(slot, _PARAM_RUNS, block)
+        pvalid, has_total, has_preclip = self.params.end(slot)
         valid = self._static_valid.copy()
         valid[:, _FORWARD_POS] &= self.fwd.sampled[:, None]
         valid[:, _PARAM_POS] = pvalid
-        total, preclip = self.params.total_grad_norm, self.params.preclip_total
-        if total is not None:
-            self.buffer.scalars[slot, 0].copy_(total)
-        if preclip is not None:
-            self.buffer.scalars[slot, 1].copy_(preclip)
         lr = self.optimizer.param_groups[0].get("lr") if self.optimizer else None
         lr_host = None
         if isinstance(lr, torch.Tensor) and lr.device == self.device:
@@ -369,7 +363,7 @@ class Recorder:
             lr_host = float(lr)  # a number, or a tensor on the host while the model is not
         self.buffer.records.append(StepRecord(
             self.step_count, slot, valid, now, now - self._last_step_time, self._micro_batches,
-            (total is not None, preclip is not None, lr is not None), lr_host,
+            (has_total, has_preclip, lr is not None), lr_host,
             _group_lrs(self.optimizer.param_groups) if self.optimizer else None))
         self.fwd.take(slot)
 
@@ -381,17 +375,43 @@ class Recorder:
                 comp.forward_index, self._order = self._order, self._order + 1
         self.fwd.absorb_graph_samples()
 
-    def _reduce_forward(self) -> None:
-        """Forward statistics of the queued steps, computed together, into their buffer rows."""
-        slots = {s.slot for s in self.fwd.pending}
+    def _reduce_pending(self) -> None:
+        """Parameter and forward statistics of the queued steps, computed together, into their rows."""
+        pslots = {s.slot for s in self.params.pending}
+        fslots = {s.slot for s in self.fwd.pending}
+        failed: Exception | None = None
+        try:
+            self._put_params(self.params.reduce())
+        except Exception as exc:  # those rows hold stale values: make them null, then report
+            failed = exc
+            for r in self.buffer.records:
+                if r.slot in pslots:
+                    r.valid[:, _PARAM_POS] = False
+                    r.present = (False, False, r.present[2])
         try:
             for first, block in self.fwd.compute():
                 self.buffer.put(slice(first, first + block.shape[0]), _FORWARD_RUNS, block)
-        except Exception:  # those rows hold stale values: make them null, then report
+        except Exception as exc:
+            failed = failed or exc
             for r in self.buffer.records:
-                if r.slot in slots:
+                if r.slot in fslots:
                     r.valid[:, _FORWARD_POS] = False
-            raise
+        if failed is not None:
+            raise failed
+
+    def _put_params(self, reduced: tuple[list[int], torch.Tensor, torch.Tensor, torch.Tensor] | None) -> None:
+        if reduced is None:
+            return
+        slots, block, total, preclip = reduced
+        scalars = torch.stack([total, preclip], 1)
+        if slots == list(range(slots[0], slots[0] + len(slots))):  # the usual case: one run of rows
+            rows = slice(slots[0], slots[0] + len(slots))
+            self.buffer.put(rows, _PARAM_RUNS, block)
+            self.buffer.scalars[rows, :2].copy_(scalars)
+            return
+        for i, slot in enumerate(slots):
+            self.buffer.put(slot, _PARAM_RUNS, block[i])
+            self.buffer.scalars[slot, :2].copy_(scalars[i])
 
     def _structural_validity(self) -> np.ndarray:
         valid = np.ones((len(self.components), len(schema.HEALTH_METRICS)), dtype=bool)
@@ -461,7 +481,7 @@ class Recorder:
         try:
             self._last_flush = time.time()
             self._flushed = True
-            self._reduce_forward()
+            self._reduce_pending()
             self.params.refresh()
             if not final:
                 # wait for the previous segment before taking these steps out of the buffer: a

@@ -91,6 +91,14 @@ def _commit(root: Path, seq: int, span: tuple[int, int], rows: dict[str, int]) -
     path.write_text(json.dumps({"tables": rows, "steps": list(span)}))
 
 
+def _conform(data: pa.Table, table: str) -> pa.Table:
+    """`data` in the current schema of `table`: columns the sample trace predates are null."""
+    target = schema.SCHEMAS[table]
+    return pa.Table.from_arrays(
+        [data.column(f.name).cast(f.type) if f.name in data.column_names else pa.nulls(len(data), f.type)
+         for f in target], schema=target)
+
+
 def _components(src: Source, copies: int) -> pa.Table:
     parts = []
     n = len(src.components)
@@ -101,7 +109,7 @@ def _components(src: Source, copies: int) -> pa.Table:
             pl.when(pl.col("parent_param").is_not_null()).then(pl.lit(prefix) + pl.col("parent_param"))
             .alias("parent_param"),
             pl.col("forward_index") + k * n))
-    return pl.concat(parts).to_arrow().cast(schema.SCHEMAS["components"])
+    return _conform(pl.concat(parts).to_arrow(), "components")
 
 
 def _health(clean: Source, fault: Source | None, names: list[str], first: int, last: int,
@@ -135,7 +143,7 @@ def _steps(clean: Source, fault: Source | None, first: int, last: int, fault_fro
     if fault is not None and fault_from is not None and (grown >= fault_from).any():
         hit = grown >= fault_from
         rows = pl.concat([rows.filter(pl.Series(~hit)), fault.steps[src[hit].tolist()]])
-    return rows.with_columns(pl.Series("step", grown)).to_arrow().cast(schema.SCHEMAS["steps"])
+    return _conform(rows.with_columns(pl.Series("step", grown)).to_arrow(), "steps")
 
 
 def _events(first: int, last: int, every: int) -> pa.Table:

@@ -52,20 +52,20 @@ def query_cmd(
     with bad_input():
         t = open_trace(trace)
         try:
-            frame = run_query(t, sql, allow_external)
+            result = run_query(t, sql, allow_external)
         finally:
             t.close()
     warn(t.warnings)
-    if frame is None:  # empty SQL, a comment, or a statement that makes no rows
+    if result is None:  # empty SQL, a comment, or a statement that makes no rows
         raise fail(f"query {sql!r} returns no result to print — give a SELECT, "
                    "e.g. 'SELECT * FROM health LIMIT 5'")
     if fmt == Format.csv:
-        nested = [name for name, dtype in frame.schema.items() if dtype.is_nested()]
+        nested = result.nested()
         if nested:
             raise fail(f"CSV cannot hold the list/struct column(s) {', '.join(nested)} — use "
                        "--format json or table, or unnest them in the SQL")
-        typer.echo(frame.write_csv(), nl=False)
+        typer.echo(result.csv(), nl=False)
     elif fmt == Format.json:
-        typer.echo(frame.write_json())
+        typer.echo(result.json())
     else:
-        typer.echo(table(frame.to_dicts(), frame.columns))
+        typer.echo(table(result.dicts(), result.columns))

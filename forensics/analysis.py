@@ -41,7 +41,7 @@ from .store import (
 )
 from .stream import Classifier
 
-CHUNK_ROWS = 400_000  # health rows judged per step window: the scored window stays under ~0.6 GB
+CHUNK_ROWS = 250_000  # health rows judged per step window: ~3 KB each at the peak, so ~0.7 GB
 HEAT_BINS = 2_000     # the heatmap keeps at most this many step columns (one bin = several steps)
 
 HEALTHY, FAULT = "healthy", "fault"  # the two verdicts

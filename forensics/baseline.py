@@ -2,7 +2,8 @@
 
 For every (rank, component) and metric, the baseline at step t is the median and a robust scale
 (interquartile range / 1.349, which equals the standard deviation for Gaussian noise) of the
-metric's finite values over the `window` steps ending `lag` steps before t. It is causal: step
+metric's finite values over the `window` steps ending `lag` steps before t (the order statistics
+come from one compiled pass per metric, `quantiles.py`; the rest is Polars). It is causal: step
 t's baseline uses only steps < t - lag + 1, so an alarm at t is what a live monitor would raise.
 
 Columns added per metric m: `m__med`, `m__scale`, `m__z`. Norms and ratios (`LOG_METRICS`) vary
@@ -18,6 +19,7 @@ import numpy as np
 import polars as pl
 from warninglight.tracer import schema
 
+from . import quantiles
 from .conditions import BaselineConfig
 
 KEYS = ("rank", "component")
@@ -35,6 +37,9 @@ LR_SCALED = frozenset({"update_norm_l2", "update_ratio"})  # proportional to the
 DERIVED_METRICS = ("lr", "lr_surge")  # from the optimizer's schedule (`schedule.py`)
 LOG_TINY = 1e-12  # log(0) stand-in: a norm of exactly 0 is a collapse, not a missing value
 LOG_SCALE_FLOOR = 0.02  # log units: ±2%
+LR_PEAK = "__lr_peak"  # the highest lr a series had before a window's rows (stream.Classifier)
+POS = "__pos"  # a row's place in its (rank, component) series, from 0: what windows over rows need
+_Q = ("25", "50", "75")  # suffixes of the order-statistic columns, as in quantiles.QUANTILES
 
 
 def transform(metric: str, x: pl.Expr) -> pl.Expr:
@@ -69,24 +74,78 @@ def _finite(metric: str, scaled: bool = False) -> pl.Expr:
     return pl.when(x.is_finite()).then(value)
 
 
-def lr_surge() -> pl.Expr:
-    """The lr's one-step rise where it exceeds every earlier lr of the component, else 1."""
-    lr = pl.col("lr").cast(pl.Float64)
-    prev, peak = lr.shift(1).over(KEYS), lr.shift(1).cum_max().over(KEYS)
-    rise = pl.when((lr > peak) & (prev > 0)).then(lr / prev).otherwise(pl.lit(1.0))
-    return pl.when(lr.is_not_null()).then(rise).alias("lr_surge")
+def lr_surge(lr: pl.Series, starts: np.ndarray, before: np.ndarray | None = None) -> pl.Series:
+    """The lr's one-step rise where it exceeds every earlier lr of its series, else 1 (null where
+    the lr is null); `lr` is series after series (`starts`), each in step order. `before`: per
+    row, the highest lr its series had before these rows (read at each series' first row; NaN:
+    none), so a window of a longer run judges a rise against the whole run.
+
+    Comparisons follow Polars' order, in which NaN (the lr of a component no param group holds)
+    is above every number: its rise is NaN, which no rule reads as a surge."""
+    value = lr.cast(pl.Float64).fill_null(np.nan).to_numpy()
+    missing = lr.is_null().to_numpy()
+    prev, no_prev = np.roll(value, 1), np.roll(missing, 1)
+    no_prev[starts[:-1]] = True  # nothing before a series' first step
+    peak = np.where(no_prev, np.nan, prev)
+    for a, b in zip(starts[:-1], starts[1:], strict=True):  # the highest earlier lr, NaN passed over
+        np.fmax.accumulate(peak[a:b], out=peak[a:b])
+        if before is not None:
+            np.fmax(peak[a:b], before[a], out=peak[a:b])
+    above = ~missing & ~no_prev & ((value > peak) | (np.isnan(value) & ~np.isnan(peak)))
+    with np.errstate(divide="ignore", invalid="ignore"):
+        rise = np.where(above & ~no_prev & ((prev > 0) | np.isnan(prev)), value / prev, 1.0)
+    return pl.Series("lr_surge", rise).set(lr.is_null(), None)
 
 
-def baseline_exprs(metric: str, cfg: BaselineConfig, lr: bool = False) -> list[pl.Expr]:
-    """Median, robust scale and z of `metric` against its trailing window, per component.
+def lr_peaks(frame: pl.DataFrame, starts: np.ndarray, kept_from: np.ndarray) -> pl.DataFrame:
+    """(rank, component, `LR_PEAK`): the highest lr of each series of `frame` (sorted by them and
+    step) before row `kept_from[g]` of series g, counting the `LR_PEAK` it came with."""
+    value = frame["lr"].cast(pl.Float64).fill_null(np.nan).to_numpy()
+    before = (frame[LR_PEAK].fill_null(np.nan).to_numpy() if LR_PEAK in frame.columns
+              else np.full(frame.height, np.nan))
+    first = starts[:-1]
+    peaks = np.array([np.fmax.reduce(value[a:k], initial=before[a]) if k > a else before[a]
+                      for a, k in zip(first, kept_from, strict=True)])
+    return frame[first].select(*KEYS).with_columns(pl.Series(LR_PEAK, peaks, dtype=pl.Float64))
+
+
+def series_starts(frame: pl.DataFrame) -> np.ndarray:
+    """The first row of each (rank, component) series of `frame` (sorted by them), then its height."""
+    new = pl.col("rank").ne_missing(pl.col("rank").shift(1)) | pl.col("component").ne_missing(pl.col("component").shift(1))
+    return np.append(np.flatnonzero(frame.select(new.fill_null(True)).to_series().to_numpy()), frame.height)
+
+
+def _own_baseline(frame: pl.DataFrame, starts: np.ndarray, metrics: list[str], cfg: BaselineConfig,
+                  lr: bool) -> pl.DataFrame:
+    """`frame` (sorted by rank, component, step) with each row's place in its series (`POS`) and
+    each metric's median and scale against its own trailing window (`baseline_exprs`), from the
+    window's quartiles and median (`m__q25`, `m__q50`, `m__q75`, on the baseline's scale), which
+    one compiled pass per metric computes (`quantiles.py`) and which are dropped once used."""
+    frame = frame.with_columns(pl.Series(POS, np.arange(frame.height) - np.repeat(starts[:-1], np.diff(starts))))
+    per_pass = max(1, quantiles.WORKERS)  # columns in flight at once: bounds the float arrays held
+    for i in range(0, len(metrics), per_pass):
+        batch = metrics[i:i + per_pass]
+        if frame.is_empty():
+            stats = [np.empty((3, 0)) for _ in batch]
+        else:
+            values = frame.select(_finite(m, lr and m in LR_SCALED).alias(m) for m in batch)
+            stats = quantiles.trailing_many([values[m].fill_null(np.nan).to_numpy() for m in batch],
+                                            starts, cfg.window, cfg.lag, cfg.min_samples)
+        frame = (frame.with_columns(pl.Series(f"{m}__q{q}", out[k], dtype=pl.Float64, nan_to_null=True)
+                                    for m, out in zip(batch, stats, strict=True) for k, q in enumerate(_Q))
+                 .with_columns(e for m in batch for e in baseline_exprs(m, lr))
+                 .drop(f"{m}__q{q}" for m in batch for q in _Q))
+    return frame
+
+
+def baseline_exprs(metric: str, lr: bool = False) -> list[pl.Expr]:
+    """Median and robust scale of `metric` from its trailing order statistics (`_own_baseline`).
 
     `lr`: the frame has an `lr` column; `LR_SCALED` metrics are then judged relative to it.
     """
     scaled = lr and metric in LR_SCALED
-    past = _finite(metric, scaled).shift(cfg.lag)
-    roll = {"window_size": cfg.window, "min_samples": cfg.min_samples}
-    med = past.rolling_median(**roll).over(KEYS)
-    iqr = (past.rolling_quantile(0.75, **roll) - past.rolling_quantile(0.25, **roll)).over(KEYS)
+    med = pl.col(f"{metric}__q50")
+    iqr = pl.col(f"{metric}__q75") - pl.col(f"{metric}__q25")
     if metric in LOG_METRICS:
         scale = pl.max_horizontal(iqr / IQR_TO_SIGMA, pl.lit(LOG_SCALE_FLOOR))
         expected = med.exp() * _lr_factor() if scaled else med.exp()  # the update this step's lr intends
@@ -104,7 +163,7 @@ def reference_exprs(metric: str, lr: bool, suffix: str) -> list[pl.Expr]:
     return [med.alias(f"{metric}__med"), pl.col(f"{metric}__scale{suffix}").alias(f"{metric}__scale")]
 
 
-def with_baseline(frame: pl.LazyFrame, cfg: BaselineConfig, metrics: list[str] | None = None,
+def with_baseline(frame: pl.LazyFrame | pl.DataFrame, cfg: BaselineConfig, metrics: list[str] | None = None,
                   reference: pl.DataFrame | None = None, suffix: str = "__ref") -> pl.LazyFrame:
     """`frame` (health rows, sorted here by rank, component, step) with baseline columns added.
 
@@ -114,17 +173,22 @@ def with_baseline(frame: pl.LazyFrame, cfg: BaselineConfig, metrics: list[str] |
     given: set[str] = set()
     if reference is not None:  # joined first: a join does not keep the row order rolling windows need
         given = {m for m in metrics_in(frame) if f"{m}__med{suffix}" in reference.columns}
-        frame = frame.join(reference.lazy(), on=["component", "step"], how="left")
-    frame = frame.sort([*KEYS, "step"])
-    lr = "lr" in frame.collect_schema().names()
+        frame = frame.lazy().join(reference.lazy(), on=["component", "step"], how="left")
+    rows = frame.lazy().collect().sort([*KEYS, "step"])  # eager: quick when the rows come sorted
+    starts = series_starts(rows)
+    lr = "lr" in rows.columns
     if lr:
-        frame = frame.with_columns(lr_surge())
-    metrics = metrics if metrics is not None else metrics_in(frame)
+        before = rows[LR_PEAK].fill_null(np.nan).to_numpy() if LR_PEAK in rows.columns else None
+        rows = rows.with_columns(lr_surge(rows["lr"], starts, before))
+    rows = rows.drop(LR_PEAK, strict=False)
+    metrics = metrics if metrics is not None else metrics_in(rows)
     given &= set(metrics)
-    frame = frame.with_columns([e for m in metrics for e in (
-        reference_exprs(m, lr, suffix) if m in given else baseline_exprs(m, cfg, lr))])
+    own = [m for m in metrics if m not in given]
+    rows = _own_baseline(rows, starts, own, cfg, lr)
     if given:
-        frame = frame.drop([c for c in reference.columns if c.endswith(suffix)])  # type: ignore[union-attr]
+        rows = rows.with_columns([e for m in metrics if m in given for e in reference_exprs(m, lr, suffix)])
+        rows = rows.drop([c for c in reference.columns if c.endswith(suffix)])  # type: ignore[union-attr]
+    frame = rows.lazy()
     return frame.with_columns([  # null where there is no baseline yet
         pl.when(pl.col(f"{m}__med").is_not_null()).then(
             (transform(m, pl.col(m).cast(pl.Float64)) - transform(m, pl.col(f"{m}__med")))

@@ -13,7 +13,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import pyarrow.parquet as pq
 from warninglight.tracer import schema
 
 if TYPE_CHECKING:
@@ -58,27 +57,6 @@ def manifest_problem(manifest: Any) -> str | None:
     return None
 
 
-def check_files(by_table: dict[str, list[Path]]) -> None:
-    """Raise `CorruptSegmentError` for a segment that is not Parquet or lacks its table's keys."""
-    from .store import CorruptSegmentError
-
-    for table, files in by_table.items():
-        for path in files:
-            try:
-                names = pq.read_schema(path).names
-            except Exception as exc:  # pyarrow raises several types for a damaged footer
-                raise CorruptSegmentError(
-                    f"segment {path} is not readable Parquet ({type(exc).__name__}) — move it out "
-                    "of the trace directory to analyse the rest (a crash loses at most that "
-                    "segment)") from exc
-            missing = [k for k in KEY_COLUMNS[table] if k not in names]
-            if missing:
-                raise CorruptSegmentError(
-                    f"segment {path} has no {' or '.join(f'`{k}`' for k in missing)} column, so "
-                    f"its {table} rows belong to no step — it was not written by warninglight; "
-                    "move it out of the trace directory to analyse the rest")
-
-
 def manifest_ranks(trace: Trace) -> set[int]:
     """Ranks that have a usable manifest."""
     return {m["rank"] for m in trace.manifests if isinstance(m.get("rank"), int)}
@@ -102,16 +80,23 @@ def _manifest_warnings(trace: Trace) -> list[str]:
 
 
 def _step_warnings(trace: Trace) -> list[str]:
+    """Steps recorded twice in one incarnation, and steps below 1. Both are looked for only in the
+    segments whose step ranges allow them (`footers.overlapping`, a range starting below 1), so
+    opening a trace of 1e8 rows reads no rows when there are none."""
+    from .footers import overlapping, read_files
+
     out = []
     for table, keys in (("steps", "rank, incarnation, step"),
                         ("health", "rank, incarnation, step, component")):
-        dup = trace.one(f"SELECT count(*), min(step) FROM (SELECT {keys} FROM {table}_all "
-                        f"GROUP BY ALL HAVING count(*) > 1)")
+        twice = overlapping(trace.spans, table)
+        dup = trace.one(f"SELECT count(*), min(step) FROM (SELECT {keys} FROM {read_files(twice)} "
+                        f"GROUP BY ALL HAVING count(*) > 1)") if twice else (0, None)
         if dup[0]:
             out.append(f"duplicate steps: {dup[0]} step(s) of `{table}` recorded more than once in "
                        f"the same incarnation (first: step {dup[1]}); each is analysed as many "
                        "times as it appears")
-        low = trace.one(f"SELECT count(*), min(step) FROM {table}_all WHERE step < 1")
+        below = [s.path for s in trace.spans if s.table == table and s.rows and (s.first is None or s.first < 1)]
+        low = trace.one(f"SELECT count(*), min(step) FROM {read_files(below)} WHERE step < 1") if below else (0, None)
         if low[0]:
             out.append(f"non-positive steps: {low[0]} row(s) of `{table}` with step < 1 (lowest "
                        f"{low[1]}); steps count from 1, so these rows come from a different writer")

@@ -16,7 +16,7 @@ import polars as pl
 from warninglight.tracer import schema
 from warninglight.tracer.schema import COUNT_METRICS, FORWARD, GRADIENT, HEAD, WEIGHTS
 
-from .baseline import DERIVED_METRICS, KEYS, metrics_in, with_baseline
+from .baseline import DERIVED_METRICS, POS, metrics_in, with_baseline
 from .conditions import DOWN, EITHER, NONFINITE, UNCLASSIFIED, UP, Condition, Config, Rule
 
 SIGNALS = (FORWARD, GRADIENT, WEIGHTS)
@@ -73,11 +73,14 @@ def _rule_expr(rule: Rule) -> pl.Expr:
 
 
 def _persisted(hit: pl.Expr, steps: int) -> pl.Expr:
-    """True where `hit` held on this and the `steps - 1` previous rows of the component."""
+    """True where `hit` held on this and the `steps - 1` previous rows of the component.
+
+    One rolling sum down the whole sorted frame; a window that reaches into the previous series
+    is cut off by the row's place in its own (`POS`)."""
     if steps == 1:
         return hit
-    held = hit.cast(pl.Int32).rolling_sum(window_size=steps, min_samples=steps).over(KEYS)
-    return (held == steps).fill_null(False)
+    held = hit.cast(pl.Int32).rolling_sum(window_size=steps, min_samples=steps)
+    return ((held == steps) & (pl.col(POS) >= steps - 1)).fill_null(False)
 
 
 def _rules(config: Config) -> list[tuple[Condition, Rule, str]]:
@@ -97,7 +100,7 @@ def score(frame: pl.LazyFrame, config: Config, reference: pl.DataFrame | None = 
         for m in peers])
     cols = [_persisted(_rule_expr(r), c.persistence_of(r)).alias(name)
             for c, r, name in _rules(config) if r.metric in present]
-    return scored.with_columns(cols)
+    return scored.with_columns(cols).drop(POS)
 
 
 def _magnitude(rule: Rule) -> pl.Expr:

@@ -9,10 +9,14 @@ are refused rather than writing over a file or reading one the user did not poin
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import csv
+import io
+import json
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import duckdb
-import polars as pl
 
 from .store import TraceError
 
@@ -24,6 +28,46 @@ _READ_ONLY = (duckdb.StatementType.SELECT, duckdb.StatementType.EXPLAIN)
 
 class QueryRefusedError(TraceError):
     """A query that would write, or read outside the trace directory, without permission."""
+
+
+@dataclass(frozen=True)
+class QueryResult:
+    """A query's rows as DuckDB returns them (no dataframe library is loaded to print them)."""
+
+    columns: list[str]
+    types: list[str]  # DuckDB's type of each column, e.g. BIGINT, DOUBLE[], STRUCT(...)
+    rows: list[tuple[Any, ...]]
+
+    def nested(self) -> list[str]:
+        """Columns holding lists, structs or maps (which CSV cannot hold)."""
+        return [c for c, t in zip(self.columns, self.types, strict=True)
+                if t.endswith("]") or t.startswith(("STRUCT", "MAP", "UNION"))]
+
+    def dicts(self) -> list[dict[str, Any]]:
+        return [dict(zip(self.columns, r, strict=True)) for r in self.rows]
+
+    def csv(self) -> str:
+        """Header and rows as CSV: empty for null, true/false for booleans."""
+        out = io.StringIO()
+        writer = csv.writer(out, lineterminator="\n")
+        writer.writerow(self.columns)
+        writer.writerows([("" if v is None else str(v).lower() if isinstance(v, bool) else v) for v in r]
+                         for r in self.rows)
+        return out.getvalue()
+
+    def json(self) -> str:
+        """A JSON list of row objects; non-finite floats are null, other values their text."""
+        return json.dumps([{k: _plain(v) for k, v in d.items()} for d in self.dicts()], default=str)
+
+
+def _plain(v: Any) -> Any:
+    if isinstance(v, float) and not math.isfinite(v):
+        return None
+    if isinstance(v, list | tuple):
+        return [_plain(x) for x in v]
+    if isinstance(v, dict):
+        return {str(k): _plain(x) for k, x in v.items()}
+    return v
 
 
 def confine(trace: Trace) -> None:
@@ -40,8 +84,8 @@ def confine(trace: Trace) -> None:
     con.execute("SET lock_configuration = true")
 
 
-def run_query(trace: Trace, sql: str, allow_external: bool = False) -> pl.DataFrame | None:
-    """The result of `sql` over the trace's views as a frame; None when it makes no rows."""
+def run_query(trace: Trace, sql: str, allow_external: bool = False) -> QueryResult | None:
+    """The result of `sql` over the trace's views; None when the SQL makes no result."""
     if not allow_external:
         try:
             kinds = [s.type for s in duckdb.extract_statements(sql)]
@@ -55,7 +99,9 @@ def run_query(trace: Trace, sql: str, allow_external: bool = False) -> pl.DataFr
         confine(trace)
     try:
         relation = trace.con.sql(sql)
-        return None if relation is None else relation.pl()
+        if relation is None:
+            return None
+        return QueryResult(list(relation.columns), [str(t) for t in relation.types], relation.fetchall())
     except duckdb.PermissionException as exc:
         raise QueryRefusedError(
             f"{str(exc).splitlines()[0]} — query reads only files under {trace.root}; pass "

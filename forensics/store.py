@@ -31,13 +31,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import duckdb
-import pyarrow.parquet as pq
 from warninglight.tracer import schema
 
 if TYPE_CHECKING:  # Polars loads with the first frame asked for: `info` needs none
     import polars as pl
 
 from . import checks
+from .footers import SegmentSpan, read_files, read_spans
 from .segments import list_segments
 
 _DUCK_TYPES = {"int64": "BIGINT", "float": "FLOAT", "double": "DOUBLE", "string": "VARCHAR",
@@ -66,19 +66,6 @@ class CorruptSegmentError(TraceError):
 
 class FormatVersionError(TraceError):
     """The trace was written in a format version this reader does not know."""
-
-
-@dataclass(frozen=True)
-class SegmentSpan:
-    """One segment file and the first and last step it holds (None: it holds no step)."""
-
-    table: str
-    rank: int
-    incarnation: int
-    path: Path
-    first: int | None
-    last: int | None
-    rows: int
 
 
 @dataclass
@@ -140,56 +127,14 @@ def _read_manifests(root: Path, warnings: list[str]) -> list[dict[str, Any]]:
     return manifests
 
 
-def _partition(path: Path, key: str) -> int:
-    for part in path.parts:
-        if part.startswith(key + "="):
-            return int(part.split("=", 1)[1])
-    return 0
-
-
-def _span(table: str, path: Path) -> SegmentSpan:
-    """The segment's step range: from its file name (format 2), else from its footer statistics."""
-    try:
-        meta = pq.read_metadata(path)
-    except Exception as exc:  # pyarrow raises several types for a damaged footer
-        raise CorruptSegmentError(
-            f"segment {path} is not readable Parquet ({type(exc).__name__}) — move it out of "
-            "the trace directory to analyse the rest (a crash loses at most that segment)") from exc
-    steps = schema.segment_steps(path.name)
-    if steps is None and meta.num_rows and "step" in meta.schema.names:
-        col = meta.schema.names.index("step")
-        stats = [meta.row_group(i).column(col).statistics for i in range(meta.num_row_groups)]
-        if all(st is not None and st.has_min_max for st in stats):
-            steps = (min(int(st.min) for st in stats), max(int(st.max) for st in stats))
-        else:  # no statistics: read the one column
-            import pyarrow.compute as pc
-
-            col_steps = pq.read_table(path, columns=["step"]).column("step")
-            steps = (int(pc.min(col_steps).as_py()), int(pc.max(col_steps).as_py()))
-    first, last = steps if steps is not None else (None, None)
-    return SegmentSpan(table, _partition(path, "rank"), _partition(path, "incarnation"), path,
-                       first, last, meta.num_rows)
-
-
 def _empty_select(table: str) -> str:
-    cols = [f"CAST(NULL AS {_DUCK_TYPES[str(c.type)]}) AS {c.name}" for c in schema.COLUMNS[table]]
+    cols = [f"CAST(NULL AS {_DUCK_TYPES[c.type_name]}) AS {c.name}" for c in schema.COLUMNS[table]]
     return f"SELECT {', '.join(cols)}, CAST(NULL AS BIGINT) AS rank, CAST(NULL AS BIGINT) AS incarnation WHERE false"
 
 
-def _literal(path: Path) -> str:
-    """`path` as a DuckDB file name that matches only itself: DuckDB globs every name it is given,
-    so a trace under `runs/exp[1]` would also read `runs/exp1`; each glob character becomes a
-    one-character class (`[` -> `[[]`), and quotes are doubled for the SQL string."""
-    return "'" + "".join(f"[{c}]" if c in "[*?{" else c for c in str(path)).replace("'", "''") + "'"
-
-
 def _raw_view(con: duckdb.DuckDBPyConnection, table: str, files: list[Path]) -> None:
-    if files:  # an explicit list of literal names: never another run's files
-        listed = ", ".join(_literal(p) for p in files)
-        src = (f"SELECT * FROM read_parquet([{listed}], hive_partitioning = true, "
-               "hive_types = {'rank': BIGINT, 'incarnation': BIGINT}, union_by_name = true)")
-    else:
-        src = _empty_select(table)
+    # an explicit list of literal names: never another run's files
+    src = f"SELECT * FROM {read_files(files)}" if files else _empty_select(table)
     con.execute(f"CREATE VIEW {table}_all AS {src}")
 
 
@@ -263,10 +208,13 @@ def open_trace(path: str | Path) -> Trace:
             f"no trace segments under {root / 'health'} — is this a trace directory? "
             f"expected files like {example}")
     segments = listing.files
-    checks.check_files(by_table)
-    spans = [_span(t, p) for t in schema.TABLES for p in by_table[t]]
     con = duckdb.connect(config={"memory_limit": DUCKDB_MEMORY})
     con.execute("SET enable_progress_bar = false")  # it would write into stdout (analyze --json)
+    try:
+        spans = read_spans(con, by_table)
+    except TraceError:
+        con.close()
+        raise
     for table in schema.TABLES:
         _raw_view(con, table, by_table[table])
     _superseded(con, spans)
@@ -355,9 +303,7 @@ def health_window(trace: Trace, first: int, last: int, components: pl.DataFrame 
         where += " AND t.component IN (" + (", ".join(_quote(n) for n in names) or "NULL") + ")"
     if rank is not None:
         where += f" AND t.rank = {int(rank)}"
-    source = (f"read_parquet([{', '.join(_literal(p) for p in files)}], hive_partitioning = true, "
-              "hive_types = {'rank': BIGINT, 'incarnation': BIGINT}, union_by_name = true)"
-              if files else "health_all")
+    source = read_files(files) if files else "health_all"
     arrow = trace.con.sql(f"""
         SELECT {picked} FROM {source} t
         JOIN _superseded s ON t.rank = s.rank AND t.incarnation = s.incarnation

@@ -4,8 +4,9 @@
 with the one classifier (`classify.score`, `hits`, `alarms`) on those rows plus the trailing rows
 it carried, and returns the alarms whose episode begins in them. It carries only the last
 `history` rows of each (rank, component) — every past value a rule reads — and the first and
-last step of each alarm's episode, so its memory does not grow with the run (except by the
-alarms themselves). Fed a whole trace at once or one step at a
+last step of each alarm's episode (and, per series, the highest lr of the rows it let go, so
+an lr surge is judged against the whole run), so its memory does not grow with the run (except
+by the alarms themselves). Fed a whole trace at once or one step at a
 time, it raises the same alarms at the same steps.
 
 With `since`, rows of earlier steps only fill the trailing history (an incident window's
@@ -15,9 +16,10 @@ warm-up): nothing before `since` is judged. It can also keep the report's heatma
 
 from __future__ import annotations
 
+import numpy as np
 import polars as pl
 
-from .baseline import KEYS
+from .baseline import KEYS, LR_PEAK, lr_peaks, series_starts
 from .classify import ALARM_SCHEMA, alarms, hits, score
 from .conditions import Config
 
@@ -41,6 +43,7 @@ class Classifier:
         self.history = config.baseline.history(config.conditions)
         self._components = components
         self._tail: pl.DataFrame | None = None
+        self._lr_peak: pl.DataFrame | None = None  # per series, the highest lr of the rows let go
         self._last_step: dict[int, int] = {}
         self._episodes = pl.DataFrame(schema={**{k: ALARM_SCHEMA[k] for k in GROUP},
                                               "start": pl.Int64, "last": pl.Int64})
@@ -56,6 +59,9 @@ class Classifier:
             return pl.DataFrame(schema=ALARM_SCHEMA)
         rows = self._prepare(rows)
         window = rows if self._tail is None else pl.concat([self._tail, rows], how="diagonal_relaxed")
+        if self._lr_peak is not None and "lr" in window.columns:  # the run's lr before the window
+            window = window.join(self._lr_peak, on=list(KEYS), how="left")
+        window = window.sort([*KEYS, "step"])  # once: the baseline and the carry read series in order
         judged = pl.col(_NEW) if self.since is None else pl.col(_NEW) & (pl.col("step") >= self.since)
         scored = score(window.lazy(), self.config, self.reference).filter(judged).collect()
         self.scored = scored  # the judged rows of this call, for a caller that localises live
@@ -100,10 +106,14 @@ class Classifier:
         return rows.with_columns(pl.lit(True).alias(_NEW))
 
     def _carry(self, window: pl.DataFrame) -> pl.DataFrame:
-        """The last `history` rows of each (rank, component): all the past a rule reads."""
-        kept = window.sort([*KEYS, "step"]).filter(
-            pl.int_range(pl.len()).over(KEYS) >= pl.len().cast(pl.Int64).over(KEYS) - self.history)
-        return kept.with_columns(pl.lit(False).alias(_NEW))
+        """The last `history` rows of each (rank, component) of `window` (sorted by them and step):
+        all the past a rule reads."""
+        starts = series_starts(window)
+        kept_from = np.maximum(starts[:-1], starts[1:] - self.history)  # each series' first kept row
+        if "lr" in window.columns:  # the lr of the rows let go still bounds what a surge is
+            self._lr_peak = lr_peaks(window, starts, kept_from)
+        kept = window.filter(pl.Series(np.arange(window.height) >= np.repeat(kept_from, np.diff(starts))))
+        return kept.drop(LR_PEAK, strict=False).with_columns(pl.lit(False).alias(_NEW))
 
     def _episode_alarms(self, found: pl.DataFrame) -> pl.DataFrame:
         """Alarms of the hits of new steps, continuing the episodes open before them."""

@@ -8,7 +8,7 @@ import torch
 from rehearsed import analysed, trace
 from torch import nn
 from warninglight.forensics import analyze, open_trace
-from warninglight.forensics.baseline import lr_surge
+from warninglight.forensics.baseline import lr_surge, series_starts
 from warninglight.forensics.classify import classify
 from warninglight.forensics.conditions import Config
 from warninglight.forensics.schedule import component_lr, not_held, with_lr
@@ -51,7 +51,7 @@ def test_lr_surge_is_a_rise_past_the_runs_own_history() -> None:
     spike = [0.01, 0.2]  # 20x in one step, above the peak 0.1
     lr = warmup + decay + restart + spike
     frame = pl.DataFrame({"rank": 0, "component": "a", "step": range(len(lr)), "lr": lr})
-    got = frame.with_columns(lr_surge())["lr_surge"].to_list()
+    got = lr_surge(frame["lr"], series_starts(frame)).to_list()
     assert max(got[:-1]) < 2.1  # warmup's second step doubles its lr; nothing else rises
     assert got[-1] == pytest.approx(20.0)
 

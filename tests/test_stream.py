@@ -119,3 +119,39 @@ def test_help_and_conditions_load_no_query_engine() -> None:
             "print(sorted(m for m in ('duckdb', 'polars', 'torch') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+@pytest.mark.parametrize("args", [["info"], ["query", "SELECT component, avg(out_rms) FROM health GROUP BY 1"]])
+def test_info_and_query_read_a_trace_with_duckdb_alone(args: list[str]) -> None:
+    # pyarrow (with numpy) and Polars cost ~0.4 s to import: the quick commands never load them
+    trace = str(SAMPLES / "gpt_clean")
+    code = ("import sys; from warninglight.cli.main import app; sys.argv = ['warninglight', *sys.argv[1:]]\n"
+            "try:\n    app()\nexcept SystemExit:\n    pass\n"
+            "print(sorted(m for m in ('numpy', 'polars', 'pyarrow', 'torch') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code, args[0], trace, *args[1:]], capture_output=True,
+                         text=True, check=True)
+    lines = out.stdout.strip().splitlines()
+    assert lines[-1] == "[]" and len(lines) > 3  # the command printed its answer, then no heavy module
+
+
+def _restarting_lr(steps: int = 400, period: int = 100) -> pl.DataFrame:
+    """Two components under cosine decay with warm restarts to the first peak, then a real spike."""
+    import math
+
+    lrs = [1e-3 * (0.5 + 0.5 * math.cos(math.pi * ((s - 1) % period) / period)) + 1e-5 for s in range(1, steps + 1)]
+    lrs[349] = 5e-3  # step 350: five times any lr set before
+    rows = [{"rank": 0, "component": c, "step": s, "lr": lr, "role": "param"}
+            for s, lr in enumerate(lrs, start=1) for c in ("a", "b")]
+    return pl.DataFrame(rows)
+
+
+def test_a_warm_restart_back_to_the_run_peak_is_no_surge_however_it_is_fed() -> None:
+    frame = _restarting_lr()
+    _, whole = classify(frame.lazy(), Config())
+    surges = whole.filter(pl.col("metric") == "lr_surge")
+    assert sorted(set(surges["step"].to_list())) == [350]  # the spike, not the restarts at 101, 201, 301
+    for chunk in (1, 7, 100):
+        clf = Classifier(Config())
+        for first in range(1, 401, chunk):
+            clf.feed(frame.filter(pl.col("step").is_between(first, first + chunk - 1)))
+        assert clf.alarms().equals(whole), chunk

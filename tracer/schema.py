@@ -36,8 +36,10 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import pyarrow as pa
+if TYPE_CHECKING:
+    import pyarrow as pa
 
 FORMAT_VERSION = 2
 SUPPORTED_FORMAT_VERSIONS = frozenset({1, 2})
@@ -71,18 +73,39 @@ class Column:
     """
 
     name: str
-    type: pa.DataType
+    type_name: str  # the Arrow type as pyarrow prints it (F32, F64, ...)
     unit: str
     doc: str
     kind: str = ""
     count: bool = False
 
+    @property
+    def type(self) -> pa.DataType:
+        """The Arrow type (imports pyarrow, which only writers and readers of Parquet need)."""
+        return _arrow_type(self.type_name)
+
+    @property
+    def floating(self) -> bool:
+        return self.type_name in (F32, F64)
+
+
+# Arrow type names: this module reads without importing pyarrow (~0.25 s with numpy), which the
+# engine's quick commands (`info`, `query`) never load; `Column.type` builds the Arrow type.
+F32, F64, I64, STR, BOOL = "float", "double", "int64", "string", "bool"
+LIST_F64, LIST_I64 = "list<item: double>", "list<item: int64>"
+
+
+def _arrow_type(name: str) -> pa.DataType:
+    import pyarrow as pa
+
+    return {F32: pa.float32, F64: pa.float64, I64: pa.int64, STR: pa.string, BOOL: pa.bool_,
+            LIST_F64: lambda: pa.list_(pa.float64()), LIST_I64: lambda: pa.list_(pa.int64())}[name]()
+
 
 def _schema(columns: tuple[Column, ...]) -> pa.Schema:
+    import pyarrow as pa
+
     return pa.schema([pa.field(c.name, c.type, nullable=True) for c in columns])
-
-
-F32, F64, I64, STR, BOOL = pa.float32(), pa.float64(), pa.int64(), pa.string(), pa.bool_()
 
 COMPONENT_COLUMNS: tuple[Column, ...] = (
     Column("component", STR, "", "module path from `named_modules()`, e.g. `h.2.attn.c_attn`; `` is the root"),
@@ -122,11 +145,11 @@ STEP_COLUMNS: tuple[Column, ...] = (
     Column("step_time_s", F64, "seconds", "wall time since the previous step finished"),
     Column("loss", F64, "loss units", "`rec.log(loss=...)`; mean if logged several times in a step"),
     Column("lr", F64, "learning rate", "learning rate of the optimizer's first param group"),
-    Column("lr_groups", pa.list_(F64), "learning rate", "learning rate of every param group, in the optimizer's order (`components.param_group` indexes it)"),
+    Column("lr_groups", LIST_F64, "learning rate", "learning rate of every param group, in the optimizer's order (`components.param_group` indexes it)"),
     Column("grad_norm_total_l2", F64, "gradient units", "L2 norm of all parameter gradients together as optimizer.step receives them: after any clipping or unscaling the training loop did (the per-component `grad_norm_l2` are taken at the same point)"),
     Column("grad_norm_preclip_l2", F64, "gradient units", "L2 norm of all parameter gradients as the step's last backward pass left them, before clipping (what `clip_grad_norm_` sees; with a GradScaler, the scaled norm); null on the first step whose gradients the loop modified after backward, and where no backward pass was seen"),
     Column("micro_batches", I64, "forward passes", "training forward passes of the root module in this step"),
-    Column("batch_ids", pa.list_(I64), "sample ids", "`rec.batch(ids)`: the samples (or batch indices) this step consumed"),
+    Column("batch_ids", LIST_I64, "sample ids", "`rec.batch(ids)`: the samples (or batch indices) this step consumed"),
 )
 
 SCALAR_COLUMNS: tuple[Column, ...] = (
@@ -162,7 +185,6 @@ COLUMNS: dict[str, tuple[Column, ...]] = {
     "events": EVENT_COLUMNS,
     "replicas": REPLICA_COLUMNS,
 }
-SCHEMAS: dict[str, pa.Schema] = {table: _schema(cols) for table, cols in COLUMNS.items()}
 
 # Keyword arguments of `pyarrow.parquet.write_table` for every segment the recorder writes.
 # Measured on recorded GPT health segments (docs/scale.md): floats as byte stream split (the
@@ -175,9 +197,8 @@ PARQUET_WRITE_OPTIONS: dict[str, object] = {
     "compression": "zstd",
     "use_dictionary": list(_DICTIONARY),
     "column_encoding": {
-        c.name: "BYTE_STREAM_SPLIT" if pa.types.is_floating(c.type) else "DELTA_BINARY_PACKED"
-        for cols in COLUMNS.values() for c in cols
-        if pa.types.is_floating(c.type) or pa.types.is_integer(c.type)},
+        c.name: "BYTE_STREAM_SPLIT" if c.floating else "DELTA_BINARY_PACKED"
+        for cols in COLUMNS.values() for c in cols if c.floating or c.type_name == I64},
     "write_statistics": ["step", "component"],
 }
 
@@ -235,7 +256,7 @@ def manifest_path(root: Path, rank: int) -> Path:
 
 def segment_dir(root: Path, table: str, rank: int, incarnation: int) -> Path:
     """The folder holding one table's segments for one rank and incarnation."""
-    if table not in SCHEMAS:
+    if table not in COLUMNS:
         raise ValueError(f"unknown trace table {table!r}; expected one of {', '.join(TABLES)}")
     return Path(root) / table / f"rank={rank}" / f"incarnation={incarnation}"
 
@@ -271,3 +292,11 @@ def segment_steps(name: str) -> tuple[int, int] | None:
     if m is None or m.group(2) is None:
         return None
     return int(m.group(2)), int(m.group(3))
+
+
+def __getattr__(name: str) -> object:
+    """`SCHEMAS` (table -> Arrow schema), built on first use: it needs pyarrow."""
+    if name == "SCHEMAS":
+        globals()["SCHEMAS"] = {table: _schema(cols) for table, cols in COLUMNS.items()}
+        return globals()["SCHEMAS"]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -72,6 +72,12 @@ class LiveMonitor:
             self.errors += w.errors
 
     def _run(self) -> None:
+        try:  # load the compiled baseline kernel now (compiled on first use, ~2 s), not at the first alarm
+            from warninglight.forensics.quantiles import warm
+
+            warm()
+        except Exception as exc:  # the first segment will report what fails
+            self._error(f"live classification could not start: {type(exc).__name__}: {exc}")
         while (seg := self._segments.get()) is not None:
             try:
                 found = self._classifier.feed(seg)

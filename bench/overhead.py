@@ -15,9 +15,11 @@ keeps its own values). Run: `python bench/overhead.py [--steps N] [--pairs N] [-
 from __future__ import annotations
 
 import argparse
+import glob
 import os
 import statistics
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 
@@ -70,20 +72,81 @@ def run_block(loss_fn: Callable[[], torch.Tensor], opt: torch.optim.Optimizer, s
 Case = tuple[torch.nn.Module, Callable[[], torch.Tensor]]
 
 
-def measure(name: str, make: Callable[[], Case], pairs: int, steps: int) -> None:
-    """Alternate blocks of a plain and a watched copy; print the median ratio and its spread."""
+def _others_running() -> int:
+    """Runnable threads on the machine that are not this process's (Linux; 0 elsewhere)."""
+    try:
+        with open("/proc/loadavg") as f:
+            running = int(f.read().split()[3].split("/")[0])
+        mine = 0
+        for stat in glob.glob(f"/proc/{os.getpid()}/task/*/stat"):
+            with open(stat) as f:
+                mine += f.read().rsplit(")", 1)[1].split()[0] == "R"
+        return max(0, running - mine)
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+class Contention:
+    """Samples, every 50 ms in a thread, whether other processes want the CPUs."""
+
+    def __init__(self) -> None:
+        self.samples = self.busy = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.05):
+            self.samples += 1
+            self.busy += _others_running() > 0
+
+    def fraction(self) -> float:
+        """Share of samples so far with another process runnable; resets the count."""
+        f = self.busy / max(1, self.samples)
+        self.samples = self.busy = 0
+        return f
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def wait_for_quiet(max_wait_s: float) -> bool:
+    """Wait until no other process has been runnable for 2 s (at most `max_wait_s`)."""
+    deadline, quiet_since = time.monotonic() + max_wait_s, None
+    while time.monotonic() < deadline:
+        now = time.monotonic()
+        if _others_running():
+            quiet_since = None
+        elif quiet_since is None:
+            quiet_since = now
+        elif now - quiet_since >= 2.0:
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def measure(name: str, make: Callable[[], Case], pairs: int, steps: int, wait_s: float = 0.0) -> None:
+    """Alternate blocks of a plain and a watched copy; print the median ratio and its spread.
+
+    `wait_s` > 0: before each pair, wait up to that long for other processes to leave the CPUs;
+    the ratio is also printed over the pairs during which none of them ran ("clean" pairs)."""
     torch.manual_seed(0)
     plain_model, plain_loss = make()
     torch.manual_seed(0)
     model, loss_fn = make()
     plain_opt = torch.optim.AdamW(plain_model.parameters(), lr=1e-3)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    wall, cpu, base = [], [], []
+    wall, cpu, base, busy = [], [], [], []
+    contention = Contention()
     with tempfile.TemporaryDirectory() as tmp:
         run_block(plain_loss, plain_opt, 3, None)  # warm-up: allocator, thread pools
         rec = watch(model, opt, f"{tmp}/run", flush_every_steps=steps)
         run_block(loss_fn, opt, 11, rec)  # settles components, writes the early first segment
         for i in range(pairs):
+            if wait_s > 0:
+                wait_for_quiet(wait_s)
+            contention.fraction()
             if i % 2:  # alternate the order inside a pair: load drift does not favour one side
                 recorded = run_block(loss_fn, opt, steps, rec)
                 plain = run_block(plain_loss, plain_opt, steps, None)
@@ -93,16 +156,27 @@ def measure(name: str, make: Callable[[], Case], pairs: int, steps: int) -> None
             wall.append(recorded[0] / plain[0])
             cpu.append(recorded[1] / plain[1])
             base.append(plain[0])
+            busy.append(contention.fraction())
         rec.close()
         lost = rec.dropped_steps
+    contention.stop()
     print(f"{name}: {statistics.median(base) * 1e3:.2f} ms/step without the recorder "
           f"({pairs} block pairs of {steps} steps, one flush in each watched block"
           f"{f'; {lost} steps DROPPED' if lost else ''})")
     for label, ratios in (("wall-clock", wall), ("process CPU", cpu)):
-        q = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else [ratios[0]] * 3
-        print(f"  {label} ratio with/without: median {statistics.median(ratios):.3f} "
-              f"(quartiles {q[0]:.3f}-{q[2]:.3f}, min {min(ratios):.3f}, max {max(ratios):.3f})")
+        _print_ratios(f"{label} ratio with/without", ratios)
+    clean = [i for i, b in enumerate(busy) if b == 0]
+    print(f"  other processes runnable during {statistics.mean(busy):.0%} of the time; "
+          f"{len(clean)} of {pairs} pairs ran with none")
+    if clean and len(clean) < pairs:
+        _print_ratios("wall-clock ratio, clean pairs only", [wall[i] for i in clean])
     print(f"  load average after: {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
+
+
+def _print_ratios(label: str, ratios: list[float]) -> None:
+    q = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else [ratios[0]] * 3
+    print(f"  {label}: median {statistics.median(ratios):.3f} (quartiles {q[0]:.3f}-{q[2]:.3f}, "
+          f"min {min(ratios):.3f}, max {max(ratios):.3f}, {len(ratios)} pairs)")
 
 
 def main() -> None:
@@ -115,6 +189,8 @@ def main() -> None:
     ap.add_argument("--skip-mlp", action="store_true", help="only the GPT figures")
     ap.add_argument("--skip-bench-gpt", action="store_true", help="not the d=256 GPT")
     ap.add_argument("--skip-small-gpt", action="store_true", help="not the d=128 GPT")
+    ap.add_argument("--wait-quiet", type=float, default=0.0, metavar="S",
+                    help="before each pair, wait up to S seconds until no other process is runnable")
     ap.add_argument("--skip-replicas", action="store_true",
                     help="skip the per-rank evidence figure (bench/replica_overhead.py)")
     args = ap.parse_args()
@@ -126,12 +202,15 @@ def main() -> None:
           "CPUs (a loaded, shared machine moves these figures by several points)")
     if not args.skip_bench_gpt:
         measure(f"bench GPT 4 layers, d=256, seq 128, batch {args.batch}",
-                lambda: gpt_case(args.batch, n_layer=4, n_embd=256, block=128), args.pairs, args.steps)
+                lambda: gpt_case(args.batch, n_layer=4, n_embd=256, block=128), args.pairs, args.steps,
+                args.wait_quiet)
     if not args.skip_small_gpt:
         measure("small GPT 4 layers, d=128, seq 64, batch 16",
-                lambda: gpt_case(16, n_layer=4, n_embd=128, block=64), args.pairs, args.steps * 3)
+                lambda: gpt_case(16, n_layer=4, n_embd=128, block=64), args.pairs, args.steps * 3,
+                args.wait_quiet)
     if not args.skip_mlp:
-        measure("MLP 32-64-64-64-10, batch 64", lambda: mlp_case(batch=64), args.pairs, args.steps * 20)
+        measure("MLP 32-64-64-64-10, batch 64", lambda: mlp_case(batch=64), args.pairs, args.steps * 20,
+                args.wait_quiet)
     if not args.skip_replicas:  # data-parallel runs only: weight checksums, local gradient norms
         from replica_overhead import report as replica_report
 

@@ -20,15 +20,18 @@ def health(trace: Path, metric: str) -> dict[tuple[int, str], float | None]:
     return {(s, c): v for s, c, v in rows}
 
 
-def test_gradient_weight_and_update_metrics_match_direct_computation(tmp_path: Path) -> None:
+@pytest.mark.parametrize("steps", [4, 20])
+def test_gradient_weight_and_update_metrics_match_direct_computation(tmp_path: Path, steps: int) -> None:
+    # 20 steps with a flush every 7: values derived in batches of steps, cut short by flushes, and
+    # carried from one batch to the next (the update cosine needs the step before)
     torch.manual_seed(0)
     model = zoo.mlp(hidden=12, depth=2)  # every tensor <= 256 values: the sketch is exact
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     expected: dict[str, list[float]] = {"grad": [], "weight": [], "ratio": [], "cos": []}
     prev_update = None
     layer = model[2]
-    with watch(model, opt, tmp_path):
-        for _, (_, x, y) in zip(range(4), zoo.batches(*zoo.teacher_classification(256), 32), strict=False):
+    with watch(model, opt, tmp_path, flush_every_steps=7):
+        for _, (_, x, y) in zip(range(steps), zoo.batches(*zoo.teacher_classification(256), 32), strict=False):
             F.cross_entropy(model(x), y).backward()
             before = torch.cat([layer.weight.detach().flatten(), layer.bias.detach().flatten()])
             grads = torch.cat([layer.weight.grad.flatten(), layer.bias.grad.flatten()])
@@ -44,10 +47,10 @@ def test_gradient_weight_and_update_metrics_match_direct_computation(tmp_path: P
             prev_update = update
     for key, metric in (("grad", "grad_norm_l2"), ("weight", "weight_norm_l2"), ("ratio", "update_ratio")):
         got = health(tmp_path, metric)
-        assert [got[(s, "2")] for s in range(1, 5)] == pytest.approx(expected[key], rel=1e-5)
+        assert [got[(s, "2")] for s in range(1, steps + 1)] == pytest.approx(expected[key], rel=1e-5)
     cos = health(tmp_path, "update_cos")
     assert cos[(1, "2")] is None
-    assert [cos[(s, "2")] for s in range(2, 5)] == pytest.approx(expected["cos"], abs=1e-5)
+    assert [cos[(s, "2")] for s in range(2, steps + 1)] == pytest.approx(expected["cos"], abs=1e-5)
     assert health(tmp_path, "grad_norm_l2")[(1, "1")] is None  # a ReLU has no parameters
 
 
@@ -123,3 +126,66 @@ def test_activation_statistics_match_the_output(tmp_path: Path) -> None:
     got = {m: health(tmp_path, m)[(1, "1")] for m in ("out_mean", "out_rms", "out_absmax", "out_zero_frac")}
     assert got == pytest.approx({"out_mean": float(out.mean()), "out_rms": float(out.square().mean().sqrt()),
                                  "out_absmax": float(out.abs().max()), "out_zero_frac": float((out == 0).float().mean())})
+
+
+def test_activation_statistics_match_the_output_at_every_step(tmp_path: Path) -> None:
+    # batches of 16 rows and then 8 (every value is in the sample): samples are copied into
+    # staging buffers once a shape repeats, batches of 8 steps are reduced together, flushes every
+    # 7 steps cut them short, and the shape change makes new buffers; none of it may move a value
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 12), nn.ReLU(), nn.Linear(12, 12), nn.Tanh(), nn.Linear(12, 3))
+    with torch.no_grad():
+        model[0].bias[:3] = -50.0  # three ReLU units dead
+        model[2].bias[:4] = 40.0   # four tanh units saturated
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    expected: dict[tuple[int, str], dict[str, float]] = {}
+    step = [1]
+
+    def record(name: str):  # noqa: ANN202
+        def hook(module: nn.Module, args: object, out: torch.Tensor) -> None:
+            o = out.detach()
+            expected[(step[0], name)] = {
+                "out_mean": float(o.mean()), "out_rms": float(o.square().mean().sqrt()),
+                "out_absmax": float(o.abs().max()), "out_zero_frac": float((o == 0).float().mean()),
+                "out_dead_frac": float((o.abs() <= 1e-6).all(0).float().mean()),
+                "out_sat_frac": float((o.abs() >= 0.98).float().mean())}
+        return hook
+    for i, layer in enumerate(model):
+        layer.register_forward_hook(record(str(i)))
+    with watch(model, opt, tmp_path, flush_every_steps=7):
+        for s in range(1, 21):
+            step[0] = s
+            x = torch.randn(16 if s <= 12 else 8, 6)
+            F.mse_loss(model(x), torch.zeros(len(x), 3)).backward()
+            opt.step()
+            opt.zero_grad()
+    metrics = ["out_mean", "out_rms", "out_absmax", "out_zero_frac", "out_dead_frac", "out_sat_frac"]
+    got = {m: health(tmp_path, m) for m in metrics}
+    for (s, name), want in expected.items():
+        for m in metrics:
+            if m == "out_sat_frac" and name != "3":
+                assert got[m][(s, name)] is None  # only a bounded activation saturates
+            else:
+                assert got[m][(s, name)] == pytest.approx(want[m], rel=1e-6, abs=1e-7), (s, name, m)
+    assert len(expected) == 20 * 5
+    assert got["out_dead_frac"][(20, "1")] >= 3 / 12
+    assert got["out_sat_frac"][(20, "3")] >= 4 / 12
+
+
+def test_an_output_written_in_place_after_its_hook_is_recorded_as_the_layer_left_it(tmp_path: Path) -> None:
+    # nn.ReLU(inplace=True) overwrites the Linear's output after the Linear's hook has run
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 12), nn.ReLU(inplace=True), nn.Linear(12, 3))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    expected: dict[int, float] = {}
+    step = [1]
+    model[0].register_forward_hook(lambda m, a, out: expected.__setitem__(step[0], float(out.detach().mean())))
+    with watch(model, opt, tmp_path):
+        for s in range(1, 13):
+            step[0] = s
+            F.mse_loss(model(torch.randn(16, 6)), torch.zeros(16, 3)).backward()
+            opt.step()
+            opt.zero_grad()
+    got = health(tmp_path, "out_mean")
+    assert [got[(s, "0")] for s in range(1, 13)] == pytest.approx([expected[s] for s in range(1, 13)], rel=1e-6)
+    assert health(tmp_path, "out_zero_frac")[(12, "0")] == 0.0  # before the ReLU: no zeros

@@ -126,7 +126,7 @@ class ParamProbe:
         self._preclip = _NO_PRECLIP
         self._bad: torch.Tensor | None = None
         self.modified_after_backward = False  # the loop was seen to change gradients after backward
-        self._at_backward: tuple[tuple[object, ...], bool] | None = None  # versions, norms taken
+        self._at_backward: tuple[list[int], bool] | None = None  # versions, norms taken
         self.refresh()
 
     def refresh(self) -> None:
@@ -198,8 +198,14 @@ class ParamProbe:
         # plain tensors are read as they are (no detach: this runs under no_grad)
         return [z if (g := p.grad) is None else g for p, z in zip(self.params, self._no_grad, strict=True)]
 
-    def _versions(self) -> tuple[object, ...]:
-        return tuple(None if (g := p.grad) is None else (id(g), g._version) for p in self.params)
+    def _versions(self) -> list[int]:
+        """Which gradient tensor each parameter holds and its version counter, as flat ints (a
+        list of tuples made two per step is garbage the collector has to walk)."""
+        out: list[int] = []
+        for p in self.params:
+            g = p.grad
+            out += (0, -1) if g is None else (id(g), g._version)
+        return out
 
     @torch.no_grad()
     def after_backward(self) -> None:

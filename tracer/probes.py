@@ -235,6 +235,11 @@ class ForwardProbe:
         self._plan: _Plan | None = None   # where this step's samples go (shaped like the last)
         # per component: the shape of its last output and the rows view of such an output
         self._views: dict[int, tuple[torch.Size, tuple[tuple[int, int], tuple[int, int]] | None]] = {}
+        # (position in `samples`, output, its version, rows view): copies left for the end of the pass
+        self._deferred: list[tuple[int, torch.Tensor, int, tuple[tuple[int, int], tuple[int, int]]]] = []
+        self._copy_now: set[int] = set()    # components whose output was seen written in place
+        self._copy_later: set[int] = set()  # ... seen not written in place: their copy may wait
+        self._unverified: list[tuple[int, torch.Tensor, int]] = []  # copied in the hook, to check
         self._last_key: Key | None = None
 
     def observe(self, comp: Component, out: object) -> None:
@@ -253,20 +258,69 @@ class ForwardProbe:
             if t.numel() == 0:
                 return
             known = self._views[idx] = (shape, rows_view(t, self.rows, comp.channel_first))
-        t = t.detach()
         if t.is_cpu:
-            self.held.append((idx, t))
+            self.held.append((idx, t))  # detached only if it is ever counted
         else:
-            self._bad_counts()[idx].add_(torch.isfinite(t).logical_not_().sum().to(self.device))
+            self._bad_counts()[idx].add_(torch.isfinite(t.detach()).logical_not_().sum().to(self.device))
         if self.sampled[idx]:
             return
         self.sampled[idx] = True
+        if known[1] is not None and t.is_contiguous() and idx in self._copy_later:
+            # the usual case: the copy waits for the end of the forward pass, where all of them
+            # are one op (no tensor op in the hook); the version counter says if it was overwritten
+            self._deferred.append((len(self.samples), t, t._version, known[1]))
+            self.samples.append((idx, t))  # replaced by its copy in `copy_deferred`
+            return
         plan, k = self._plan, len(self.pending)
         dest = plan.views[k].get(idx) if plan is not None and k < plan.steps else None
-        if known[1] is not None and t.is_contiguous():  # the usual case: one view, one copy
-            self.samples.append((idx, _copy(t.as_strided(*known[1]), dest)))
-        else:
-            self.samples.append((idx, subsample(t, self.rows, comp.channel_first, dest)))
+        self.samples.append((idx, subsample(t.detach(), self.rows, comp.channel_first, dest)))
+        if known[1] is not None and idx not in self._copy_now:  # may its copy wait, next time?
+            self._unverified.append((idx, t, t._version))
+
+    @torch.no_grad()
+    def copy_deferred(self) -> None:
+        """Copy the samples the hooks left for later (end of the forward pass, or of the step).
+
+        A component's copy waits only after one pass showed that nothing wrote its output in
+        place after its hook (`nn.ReLU(inplace=True)` after a layer does); if that changes
+        later, that step's sample of it is lost (its forward values null) and it is copied in
+        its hook from then on."""
+        for idx, t, version in self._unverified:
+            (self._copy_later if t._version == version else self._copy_now).add(idx)
+        self._unverified = []
+        deferred, self._deferred = self._deferred, []
+        if not deferred:
+            return
+        plan, k = self._plan, len(self.pending)
+        views = plan.views[k] if plan is not None and k < plan.steps else {}
+        srcs, dests, done = [], [], {}  # done: position in `samples` -> its copy
+        try:
+            for pos, t, version, view in deferred:
+                idx = self.samples[pos][0]
+                if t._version != version:  # written in place after the hook: the values are gone
+                    self._copy_later.discard(idx)
+                    self._copy_now.add(idx)
+                    continue
+                src = t.as_strided(*view)  # under no_grad: a plain view
+                dest = views.get(idx)
+                if dest is None or dest.shape != src.shape or dest.dtype != src.dtype:
+                    dest = torch.empty(src.shape, dtype=src.dtype, device=src.device)
+                srcs.append(src)
+                dests.append(dest)
+                done[pos] = dest
+            if srcs:
+                torch._foreach_copy_(dests, srcs)
+        except Exception:
+            done = {}  # nothing is known to be copied
+            raise
+        finally:  # what was not copied is not a sample of this step
+            for pos, dest in done.items():
+                self.samples[pos] = (self.samples[pos][0], dest)
+            lost = {pos for pos, *_ in deferred} - done.keys()
+            if lost:
+                for pos in lost:
+                    self.sampled[self.samples[pos][0]] = False
+                self.samples = [s for i, s in enumerate(self.samples) if i not in lost]
 
     def observe_in_graph(self, comp: Component, out: object) -> None:
         """The hook body traced by torch.compile: only tensor ops and one list append."""
@@ -295,12 +349,14 @@ class ForwardProbe:
         """Count non-finite values in the held outputs if `suspect`, then let them go."""
         if suspect:
             for idx, t in self.held:
+                t = t.detach()
                 if not math.isfinite(float(t.sum())):  # one pass; the exact count only if needed
                     self._bad_counts()[idx] += t.numel() - int(torch.isfinite(t).sum())
         self.held.clear()
 
     def take(self, slot: int) -> None:
         """The step is finished: queue its observations for `compute` under buffer row `slot`."""
+        self.copy_deferred()
         step = _StepSamples(slot, self.samples, self.bad)
         k, plan = len(self.pending), self._plan
         if plan is not None and plan.holds(k, step.samples):
@@ -318,7 +374,7 @@ class ForwardProbe:
 
     def reset(self) -> None:
         """Forget the current step's observations (queued steps stay)."""
-        self.samples, self.bad = [], None
+        self.samples, self.bad, self._deferred, self._unverified = [], None, [], []
         self.from_graph.clear()
         self.held.clear()
         self.sampled[:] = False

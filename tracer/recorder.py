@@ -256,9 +256,14 @@ class Recorder:
             self._probe_failed(exc)
 
     def _root_hook(self, module: nn.Module, args: Any, out: Any) -> None:
-        """Arrange a call at the end of the backward pass through this output (pre-clip norms)."""
+        """End of the forward pass: take the samples the hooks left, and arrange a call at the end
+        of the backward pass through this output (pre-clip norms)."""
         if torch.compiler.is_compiling() or not self._recording(module):
             return
+        try:
+            self.fwd.copy_deferred()
+        except Exception as exc:
+            self._probe_failed(exc)
         t = first_tensor(out)
         if t is not None and t.requires_grad:
             t.register_hook(self._on_output_grad)

@@ -126,7 +126,7 @@ def bench_size(target: float, copies: int, workdir: Path, keep: bool,
 
 def _cell(r: dict[str, object], key: str) -> str:
     if f"{key}_s" not in r:
-        return "not run | "
+        return "not run | — | "
     return f"{r[f'{key}_s']:.1f} s | {r[f'{key}_gib']:.2f} GiB | "
 
 

@@ -270,7 +270,7 @@ def _lr_evidence(cause: RootCause) -> RootCause:
 def comparators(trace: Trace, onset: int | None) -> dict[str, Any]:
     """When the loss-spike and ZClip-style rules fire on this trace."""
     loss_series = _step_series(trace, "loss")
-    loss = detectors.loss_spikes(*loss_series)
+    loss, judged = detectors.judge_losses(*loss_series)
     grad = detectors.grad_norm_spikes(*_step_series(trace, "grad_norm_total_l2"))
     return {
         "loss_spike_step": detectors.first_at_or_after(loss, onset),
@@ -278,7 +278,7 @@ def comparators(trace: Trace, onset: int | None) -> dict[str, Any]:
         "loss_spike_first_step": detectors.first_at_or_after(loss, None),
         "grad_norm_spike_first_step": detectors.first_at_or_after(grad, None),
         "loss_spike_count": len(loss), "grad_norm_spike_count": len(grad),
-        "loss_points": len(loss_series[0]), "loss_steps_judged": detectors.loss_steps_judged(*loss_series),
+        "loss_points": len(loss_series[0]), "loss_steps_judged": judged,
     }
 
 

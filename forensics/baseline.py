@@ -93,7 +93,7 @@ def lr_surge(lr: pl.Series, starts: np.ndarray, before: np.ndarray | None = None
             np.fmax(peak[a:b], before[a], out=peak[a:b])
     above = ~missing & ~no_prev & ((value > peak) | (np.isnan(value) & ~np.isnan(peak)))
     with np.errstate(divide="ignore", invalid="ignore"):
-        rise = np.where(above & ~no_prev & ((prev > 0) | np.isnan(prev)), value / prev, 1.0)
+        rise = np.where(above & ((prev > 0) | np.isnan(prev)), value / prev, 1.0)
     return pl.Series("lr_surge", rise).set(lr.is_null(), None)
 
 
@@ -165,7 +165,8 @@ def reference_exprs(metric: str, lr: bool, suffix: str) -> list[pl.Expr]:
 
 def with_baseline(frame: pl.LazyFrame | pl.DataFrame, cfg: BaselineConfig, metrics: list[str] | None = None,
                   reference: pl.DataFrame | None = None, suffix: str = "__ref") -> pl.LazyFrame:
-    """`frame` (health rows, sorted here by rank, component, step) with baseline columns added.
+    """`frame` (health rows, sorted here by rank, component, step) with baseline columns added,
+    and each row's place in its series (`POS`, which the persistence of rules reads).
 
     `reference`: a reference run's baseline columns by (component, step) (`reference.py`), used
     instead of each component's own past for every metric it has.

@@ -47,15 +47,17 @@ class ZClipRule:
 
 def loss_spikes(steps: np.ndarray, loss: np.ndarray, rule: LossSpikeRule = LossSpikeRule()) -> list[int]:
     """Every step at which the loss-spike rule fires."""
-    return _loss_rule(steps, loss, rule)[0]
+    return judge_losses(steps, loss, rule)[0]
 
 
 def loss_steps_judged(steps: np.ndarray, loss: np.ndarray, rule: LossSpikeRule = LossSpikeRule()) -> int:
     """At how many logged steps the loss rule had enough past losses to judge (0: too few)."""
-    return _loss_rule(steps, loss, rule)[1]
+    return judge_losses(steps, loss, rule)[1]
 
 
-def _loss_rule(steps: np.ndarray, loss: np.ndarray, rule: LossSpikeRule) -> tuple[list[int], int]:
+def judge_losses(steps: np.ndarray, loss: np.ndarray,
+                 rule: LossSpikeRule = LossSpikeRule()) -> tuple[list[int], int]:
+    """(`loss_spikes`, `loss_steps_judged`) in one pass over the losses."""
     fired, judged = [], 0
     needed = rule.points_needed(steps)
     first = 0  # index of the oldest loss inside the window (steps are increasing)

@@ -14,6 +14,8 @@ have the first group's `steps.lr`, which every parameter-owning component is the
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import polars as pl
 
 from .store import Trace
@@ -23,8 +25,37 @@ def _columns(trace: Trace, view: str) -> set[str]:
     return {d[0] for d in trace.con.execute(f"SELECT * FROM {view} LIMIT 0").description}
 
 
-def component_lr(trace: Trace) -> pl.DataFrame | None:
-    """rank, step, component, lr for every parameter-owning component; None if no lr was recorded."""
+@dataclass(frozen=True)
+class Schedule:
+    """The lr of every step (and param group) and which group holds each parameter-owning
+    component: two small tables, which `join_lr` expands only for the health rows at hand (a
+    component × step table of a long run would hold as many rows as the health table)."""
+
+    steps: pl.DataFrame   # rank, step, lr[, lr_groups]
+    owners: pl.DataFrame  # rank, component[, param_group]: the components that own parameters
+
+    def lr_expr(self) -> pl.Expr:
+        """The lr a row's component saw, over the columns `join_lr` joins in."""
+        lr = pl.col("__step_lr").cast(pl.Float64)
+        if "__lr_groups" in self.steps.columns and "__group" in self.owners.columns:
+            # lr_groups is null where the run had no optimizer; param_group null: no group holds
+            # the component, so no learning rate applies to it (NaN, see `join_lr`)
+            lr = (pl.when(pl.col("__lr_groups").is_null()).then(lr)
+                  .when(pl.col("__group").is_null()).then(pl.lit(float("nan")))
+                  .otherwise(pl.col("__lr_groups").list.get(pl.col("__group"), null_on_oob=True))
+                  .cast(pl.Float64))
+        return pl.when(pl.col("__owner")).then(lr)
+
+    def table(self) -> pl.DataFrame:
+        """rank, step, component, lr of every owner at every step (for a small run: it is as long
+        as the health table)."""
+        rows = self.steps.join(self.owners, on="rank")
+        return rows.select(pl.col("rank").cast(pl.Int64), pl.col("step").cast(pl.Int64), "component",
+                           self.lr_expr().alias("lr"))
+
+
+def component_lr(trace: Trace) -> Schedule | None:
+    """The lr schedule of every parameter-owning component; None if no lr was recorded."""
     steps, comps = _columns(trace, "steps"), _columns(trace, "components")
     if "lr" not in steps:
         return None
@@ -34,25 +65,24 @@ def component_lr(trace: Trace) -> pl.DataFrame | None:
                             trace.con.sql(f"SELECT {comp_cols} FROM components").pl())
 
 
-def lr_of_components(steps: pl.DataFrame, components: pl.DataFrame) -> pl.DataFrame | None:
-    """rank, step, component, lr from a `steps` and a `components` table (as frames; the live
-    monitor has them in memory); None if no lr was recorded."""
+def lr_of_components(steps: pl.DataFrame, components: pl.DataFrame) -> Schedule | None:
+    """The schedule from a `steps` and a `components` table (as frames; the live monitor has them
+    in memory); None if no lr was recorded for any parameter-owning component."""
     if "lr" not in steps.columns:
         return None
-    lr = pl.col("lr").cast(pl.Float64)
-    if "lr_groups" in steps.columns and "param_group" in components.columns:
-        # lr_groups is null where the run had no optimizer; param_group null: no group holds the
-        # component, so no learning rate applies to it (NaN, see `join_lr`)
-        lr = (pl.when(pl.col("lr_groups").is_null()).then(lr)
-              .when(pl.col("param_group").is_null()).then(pl.lit(float("nan")))
-              .otherwise(pl.col("lr_groups").list.get(pl.col("param_group"), null_on_oob=True))
-              .cast(pl.Float64))
-    owners = components.filter(pl.col("param_count") > 0)
-    rows = steps.join(owners, on="rank").select(
-        pl.col("rank").cast(pl.Int64), pl.col("step").cast(pl.Int64), "component", lr.alias("lr"))
-    if rows.is_empty() or rows["lr"].is_null().all():
+    step_cols = {"lr": "__step_lr", "lr_groups": "__lr_groups"}
+    kept = steps.select(pl.col("rank").cast(pl.Int64), pl.col("step").cast(pl.Int64),
+                        *(pl.col(c).alias(a) for c, a in step_cols.items() if c in steps.columns))
+    owners = components.filter(pl.col("param_count") > 0).select(
+        pl.col("rank").cast(pl.Int64), "component", pl.lit(True).alias("__owner"),
+        *([pl.col("param_group").alias("__group")] if "param_group" in components.columns else []))
+    schedule = Schedule(kept, owners)
+    # all null: no lr applies anywhere (the groups are few: check them, not every component)
+    groups = owners.drop("component").unique()
+    if kept.is_empty() or groups.is_empty() or kept.join(groups, on="rank").select(
+            schedule.lr_expr().is_null().all()).item():
         return None
-    return rows
+    return schedule
 
 
 def not_held(trace: Trace) -> list[str]:
@@ -71,18 +101,21 @@ def with_lr(health: pl.LazyFrame, trace: Trace) -> pl.LazyFrame:
     return join_lr(health, component_lr(trace))
 
 
-def join_lr(health: pl.LazyFrame, lr: pl.DataFrame | None) -> pl.LazyFrame:
-    """Health rows with the `lr` column of `component_lr` joined on (rank, step, component).
+def join_lr(health: pl.LazyFrame, schedule: Schedule | None) -> pl.LazyFrame:
+    """Health rows with the `lr` column of the schedule joined on (rank, step) and (rank, component).
 
     A component whose parameters get gradients while no param group holds them has lr NaN: its
     gradients are computed every step and never applied (the registry's stagnant condition reads
     it). Without gradients (frozen on purpose, `requires_grad=False`) its lr is null: no verdict.
     """
-    if lr is None:
+    if schedule is None:
         return health
-    keys = ["rank", "step", "component"]
     health = health.with_columns(pl.col("rank").cast(pl.Int64), pl.col("step").cast(pl.Int64))
-    joined = health.join(lr.lazy(), on=keys, how="left")
+    joined = (health.join(schedule.steps.lazy(), on=["rank", "step"], how="left")
+              .join(schedule.owners.lazy(), on=["rank", "component"], how="left"))
+    joined = joined.with_columns(schedule.lr_expr().alias("lr")).drop(
+        [c for c in ("__step_lr", "__lr_groups", "__owner", "__group")
+         if c in (*schedule.steps.columns, *schedule.owners.columns)])
     if "grad_norm_l2" in health.collect_schema().names():
         unheld = pl.col("lr").is_nan() & ~(pl.col("grad_norm_l2").cast(pl.Float64) > 0).fill_null(False)
     else:  # no gradients recorded: nothing says they are computed

@@ -87,10 +87,12 @@ def list_segments(root: Path, manifests: Iterable[dict[str, Any]] = ()) -> Segme
                 for path in sorted(inc_dir.iterdir()):
                     if not schema.is_segment_name(path.name):
                         continue  # *.tmp: a write in progress or cut short; never a segment
+                    if rank in committing and (rank, inc) not in commits:  # listed once, not per file
+                        commits[(rank, inc)] = _committed(root, rank, inc)
                     if not path.is_file():
                         irregular.append(path)
                     elif rank in committing and path.name.removesuffix(schema.SEGMENT_SUFFIX) \
-                            not in commits.setdefault((rank, inc), _committed(root, rank, inc)):
+                            not in commits[(rank, inc)]:
                         uncommitted.append(path)
                     else:
                         found.append(path)

@@ -125,3 +125,30 @@ def test_watch_warns_on_an_optimizer_like_object_it_cannot_hook(tmp_path: Path) 
         model(torch.randn(4, 32)).sum().backward()
         rec.step()
     assert rec.step_count == 1
+
+
+class ScaleWeightsAt(L.Callback):
+    """A fault drill: multiply the first layer's weights by `factor` after optimizer step `step`."""
+
+    def __init__(self, step: int, factor: float = 10.0) -> None:
+        self.step, self.factor = step, factor
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if trainer.global_step == self.step and (batch_idx + 1) % ACCUM == 0:
+            with torch.no_grad():
+                next(pl_module.net.parameters()).mul_(self.factor)
+
+
+def test_stop_on_alarm_ends_training_at_the_step_the_alarm_arrives(tmp_path: Path) -> None:
+    fault, max_steps = 90, 2000
+    delivered: list[int] = []  # the optimizer step at which each live alarm reached the callback
+    torch.manual_seed(0)
+    callback = WarningLightCallback(tmp_path / "trace", stop_on_alarm=True,
+                                    on_alarm=lambda alarm: delivered.append(trainer.global_step))
+    trainer = L.Trainer(max_steps=max_steps, accumulate_grad_batches=ACCUM, accelerator="cpu", devices=1,
+                        logger=False, enable_progress_bar=False, enable_model_summary=False,
+                        enable_checkpointing=False, callbacks=[ScaleWeightsAt(fault), callback])
+    trainer.fit(Classifier(), torch.utils.data.DataLoader(Teacher(), batch_size=BATCH, shuffle=True))
+    assert callback.alarms and min(a["step"] for a in callback.alarms) > fault
+    # live alarms arrive a segment or so after their step; the run ends within a step of the first
+    assert delivered and delivered[0] <= trainer.global_step <= delivered[0] + 1 < max_steps

@@ -96,3 +96,40 @@ def test_watch_unwraps_acceleratedoptimizer(tmp_path: Path) -> None:
             opt.step()
             opt.zero_grad()
     assert rec.step_count == 3
+
+
+class ScaleWeightsAt(transformers.TrainerCallback):
+    """A fault drill: multiply one layer's weights by `factor` at the end of optimizer step `step`."""
+
+    def __init__(self, step: int, factor: float = 10.0) -> None:
+        self.step, self.factor, self.model = step, factor, None
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
+        self.model = model
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if state.global_step == self.step:
+            with torch.no_grad():
+                self.model.transformer.h[0].mlp.c_fc.weight.mul_(self.factor)  # type: ignore[union-attr]
+
+
+def test_stop_on_alarm_ends_training_at_the_step_the_alarm_arrives_and_saves(tmp_path: Path) -> None:
+    fault, max_steps = 90, 1000
+    delivered: list[int] = []  # the optimizer step at which each live alarm reached the callback
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=32, n_embd=32, n_layer=2, n_head=2))
+    args = TrainingArguments(
+        output_dir=str(tmp_path / "out"), max_steps=max_steps, per_device_train_batch_size=BATCH,
+        learning_rate=1e-3, logging_steps=LOG_EVERY, save_strategy="no", report_to=[], use_cpu=True,
+        disable_tqdm=True, seed=0, dataloader_num_workers=0)
+    trainer = Trainer(model=model, args=args, train_dataset=CharWindows())
+    callback = WarningLightCallback(tmp_path / "trace", stop_on_alarm=True,
+                                    on_alarm=lambda alarm: delivered.append(trainer.state.global_step))
+    trainer.add_callback(ScaleWeightsAt(fault))
+    trainer.add_callback(callback)
+    state = trainer.train()
+    assert callback.alarms and min(a["step"] for a in callback.alarms) > fault
+    # live alarms arrive a segment or so after their step; the run ends at the step that got one
+    assert delivered and delivered[0] <= state.global_step <= delivered[0] + 1 < max_steps
+    saved = sorted(p.name for p in (tmp_path / "out").glob("checkpoint-*"))
+    assert saved == [f"checkpoint-{state.global_step}"]  # and saves where it stopped

@@ -33,7 +33,7 @@ def test_recorder_keeps_every_groups_lr_and_which_group_holds_each_component(tmp
     try:
         groups = dict(t.con.sql("SELECT component, param_group FROM components").fetchall())
         lrs = t.con.sql("SELECT lr_groups FROM steps ORDER BY step").fetchall()
-        per = component_lr(t)
+        per = component_lr(t).table()
         assert not_held(t) == ["3"]
     finally:
         t.close()

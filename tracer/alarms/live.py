@@ -77,7 +77,7 @@ class LiveClassifier:
         alarm = replace(alarm, last_step=alarm.step)  # the episode is still open
         typed_root = _root(root, self._located, 1)
         loss_steps, losses = self._loss_series()
-        fired = detectors.loss_spikes(loss_steps, losses)  # on the losses logged so far
+        fired, judged = detectors.judge_losses(loss_steps, losses)  # on the losses logged so far
         loss_spike = detectors.first_at_or_after(fired, root.alarm.onset_step if root else None)
         rollback = self._rollback(root, loss_spike) if root else None
         out: dict[str, Any] = {"text": "", **alarm.to_dict(),
@@ -91,7 +91,7 @@ class LiveClassifier:
                 grad_norm_spike_first_step=None, loss_spike_count=int(loss_spike is not None),
                 grad_norm_spike_count=0, first_alarm_step=first, light_lead_over_grad_norm_spike=None,
                 loss_points=len(loss_steps),
-                loss_steps_judged=detectors.loss_steps_judged(loss_steps, losses),
+                loss_steps_judged=judged,
                 light_lead_over_loss_spike=None if loss_spike is None else loss_spike - first)
             out["text"] = f"{summary_line(typed_root, rollback, found, 'fault')}\n{alarm_line(alarm)}"
         else:

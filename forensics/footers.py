@@ -31,11 +31,15 @@ class SegmentSpan:
     rows: int
 
 
+def escape_glob(name: str) -> str:
+    """`name` with each glob character as a one-character class (`[` -> `[[]`): DuckDB globs every
+    file name it is given, so a trace under `runs/exp[1]` would also read `runs/exp1`."""
+    return "".join(f"[{c}]" if c in "[*?{" else c for c in name)
+
+
 def literal(path: Path) -> str:
-    """`path` as a DuckDB file name that matches only itself: DuckDB globs every name it is given,
-    so a trace under `runs/exp[1]` would also read `runs/exp1`; each glob character becomes a
-    one-character class (`[` -> `[[]`), and quotes are doubled for the SQL string."""
-    return "'" + "".join(f"[{c}]" if c in "[*?{" else c for c in str(path)).replace("'", "''") + "'"
+    """`path` as a quoted DuckDB file name that matches only itself (`escape_glob`)."""
+    return "'" + escape_glob(str(path)).replace("'", "''") + "'"
 
 
 def read_files(files: list[Path]) -> str:

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import duckdb
 
+from .footers import escape_glob
 from .store import TraceError
 
 if TYPE_CHECKING:
@@ -76,10 +77,9 @@ def confine(trace: Trace) -> None:
     if con.execute("SELECT current_setting('lock_configuration')").fetchall() == [(True,)]:
         return  # already confined (a locked configuration cannot be changed again)
     root = str(trace.root.resolve()).rstrip("/") + "/"
-    # the views name files with glob characters escaped (store._literal), and DuckDB checks the
+    # the views name files with glob characters escaped (footers.literal), and DuckDB checks the
     # name as written: allow the escaped spelling of the same directory too
-    escaped = "".join(f"[{c}]" if c in "[*?{" else c for c in root)
-    con.execute("SET allowed_directories = ?", [sorted({root, escaped})])
+    con.execute("SET allowed_directories = ?", [sorted({root, escape_glob(root)})])
     con.execute("SET enable_external_access = false")
     con.execute("SET lock_configuration = true")
 

@@ -17,6 +17,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
 from warninglight.forensics import analyze, open_trace  # noqa: E402
 from warninglight.integrations.lightning import WarningLightCallback  # noqa: E402
 from warninglight.lab import zoo  # noqa: E402
+from warninglight.lab.drills import WeightCorruption  # noqa: E402
 from warninglight.tracer import watch  # noqa: E402
 
 STEPS, ACCUM, BATCH, SAVE_EVERY, WARMUP = 120, 2, 32, 40, 10
@@ -127,16 +128,15 @@ def test_watch_warns_on_an_optimizer_like_object_it_cannot_hook(tmp_path: Path) 
     assert rec.step_count == 1
 
 
-class ScaleWeightsAt(L.Callback):
-    """A fault drill: multiply the first layer's weights by `factor` after optimizer step `step`."""
+class Drill(L.Callback):
+    """Runs a fault drill (`lab.drills`) at the end of each optimizer step."""
 
-    def __init__(self, step: int, factor: float = 10.0) -> None:
-        self.step, self.factor = step, factor
+    def __init__(self, drill: WeightCorruption) -> None:
+        self.drill = drill
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
-        if trainer.global_step == self.step and (batch_idx + 1) % ACCUM == 0:
-            with torch.no_grad():
-                next(pl_module.net.parameters()).mul_(self.factor)
+        if (batch_idx + 1) % ACCUM == 0:  # the micro-batch that completed an optimizer step
+            self.drill.before_step(trainer.global_step, pl_module, None)
 
 
 def test_stop_on_alarm_ends_training_at_the_step_the_alarm_arrives(tmp_path: Path) -> None:
@@ -147,7 +147,7 @@ def test_stop_on_alarm_ends_training_at_the_step_the_alarm_arrives(tmp_path: Pat
                                     on_alarm=lambda alarm: delivered.append(trainer.global_step))
     trainer = L.Trainer(max_steps=max_steps, accumulate_grad_batches=ACCUM, accelerator="cpu", devices=1,
                         logger=False, enable_progress_bar=False, enable_model_summary=False,
-                        enable_checkpointing=False, callbacks=[ScaleWeightsAt(fault), callback])
+                        enable_checkpointing=False, callbacks=[Drill(WeightCorruption("net.0", fault)), callback])
     trainer.fit(Classifier(), torch.utils.data.DataLoader(Teacher(), batch_size=BATCH, shuffle=True))
     assert callback.alarms and min(a["step"] for a in callback.alarms) > fault
     # live alarms arrive a segment or so after their step; the run ends within a step of the first

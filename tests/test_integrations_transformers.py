@@ -18,6 +18,7 @@ from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
 from warninglight.forensics import analyze, open_trace  # noqa: E402
 from warninglight.integrations.transformers import WarningLightCallback  # noqa: E402
 from warninglight.lab import zoo  # noqa: E402
+from warninglight.lab.drills import WeightCorruption  # noqa: E402
 from warninglight.tracer import watch  # noqa: E402
 
 STEPS, ACCUM, BATCH, SAVE_EVERY, LOG_EVERY = 120, 2, 8, 40, 5
@@ -98,19 +99,17 @@ def test_watch_unwraps_acceleratedoptimizer(tmp_path: Path) -> None:
     assert rec.step_count == 3
 
 
-class ScaleWeightsAt(transformers.TrainerCallback):
-    """A fault drill: multiply one layer's weights by `factor` at the end of optimizer step `step`."""
+class Drill(transformers.TrainerCallback):
+    """Runs a fault drill (`lab.drills`) at the end of each optimizer step."""
 
-    def __init__(self, step: int, factor: float = 10.0) -> None:
-        self.step, self.factor, self.model = step, factor, None
+    def __init__(self, drill: WeightCorruption) -> None:
+        self.drill, self.model = drill, None
 
     def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
         self.model = model
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        if state.global_step == self.step:
-            with torch.no_grad():
-                self.model.transformer.h[0].mlp.c_fc.weight.mul_(self.factor)  # type: ignore[union-attr]
+        self.drill.before_step(state.global_step, self.model, None)  # type: ignore[arg-type]
 
 
 def test_stop_on_alarm_ends_training_at_the_step_the_alarm_arrives_and_saves(tmp_path: Path) -> None:
@@ -125,7 +124,7 @@ def test_stop_on_alarm_ends_training_at_the_step_the_alarm_arrives_and_saves(tmp
     trainer = Trainer(model=model, args=args, train_dataset=CharWindows())
     callback = WarningLightCallback(tmp_path / "trace", stop_on_alarm=True,
                                     on_alarm=lambda alarm: delivered.append(trainer.state.global_step))
-    trainer.add_callback(ScaleWeightsAt(fault))
+    trainer.add_callback(Drill(WeightCorruption("transformer.h.0.mlp.c_fc", fault)))  # weights x10
     trainer.add_callback(callback)
     state = trainer.train()
     assert callback.alarms and min(a["step"] for a in callback.alarms) > fault

@@ -107,6 +107,7 @@ def _schema(columns: tuple[Column, ...]) -> pa.Schema:
 
     return pa.schema([pa.field(c.name, c.type, nullable=True) for c in columns])
 
+
 COMPONENT_COLUMNS: tuple[Column, ...] = (
     Column("component", STR, "", "module path from `named_modules()`, e.g. `h.2.attn.c_attn`; `` is the root"),
     Column("kind", STR, "", "module class name, e.g. `Linear`, `ReLU`"),

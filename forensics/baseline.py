@@ -39,7 +39,7 @@ LOG_TINY = 1e-12  # log(0) stand-in: a norm of exactly 0 is a collapse, not a mi
 LOG_SCALE_FLOOR = 0.02  # log units: ±2%
 LR_PEAK = "__lr_peak"  # the highest lr a series had before a window's rows (stream.Classifier)
 POS = "__pos"  # a row's place in its (rank, component) series, from 0: what windows over rows need
-_Q = ("25", "50", "75")  # suffixes of the order-statistic columns, as in quantiles.QUANTILES
+_Q = tuple(str(round(100 * q)) for q in quantiles.QUANTILES)  # column suffixes: 25, 50, 75
 
 
 def transform(metric: str, x: pl.Expr) -> pl.Expr:
@@ -125,12 +125,9 @@ def _own_baseline(frame: pl.DataFrame, starts: np.ndarray, metrics: list[str], c
     per_pass = max(1, quantiles.WORKERS)  # columns in flight at once: bounds the float arrays held
     for i in range(0, len(metrics), per_pass):
         batch = metrics[i:i + per_pass]
-        if frame.is_empty():
-            stats = [np.empty((3, 0)) for _ in batch]
-        else:
-            values = frame.select(_finite(m, lr and m in LR_SCALED).alias(m) for m in batch)
-            stats = quantiles.trailing_many([values[m].fill_null(np.nan).to_numpy() for m in batch],
-                                            starts, cfg.window, cfg.lag, cfg.min_samples)
+        values = frame.select(_finite(m, lr and m in LR_SCALED).alias(m) for m in batch)
+        stats = quantiles.trailing_many([values[m].fill_null(np.nan).to_numpy() for m in batch],
+                                        starts, cfg.window, cfg.lag, cfg.min_samples)
         frame = (frame.with_columns(pl.Series(f"{m}__q{q}", out[k], dtype=pl.Float64, nan_to_null=True)
                                     for m, out in zip(batch, stats, strict=True) for k, q in enumerate(_Q))
                  .with_columns(e for m in batch for e in baseline_exprs(m, lr))

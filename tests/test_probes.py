@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from warninglight.lab import zoo
-from warninglight.tracer import schema, watch
+from warninglight.tracer import params, schema, watch
 
 
 def health(trace: Path, metric: str) -> dict[tuple[int, str], float | None]:
@@ -97,6 +97,26 @@ def test_weight_drift_is_nonzero_exactly_after_an_outside_write(tmp_path: Path) 
     assert touched == {(5, "2"), (9, "4"), (12, "0")}
     assert drift[(5, "2")] > 0.3 * float(model[2].weight.detach().norm()) / 1.5
     assert drift[(9, "4")] > 0.001
+
+
+def test_a_write_through_data_is_seen_by_the_periodic_exact_check(tmp_path: Path) -> None:
+    # `.data` moves no version counter: off the sketch, such a write between two steps is caught
+    # by the exact weight norms only on the steps that take them whatever the counters say
+    torch.manual_seed(0)
+    model = zoo.mlp()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    data = zoo.batches(*zoo.teacher_classification(256), 32)
+    every = params.EXACT_DRIFT_EVERY
+    with watch(model, opt, tmp_path):
+        for step in range(1, 2 * every + 1):
+            _, x, y = next(data)
+            F.cross_entropy(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+            if step in (3, every):  # before step 4 (counters only) and before an exact step
+                model[4].weight.data[7, 9] += 0.5
+    drift = health(tmp_path, "weight_drift_l2")
+    assert {(s, c) for (s, c), v in drift.items() if v} == {(every + 1, "4")}
 
 
 def test_head_prediction_entropy_and_confidence(tmp_path: Path) -> None:

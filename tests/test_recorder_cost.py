@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from warninglight.lab import zoo
-from warninglight.tracer import probes, watch
+from warninglight.tracer import params, probes, watch
 
 _TRACER_DIR = str(Path(probes.__file__).parent)
 # every way a tensor's value reaches Python: each one waits for the device on an accelerator
@@ -73,17 +73,29 @@ def test_on_cpu_the_step_reads_what_is_documented(host_reads: dict[str, int], tm
     # docs/overhead.md: one read per step (is the total gradient norm finite?), one per extra
     # micro-batch (are the gradients so far finite?), and one per reduction of a batch of steps'
     # sampled outputs and row group (is the sample finite?); the GPT's samples all have 16 rows
-    reductions = []
-    real = probes.ForwardProbe.compute
+    # sampled outputs and row group (is the sample finite?); and one per pass of norms over the
+    # weights or gradients (is any float32 sum of squares out of range?)
+    reductions, passes = [], []
+    real, real_norms = probes.ForwardProbe.compute, params.ParamProbe._norms_into
 
     def compute(self: probes.ForwardProbe) -> list:
         reductions.extend({s.key for s in self.pending})  # one key = one row group here
         return real(self)
+
+    def norms_into(self: params.ParamProbe, *args: object) -> None:
+        passes.append(1)
+        real_norms(self, *args)
     monkeypatch.setattr(probes.ForwardProbe, "compute", compute)
+    monkeypatch.setattr(params.ParamProbe, "_norms_into", norms_into)
     steps, micro = 16, 2
     _train_gpt("cpu", steps=steps, micro_batches=micro, trace=tmp_path)
     assert 2 <= len(reductions) <= 5  # every 8 steps, and at each flush
-    assert host_reads == {**dict.fromkeys(_READS, 0), "__bool__": steps * micro + len(reductions)}
+    # per step: the gradients at the optimizer and the weights after it; the gradients at each
+    # backward's end once the first step showed that the loop modifies them (clipping); the
+    # weights at the first forward on the first step and every 8th (nothing else wrote them)
+    assert len(passes) == steps * (micro + 2) - micro + 1 + (steps - 1) // params.EXACT_DRIFT_EVERY
+    assert host_reads == {**dict.fromkeys(_READS, 0),
+                          "__bool__": steps * micro + len(reductions) + len(passes)}
 
 
 class _Experts(torch.nn.Module):

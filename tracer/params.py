@@ -24,6 +24,10 @@ from .probes import FORWARD_BATCH_STEPS, PARAM_METRICS, to_device
 from .replicas import local_shard
 
 _PM = {m: i for i, m in enumerate(PARAM_METRICS)}
+# a CPU dot product's norm below this may have lost entries to float32 underflow: taken exactly
+_DOT_SMALLEST = 1e-15
+# steps between exact weight-norm checks at the first forward when no version counter moved
+EXACT_DRIFT_EVERY = 8
 # where a step's pre-clip total gradient norm comes from
 _NO_PRECLIP, _SAME_AS_TOTAL, _AT_BACKWARD = 0, 1, 2
 
@@ -58,6 +62,7 @@ class _Step:
     slot: int                   # its row in the step buffer
     preclip: int                # _NO_PRECLIP, _SAME_AS_TOTAL or _AT_BACKWARD
     bad: torch.Tensor | None    # (C,) float64 non-finite gradient counts; None: all finite
+    exact_fwd: bool             # the weight norms at its first forward were taken (else: the last end's)
 
 
 class ParamProbe:
@@ -121,6 +126,9 @@ class ParamProbe:
         for m in ("update_cos", "weight_drift_l2"):
             self._valid[1, :, _PM[m]] = self.is_param
         self.begun = False
+        self._exact_fwd = True
+        self._end_versions: list[int] | None = None  # the parameters' versions at the last end
+        self._dot = device.type == "cpu" and all(p.dtype == torch.float32 for p in self.params)
         self.has_grad: np.ndarray | None = None  # this step's components with a gradient
         self.grads_finite = True        # CPU only: the host verdict on the gradient norms
         self._preclip = _NO_PRECLIP
@@ -168,18 +176,48 @@ class ParamProbe:
                 parts[i] = self._flat[i].reshape(-1)[idx]
         torch.cat(parts, out=out)  # float32 whatever the parameters' dtype
 
-    @staticmethod
-    def _norms_into(out: torch.Tensor, tensors: list[torch.Tensor]) -> None:
-        """Per-tensor L2 norms of `tensors` into `out`: one fused pass."""
-        torch.stack(torch._foreach_norm(tensors), out=out)
+    def _norms_into(self, out: torch.Tensor, tensors: list[torch.Tensor]) -> None:
+        """Per-tensor L2 norms of `tensors` into `out`: one pass over their memory.
+
+        On an accelerator, one fused `torch._foreach_norm`. On the CPU that op is a loop of norm
+        kernels that accumulate in double; float32 tensors go through BLAS dot products instead
+        (float32 sums of squares, half the time, the same value for the same memory every time,
+        which weight drift relies on), and a tensor whose sum of squares overflowed or underflowed
+        float32 (an entry beyond ~1e19 or all entries below ~1e-19; an all-zero tensor looks the
+        same) is taken again by the exact kernel: on the host, reading that verdict (one read per
+        pass) costs nothing."""
+        if not self._dot:
+            torch.stack(torch._foreach_norm(tensors), out=out)
+            return
+        try:
+            torch.stack([torch.dot(v, v) for v in (t.view(-1) for t in tensors)], out=out).sqrt_()
+        except RuntimeError:  # a non-contiguous or non-float32 tensor: the exact kernel from now on
+            self._dot = False
+            torch.stack(torch._foreach_norm(tensors), out=out)
+            return
+        suspect = (out < _DOT_SMALLEST) | (out == math.inf)
+        if bool(suspect.any()):  # rare (a zero tensor, a huge entry): all again, exactly
+            torch.where(suspect, torch.stack(torch._foreach_norm(tensors)), out, out=out)
+
+    def _weight_versions(self) -> list[int]:
+        """The parameters' version counters (every in-place write PyTorch sees moves one)."""
+        return [p._version for p in self._flat]
 
     @torch.no_grad()
     def begin(self) -> None:
-        """First training forward of a step: note the weights as the step found them."""
+        """First training forward of a step: note the weights as the step found them.
+
+        The exact weight norms (drift outside the sketch) are taken again only when a parameter's
+        version counter moved since the last step's end, and every `EXACT_DRIFT_EVERY`-th step
+        whatever the counters say (writes through `.data` and memory faults move none); in the
+        other steps the weights are those the last step left, so their norms are those of `end`."""
         if self.params:
             row = self._row()
             self._sketch_into(row.fwd_sketch)
-            self._norms_into(row.fwd_norms, self._flat)
+            self._exact_fwd = (self._end_versions is None or self._ends % EXACT_DRIFT_EVERY == 0
+                               or self._weight_versions() != self._end_versions)
+            if self._exact_fwd:
+                self._norms_into(row.fwd_norms, self._flat)
         self.begun = True
 
     def grads_suspect(self) -> bool:
@@ -261,12 +299,13 @@ class ParamProbe:
         row = self._row()
         self._sketch_into(row.end_sketch)
         self._norms_into(row.end_norms, self._flat)
+        self._end_versions = self._weight_versions()
         valid = self._valid[min(self._ends, 1)].copy()
         has_total = self.has_grad is not None
         if has_total:
             valid[:, _PM["grad_norm_l2"]] = valid[:, _PM["grad_nonfinite_count"]] = self.has_grad
         preclip = self._preclip if has_total else _NO_PRECLIP
-        self.pending.append(_Step(slot, preclip, self._bad))
+        self.pending.append(_Step(slot, preclip, self._bad, self._exact_fwd))
         self._ends += 1
         self.begun, self.has_grad, self._bad, self._preclip = False, None, None, _NO_PRECLIP
         return valid, has_total, preclip != _NO_PRECLIP
@@ -293,6 +332,9 @@ class ParamProbe:
             self._carry = (update[0], fwd_sketch[0], fwd_norm[0])
         prev_update, prev_sketch, prev_wnorm = (torch.cat([c[None], x[:-1]]) for c, x in zip(
             self._carry, (update, sketch, wnorm), strict=True))
+        if not all(s.exact_fwd for s in steps):  # no norms taken: the weights the last step left
+            exact = to_device(np.array([s.exact_fwd for s in steps]), self.device)
+            fwd_norm = torch.where(exact[:, None], fwd_norm, prev_wnorm)
         drift = fwd_sketch - prev_sketch
         # the four per-component sums of scaled sketch products in one segment reduction
         terms = torch.stack([update * update, update * prev_update, prev_update * prev_update,

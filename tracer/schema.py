@@ -135,7 +135,7 @@ HEALTH_COLUMNS: tuple[Column, ...] = (
     Column("update_norm_l2", F32, "weight units", "L2 norm of this step's parameter change, estimated from a fixed coordinate sketch (exact for small tensors)", WEIGHTS),
     Column("update_ratio", F32, "ratio", "update_norm_l2 / weight_norm_l2", WEIGHTS),
     Column("update_cos", F32, "cosine", "cosine between this step's and the previous step's update on the sketch, in [-1, 1]", WEIGHTS),
-    Column("weight_drift_l2", F32, "weight units", "change of the weights between the end of the previous optimizer step and this step's first forward: non-zero means something other than the optimizer wrote them", WEIGHTS),
+    Column("weight_drift_l2", F32, "weight units", "change of the weights between the end of the previous optimizer step and this step's first forward: non-zero means something other than the optimizer wrote them (from a fixed coordinate sketch every step; from exact norms when a version counter moved and every 8th step, so a write through `.data` outside the sketch shows only on those)", WEIGHTS),
     Column("pred_entropy_nats", F32, "nats", "mean entropy of the softmax over the head's last dim (heads only)", HEAD),
     Column("pred_maxprob", F32, "probability", "mean largest softmax probability (heads only)", HEAD),
 )

@@ -20,7 +20,6 @@ from warninglight.lab import zoo
 from warninglight.lab.drills import WeightCorruption
 from warninglight.tracer import watch
 from warninglight.tracer.alarms import JsonlSink, SinkError, SinkWorker, WebhookSink, sink_from_spec
-from warninglight.tracer.recorder import LIVE_FLUSH_S
 from webhook_server import WebhookServer
 
 FAULT_STEP, STEPS = 100, 130
@@ -146,17 +145,6 @@ def test_webhook_posts_slack_text_and_fields(live: dict[str, Any]) -> None:
     assert body["text"].startswith("ALARM ")
     assert f"onset step {FAULT_STEP}" in body["text"]
     assert body["condition"] == live["rec"].alarms[0]["condition"]
-
-
-def test_alarm_reaches_sinks_within_a_flush_interval(live: dict[str, Any]) -> None:
-    """A step is in the segment flushed at most LIVE_FLUSH_S after the previous flush, checked at
-    a step boundary, and the last finished step waits one more step (it may still get logs):
-    so flush interval + two steps, + 1 s for writing and classifying the segment, + 3 s because
-    up to seven test processes share this 2-core machine (measured: ~1.0 s when it is idle)."""
-    bound = LIVE_FLUSH_S + 2 * max(live["step_times"]) + 1.0 + 3.0
-    for got in (live["received"], live["webhook"]):
-        late = [(a["step"], round(t - a["step_wall_time_s"], 2)) for t, a in got]
-        assert late and all(d <= bound for _, d in late), (late, bound)
 
 
 def test_on_alarm_runs_on_the_training_thread_at_a_step_boundary(live: dict[str, Any]) -> None:

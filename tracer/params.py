@@ -128,7 +128,9 @@ class ParamProbe:
         self.begun = False
         self._exact_fwd = True
         self._end_versions: list[int] | None = None  # the parameters' versions at the last end
-        self._dot = device.type == "cpu" and all(p.dtype == torch.float32 for p in self.params)
+        # per kind of tensor: are its norms dot products (CPU float32)? weights: set by refresh()
+        self._dot = {"weights": False, "grads": device.type == "cpu" and all(
+            p.dtype == torch.float32 for p in self.params)}
         self.has_grad: np.ndarray | None = None  # this step's components with a gradient
         self.grads_finite = True        # CPU only: the host verdict on the gradient norms
         self._preclip = _NO_PRECLIP
@@ -140,6 +142,8 @@ class ParamProbe:
     def refresh(self) -> None:
         """Re-take the views of the parameters (in case `p.data` was replaced)."""
         self._flat = [local_shard(p) for p in self.params]
+        self._dot["weights"] = self.device.type == "cpu" and all(
+            p.dtype == torch.float32 and p.is_contiguous() and not p.is_sparse for p in self._flat)
         self._views: list[torch.Tensor] = []
         self._gathered: list[tuple[int, torch.Tensor]] = []  # non-contiguous: indexed each step
         for i, (p, spec) in enumerate(zip(self._flat, self._sketch_spec, strict=True)):
@@ -176,8 +180,8 @@ class ParamProbe:
                 parts[i] = self._flat[i].reshape(-1)[idx]
         torch.cat(parts, out=out)  # float32 whatever the parameters' dtype
 
-    def _norms_into(self, out: torch.Tensor, tensors: list[torch.Tensor]) -> None:
-        """Per-tensor L2 norms of `tensors` into `out`: one pass over their memory.
+    def _norms_into(self, out: torch.Tensor, tensors: list[torch.Tensor], kind: str) -> None:
+        """Per-tensor L2 norms of `tensors` ("weights" or "grads") into `out`: one pass over their memory.
 
         On an accelerator, one fused `torch._foreach_norm`. On the CPU that op is a loop of norm
         kernels that accumulate in double; float32 tensors go through BLAS dot products instead
@@ -185,14 +189,15 @@ class ParamProbe:
         which weight drift relies on), and a tensor whose sum of squares overflowed or underflowed
         float32 (an entry beyond ~1e19 or all entries below ~1e-19; an all-zero tensor looks the
         same) is taken again by the exact kernel: on the host, reading that verdict (one read per
-        pass) costs nothing."""
-        if not self._dot:
+        pass) costs nothing. Weights take one path for the whole run (drift compares two of their
+        norms), decided when their views are taken."""
+        if not self._dot[kind]:
             torch.stack(torch._foreach_norm(tensors), out=out)
             return
         try:
             torch.stack([torch.dot(v, v) for v in (t.view(-1) for t in tensors)], out=out).sqrt_()
-        except RuntimeError:  # a non-contiguous or non-float32 tensor: the exact kernel from now on
-            self._dot = False
+        except RuntimeError:  # a non-contiguous or sparse gradient: the exact kernel from now on
+            self._dot[kind] = False
             torch.stack(torch._foreach_norm(tensors), out=out)
             return
         suspect = (out < _DOT_SMALLEST) | (out == math.inf)
@@ -217,7 +222,7 @@ class ParamProbe:
             self._exact_fwd = (self._end_versions is None or self._ends % EXACT_DRIFT_EVERY == 0
                                or self._weight_versions() != self._end_versions)
             if self._exact_fwd:
-                self._norms_into(row.fwd_norms, self._flat)
+                self._norms_into(row.fwd_norms, self._flat, "weights")
         self.begun = True
 
     def grads_suspect(self) -> bool:
@@ -250,7 +255,7 @@ class ParamProbe:
         """End of a backward pass: note the gradients' versions (and norms, if the loop modifies them)."""
         taken = self.modified_after_backward and bool(self.params)
         if taken:
-            self._norms_into(self._row().pre_norms, self._grads())
+            self._norms_into(self._row().pre_norms, self._grads(), "grads")
         self._at_backward = (self._versions(), taken)
 
     @torch.no_grad()
@@ -272,7 +277,7 @@ class ParamProbe:
         if unchanged and at_bw[1]:
             row.grad_norms.copy_(row.pre_norms)  # the same gradients: no second pass
         else:
-            self._norms_into(row.grad_norms, grads)
+            self._norms_into(row.grad_norms, grads, "grads")
         if unchanged:
             self._preclip = _SAME_AS_TOTAL
         elif at_bw is not None:
@@ -298,7 +303,7 @@ class ParamProbe:
             self.begin()
         row = self._row()
         self._sketch_into(row.end_sketch)
-        self._norms_into(row.end_norms, self._flat)
+        self._norms_into(row.end_norms, self._flat, "weights")
         self._end_versions = self._weight_versions()
         valid = self._valid[min(self._ends, 1)].copy()
         has_total = self.has_grad is not None

@@ -223,9 +223,9 @@ def param_components(components: pl.DataFrame) -> int:
 
 def _step_series(trace: Trace, column: str) -> tuple[np.ndarray, np.ndarray]:
     # Steps where nothing was logged are left out: a missing loss is not a NaN loss.
-    rows = trace.con.execute(
-        f"SELECT step, avg({column}) AS v FROM steps GROUP BY step HAVING v IS NOT NULL ORDER BY step").fetchall()
-    return np.array([r[0] for r in rows], dtype=np.int64), np.array([r[1] for r in rows], dtype=np.float64)
+    got = trace.con.execute(
+        f"SELECT step, avg({column}) AS v FROM steps GROUP BY step HAVING v IS NOT NULL ORDER BY step").fetchnumpy()
+    return np.asarray(got["step"], dtype=np.int64), np.asarray(got["v"], dtype=np.float64)
 
 
 def _whole_model_root(cause: RootCause | None, located: list[Located], components: pl.DataFrame,

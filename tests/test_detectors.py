@@ -61,6 +61,47 @@ def test_a_nonfinite_loss_fires_at_once() -> None:
     assert detectors.loss_spikes(steps, loss) == [15]
 
 
+def _judge_one_step_at_a_time(steps: np.ndarray, loss: np.ndarray,
+                              rule: detectors.LossSpikeRule) -> tuple[list[int], int]:
+    """The loss rule as its definition reads: each step against numpy's mean and std of the
+    finite losses logged in the `window` steps before it."""
+    fired, judged = [], 0
+    for i in range(len(loss)):
+        if not np.isfinite(loss[i]):
+            fired.append(int(steps[i]))
+            continue
+        past = loss[(steps >= steps[i] - rule.window) & (np.arange(len(loss)) < i)]
+        past = past[np.isfinite(past)]
+        if len(past) < rule.points_needed(steps):
+            continue
+        judged += 1
+        if loss[i] > past.mean() + rule.sigmas * past.std():
+            fired.append(int(steps[i]))
+    return fired, judged
+
+
+@pytest.mark.parametrize("every", [1, 7])
+def test_the_vectorised_loss_rule_gives_the_step_by_step_verdicts(every: int) -> None:
+    # a curve with spikes of every size, non-finite losses, a flat stretch whose threshold is the
+    # constant itself (a loss equal to it is not a spike, one ulp above is), and logging gaps
+    rule = detectors.LossSpikeRule()
+    rng = np.random.default_rng(7)
+    steps = np.arange(1, 3001, every)
+    steps = np.sort(rng.choice(steps, len(steps) * 9 // 10, replace=False))
+    loss = _losses(steps, None, seed=every)
+    spikes = rng.choice(len(steps) - 1, len(steps) // 20, replace=False)
+    loss[spikes] += rng.exponential(0.08, len(spikes))
+    loss[rng.choice(len(steps), 5, replace=False)] = [np.nan, np.inf, -np.inf, np.nan, np.nan]
+    flat = np.flatnonzero((steps > 1500) & (steps <= 1700))
+    loss[flat] = 1.25
+    at, above = flat[-1] + 1, flat[-1] + 2
+    loss[at], loss[above] = 1.25, np.nextafter(1.25, 2.0)
+    fired, judged = detectors.judge_losses(steps, loss, rule)
+    assert (fired, judged) == _judge_one_step_at_a_time(steps, loss, rule)
+    assert steps[at] not in fired and steps[above] in fired
+    assert len(fired) >= 5 and judged > len(steps) // 2
+
+
 def test_zclip_waits_for_its_warmup_then_fires_on_a_spike() -> None:
     norms = np.array([1.0, 1.2] * 15 + [1.1, 5.0, 1.1, 1.1])
     steps = np.arange(1, len(norms) + 1)

@@ -1,8 +1,9 @@
 """Parameter statistics per step: gradient, weight, update and drift norms of every component.
 
-Three passes over memory per step (weight norms as the step found them, gradient norms, weight
-norms after the step), each one fused `torch._foreach_norm` whose per-tensor norms go straight
-into the step's row of a preallocated buffer, beside a fixed sketch of a few hundred coordinates
+Two passes over memory per step (gradient norms, weight norms after the step), and a third (the
+weight norms as the step found them) when something may have written the weights between steps,
+and every 8th step; each is one fused `torch._foreach_norm` (on the CPU, BLAS dot products) whose per-tensor norms go
+straight into the step's row of a preallocated buffer, beside a fixed sketch of a few hundred coordinates
 per parameter (read through views made once: one `torch.cat` into the same row). Everything
 derived from those rows (per-component norms, update, cosine, drift, the total gradient norm) is
 computed by `reduce` for a batch of steps at once, with the same arithmetic as one step at a
@@ -205,8 +206,12 @@ class ParamProbe:
             torch.where(suspect, torch.stack(torch._foreach_norm(tensors)), out, out=out)
 
     def _weight_versions(self) -> list[int]:
-        """The parameters' version counters (every in-place write PyTorch sees moves one)."""
-        return [p._version for p in self._flat]
+        """The parameters' version counters (every in-place write PyTorch sees moves one) and
+        data pointers (`p.data = other` moves none), as flat ints."""
+        out: list[int] = []
+        for p in self._flat:
+            out += (p._version, p.data_ptr())
+        return out
 
     @torch.no_grad()
     def begin(self) -> None:
@@ -214,7 +219,7 @@ class ParamProbe:
 
         The exact weight norms (drift outside the sketch) are taken again only when a parameter's
         version counter moved since the last step's end, and every `EXACT_DRIFT_EVERY`-th step
-        whatever the counters say (writes through `.data` and memory faults move none); in the
+        whatever the counters say (writes into `.data` and memory faults move none); in the
         other steps the weights are those the last step left, so their norms are those of `end`."""
         if self.params:
             row = self._row()

@@ -115,8 +115,13 @@ def test_a_write_through_data_is_seen_by_the_periodic_exact_check(tmp_path: Path
             opt.zero_grad()
             if step in (3, every):  # before step 4 (counters only) and before an exact step
                 model[4].weight.data[7, 9] += 0.5
+            if step == 5:  # a new tensor under the parameter: seen at the next forward
+                model[2].weight.data = model[2].weight.data * 1.5
     drift = health(tmp_path, "weight_drift_l2")
-    assert {(s, c) for (s, c), v in drift.items() if v} == {(every + 1, "4")}
+    assert {(s, c) for (s, c), v in drift.items() if v} == {(6, "2"), (every + 1, "4")}
+    weight = health(tmp_path, "weight_norm_l2")  # measured on the new tensor from then on
+    assert weight[(6, "2")] == pytest.approx(1.5 * weight[(5, "2")], rel=0.05)
+    assert weight[(7, "2")] == pytest.approx(float(model[2].weight.detach().norm()), rel=0.05)
 
 
 def test_head_prediction_entropy_and_confidence(tmp_path: Path) -> None:

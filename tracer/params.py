@@ -222,6 +222,9 @@ class ParamProbe:
         whatever the counters say (writes into `.data` and memory faults move none); in the
         other steps the weights are those the last step left, so their norms are those of `end`."""
         if self.params:
+            if not self._sharded and any(p.data_ptr() != f.data_ptr() for p, f in zip(
+                    self.params, self._flat, strict=True)):
+                self.refresh()  # `p.data = other` since: the views read the old tensor
             row = self._row()
             self._sketch_into(row.fwd_sketch)
             self._exact_fwd = (self._end_versions is None or self._ends % EXACT_DRIFT_EVERY == 0

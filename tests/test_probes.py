@@ -101,7 +101,8 @@ def test_weight_drift_is_nonzero_exactly_after_an_outside_write(tmp_path: Path) 
 
 def test_a_write_through_data_is_seen_by_the_periodic_exact_check(tmp_path: Path) -> None:
     # `.data` moves no version counter: off the sketch, such a write between two steps is caught
-    # by the exact weight norms only on the steps that take them whatever the counters say
+    # by the exact weight norms only on the steps that take them whatever the counters say; a new
+    # tensor put under a parameter is seen at the next forward
     torch.manual_seed(0)
     model = zoo.mlp()
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)

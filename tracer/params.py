@@ -206,28 +206,26 @@ class ParamProbe:
             torch.where(suspect, torch.stack(torch._foreach_norm(tensors)), out, out=out)
 
     def _weight_versions(self) -> list[int]:
-        """The parameters' version counters (every in-place write PyTorch sees moves one) and
-        data pointers (`p.data = other` moves none), as flat ints."""
-        out: list[int] = []
-        for p in self._flat:
-            out += (p._version, p.data_ptr())
-        return out
+        """The parameters' version counters (every in-place write PyTorch sees moves one)."""
+        return [p._version for p in self._flat]
 
     @torch.no_grad()
     def begin(self) -> None:
         """First training forward of a step: note the weights as the step found them.
 
         The exact weight norms (drift outside the sketch) are taken again only when a parameter's
-        version counter moved since the last step's end, and every `EXACT_DRIFT_EVERY`-th step
+        version counter or tensor changed since the last step's end, and every `EXACT_DRIFT_EVERY`-th step
         whatever the counters say (writes into `.data` and memory faults move none); in the
         other steps the weights are those the last step left, so their norms are those of `end`."""
         if self.params:
-            if not self._sharded and any(p.data_ptr() != f.data_ptr() for p, f in zip(
-                    self.params, self._flat, strict=True)):
-                self.refresh()  # `p.data = other` since: the views read the old tensor
+            # `p.data = other` moves no counter, but the views would read the old tensor
+            swapped = not self._sharded and any(p.data_ptr() != f.data_ptr() for p, f in zip(
+                self.params, self._flat, strict=True))
+            if swapped:
+                self.refresh()
             row = self._row()
             self._sketch_into(row.fwd_sketch)
-            self._exact_fwd = (self._end_versions is None or self._ends % EXACT_DRIFT_EVERY == 0
+            self._exact_fwd = (swapped or self._end_versions is None or self._ends % EXACT_DRIFT_EVERY == 0
                                or self._weight_versions() != self._end_versions)
             if self._exact_fwd:
                 self._norms_into(row.fwd_norms, self._flat, "weights")

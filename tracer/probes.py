@@ -68,8 +68,13 @@ def rows_view(t: torch.Tensor, rows: int, channel_first: bool) -> tuple[tuple[in
     return None
 
 
+def _fits(out: torch.Tensor | None, src: torch.Tensor) -> bool:
+    """`out` (a staging-buffer slot) can take a copy of `src`."""
+    return out is not None and out.shape == src.shape and out.dtype == src.dtype
+
+
 def _copy(src: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
-    if out is not None and out.shape == src.shape and out.dtype == src.dtype:
+    if _fits(out, src):
         return out.copy_(src)
     return src.clone(memory_format=torch.contiguous_format)  # row by row: a cheap copy
 
@@ -303,7 +308,7 @@ class ForwardProbe:
                     continue
                 src = t.as_strided(*view)  # under no_grad: a plain view
                 dest = views.get(idx)
-                if dest is None or dest.shape != src.shape or dest.dtype != src.dtype:
+                if not _fits(dest, src):
                     dest = torch.empty(src.shape, dtype=src.dtype, device=src.device)
                 srcs.append(src)
                 dests.append(dest)

@@ -74,7 +74,7 @@ def judge_losses(steps: np.ndarray, loss: np.ndarray,
     judged = finite & (counted[idx] - counted[first] >= needed)
     near = np.zeros(n, dtype=bool)
     rows = np.flatnonzero(judged)
-    width = int((idx - first).max()) if n else 0
+    width = int((idx - first).max())
     block = max(1, (1 << 21) // max(width, 1))
     with np.errstate(invalid="ignore"):
         for lo in range(0, len(rows), block):

@@ -3,11 +3,12 @@
 Two copies of the model (same initial weights, same batches) train in one process, one of them
 watched from start to end like a real run; blocks of steps of the two alternate (order swapped
 every other pair), so drift in machine load hits both. The watched run flushes at the recorder's
-default interval (`--flush-every`, 100 steps) and a block is a whole number of flush intervals
-(`--steps`, 100 by default), so every watched block pays for its share of flushes, and the writer
-thread's work is charged to it too (each watched block ends by waiting for the writer to be
-idle); the first, early segment is written before the timed blocks. The figure is the median over
-block pairs of time(with) / time(without), with its spread. Wall-clock is the figure that matters; the process-CPU ratio is printed too because on
+default interval (100 steps; `--flush-every` to change it) and a block is a whole number of flush
+intervals (`--steps`, 100 by default), so every watched block pays for its share of flushes, and
+the writer thread's work is charged to it too (each watched block ends by waiting for the writer
+to be idle); the first, early segment is written before the timed blocks. The figure is the median
+over block pairs of time(with) / time(without), with its spread, and the ratio of the summed
+times. Wall-clock is the figure that matters; the process-CPU ratio is printed too because on
 a shared machine it is less disturbed by others' load. Every metric of every component is
 recorded at every step (forward statistics are computed for 8 steps at once, but each step
 keeps its own values). Run: `python bench/overhead.py [--steps N] [--pairs N] [--threads T]`.
@@ -128,7 +129,7 @@ def wait_for_quiet(max_wait_s: float) -> bool:
 
 
 def measure(name: str, make: Callable[[], Case], pairs: int, steps: int, wait_s: float = 0.0,
-            flush_every: int = 100) -> None:
+            flush_every: int | None = None) -> None:
     """Alternate blocks of a plain and a watched copy; print the median ratio and its spread.
 
     `wait_s` > 0: before each pair, wait up to that long for other processes to leave the CPUs;
@@ -139,11 +140,12 @@ def measure(name: str, make: Callable[[], Case], pairs: int, steps: int, wait_s:
     model, loss_fn = make()
     plain_opt = torch.optim.AdamW(plain_model.parameters(), lr=1e-3)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    wall, cpu, base, busy, totals = [], [], [], [], [0.0, 0.0]
+    wall, cpu, base, watched, busy = [], [], [], [], []
     contention = Contention()
     with tempfile.TemporaryDirectory() as tmp:
         run_block(plain_loss, plain_opt, 3, None)  # warm-up: allocator, thread pools
-        rec = watch(model, opt, f"{tmp}/run", flush_every_steps=flush_every)
+        rec = watch(model, opt, f"{tmp}/run",
+                    **({} if flush_every is None else {"flush_every_steps": flush_every}))
         run_block(loss_fn, opt, 11, rec)  # settles components, writes the early first segment
         for i in range(pairs):
             if wait_s > 0:
@@ -156,8 +158,7 @@ def measure(name: str, make: Callable[[], Case], pairs: int, steps: int, wait_s:
                 plain = run_block(plain_loss, plain_opt, steps, None)
                 recorded = run_block(loss_fn, opt, steps, rec)
             wall.append(recorded[0] / plain[0])
-            totals[0] += recorded[0]
-            totals[1] += plain[0]
+            watched.append(recorded[0])
             cpu.append(recorded[1] / plain[1])
             base.append(plain[0])
             busy.append(contention.fraction())
@@ -165,12 +166,12 @@ def measure(name: str, make: Callable[[], Case], pairs: int, steps: int, wait_s:
         lost = rec.dropped_steps
     contention.stop()
     print(f"{name}: {statistics.median(base) * 1e3:.2f} ms/step without the recorder "
-          f"({pairs} block pairs of {steps} steps, a flush every {flush_every} steps"
+          f"({pairs} block pairs of {steps} steps, a flush every {rec.flush_every_steps} steps"
           f"{f'; {lost} steps DROPPED' if lost else ''})")
     for label, ratios in (("wall-clock", wall), ("process CPU", cpu)):
         _print_ratios(f"{label} ratio with/without", ratios)
     print(f"  wall-clock ratio of the summed times (every block's flushes and noise counted): "
-          f"{totals[0] / totals[1]:.3f}")
+          f"{sum(watched) / sum(base):.3f}")
     clean = [i for i, b in enumerate(busy) if b == 0]
     print(f"  other processes runnable during {statistics.mean(busy):.0%} of the time; "
           f"{len(clean)} of {pairs} pairs ran with none")
@@ -189,8 +190,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=100,
                     help="steps per timed block, a multiple of --flush-every (MLP: x20)")
-    ap.add_argument("--flush-every", type=int, default=100,
-                    help="the watched run's flush interval in steps (the recorder's default: 100)")
+    ap.add_argument("--flush-every", type=int, default=None,
+                    help="the watched run's flush interval in steps (default: the recorder's)")
     ap.add_argument("--pairs", type=int, default=6, help="with/without block pairs")
     ap.add_argument("--batch", type=int, default=8, help="GPT batch size")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: leave as is)")

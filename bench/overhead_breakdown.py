@@ -3,7 +3,8 @@
 Wraps the recorder's hooks and probes with timers (so the figures include the timers' own small
 cost), trains the overhead benchmark's GPT for a few steps with and without the recorder, and
 prints milliseconds per step for each part. Nested parts are printed indented under their caller.
-Run: `python bench/overhead_breakdown.py [--steps N] [--threads T]`.
+Also prints the process's minor page faults per step each way (getrusage). Run:
+`python bench/overhead_breakdown.py [--steps N] [--threads T]`.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import argparse
 import collections
 import functools
+import resource
 import tempfile
 import time
 from collections.abc import Callable
@@ -55,8 +57,13 @@ def main() -> None:
     model, loss_fn = gpt_case(8, n_layer=4, n_embd=256, block=128)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
 
+    faults: dict[bool, float] = {}  # minor page faults per step, by whether the recorder ran
+
     def train(steps: int, rec: Any = None) -> float:
-        return run_block(loss_fn, opt, steps, rec)[0]
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        step_s = run_block(loss_fn, opt, steps, rec)[0]
+        faults[rec is not None] = (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / steps
+        return step_s
 
     train(3)
     with tempfile.TemporaryDirectory() as tmp:
@@ -69,6 +76,7 @@ def main() -> None:
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, TinyGPT 4x256 seq 128 batch 8")
     print(f"step: {without * 1e3:.1f} ms without, {with_rec * 1e3:.1f} ms with the recorder "
           f"(ratio {with_rec / without:.3f}, one pass each way: noisier than bench/overhead.py)")
+    print(f"minor page faults per step: {faults[False]:.0f} without, {faults[True]:.0f} with the recorder")
     for cls, name, indent in PARTS:
         key = f"{cls.__name__}.{name}"
         print(f"{'    ' * indent}{key:<28s} {totals[key] / args.steps * 1e3:6.2f} ms/step")

@@ -32,37 +32,50 @@ PARTS = ((recorder.Recorder, "_root_pre_hook", 0), (params.ParamProbe, "begin", 
          (recorder.Recorder, "log", 0))
 
 
-def _timed(totals: dict[str, float], name: str, f: Callable[..., Any]) -> Callable[..., Any]:
+def _minflt() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
+def _timed(totals: dict[str, float], faults: dict[str, float], name: str,
+           f: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(f)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        t0 = time.perf_counter()
+        t0, f0 = time.perf_counter(), _minflt()
         try:
             return f(*args, **kwargs)
         finally:
             totals[name] += time.perf_counter() - t0
+            faults[name] += _minflt() - f0
     return wrapper
+
+
+MODELS = {"bench": (8, 256, 128), "small": (16, 128, 64)}  # (batch, d, seq) of bench/overhead.py's GPTs
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=30, help="timed steps each way")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: leave as is)")
+    ap.add_argument("--model", choices=sorted(MODELS), default="bench",
+                    help="bench: the bench GPT; small: the small GPT (small ops, many hooks)")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     totals: dict[str, float] = collections.defaultdict(float)
+    part_faults: dict[str, float] = collections.defaultdict(float)
     for cls, name, _ in PARTS:
-        setattr(cls, name, _timed(totals, f"{cls.__name__}.{name}", getattr(cls, name)))
+        setattr(cls, name, _timed(totals, part_faults, f"{cls.__name__}.{name}", getattr(cls, name)))
     torch.manual_seed(0)
-    model, loss_fn = gpt_case(8, n_layer=4, n_embd=256, block=128)
+    batch, n_embd, block = MODELS[args.model]
+    model, loss_fn = gpt_case(batch, n_layer=4, n_embd=n_embd, block=block)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
 
     faults: dict[bool, float] = {}  # minor page faults per step, by whether the recorder ran
 
     def train(steps: int, rec: Any = None) -> float:
-        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        before = _minflt()
         step_s = run_block(loss_fn, opt, steps, rec)[0]
-        faults[rec is not None] = (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / steps
+        faults[rec is not None] = (_minflt() - before) / steps
         return step_s
 
     train(3)
@@ -70,16 +83,20 @@ def main() -> None:
         rec = watch(model, opt, tmp, flush_every_steps=50)
         train(3, rec)
         totals.clear()
+        part_faults.clear()
         with_rec = train(args.steps, rec)
         rec.close()
     without = train(args.steps)
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, TinyGPT 4x256 seq 128 batch 8")
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, "
+          f"TinyGPT 4x{n_embd} seq {block} batch {batch}")
     print(f"step: {without * 1e3:.1f} ms without, {with_rec * 1e3:.1f} ms with the recorder "
           f"(ratio {with_rec / without:.3f}, one pass each way: noisier than bench/overhead.py)")
-    print(f"minor page faults per step: {faults[False]:.0f} without, {faults[True]:.0f} with the recorder")
+    print(f"minor page faults per step: {faults[False]:.0f} without, {faults[True]:.0f} with the recorder "
+          "(of which inside its entry points, below: the nested ones are counted in their callers too)")
     for cls, name, indent in PARTS:
         key = f"{cls.__name__}.{name}"
-        print(f"{'    ' * indent}{key:<28s} {totals[key] / args.steps * 1e3:6.2f} ms/step")
+        print(f"{'    ' * indent}{key:<28s} {totals[key] / args.steps * 1e3:6.2f} ms/step "
+              f"{part_faults[key] / args.steps:7.0f} faults/step")
 
 
 if __name__ == "__main__":

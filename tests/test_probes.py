@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from warninglight.lab import zoo
-from warninglight.tracer import params, schema, watch
+from warninglight.tracer import components, params, schema, watch
 
 
 def health(trace: Path, metric: str) -> dict[tuple[int, str], float | None]:
@@ -123,6 +123,47 @@ def test_a_write_through_data_is_seen_by_the_periodic_exact_check(tmp_path: Path
     weight = health(tmp_path, "weight_norm_l2")  # measured on the new tensor from then on
     assert weight[(6, "2")] == pytest.approx(1.5 * weight[(5, "2")], rel=0.05)
     assert weight[(7, "2")] == pytest.approx(float(model[2].weight.detach().norm()), rel=0.05)
+
+
+@pytest.mark.parametrize("every", [8, 13])
+def test_parameter_values_do_not_depend_on_how_many_steps_are_reduced_together(every: int) -> None:
+    # steps reduced one at a time, in the recorder's batches of 8, and 13 at once (more than the
+    # step buffer holds: it grows) give the same values, bit for bit; an outside write in between
+    torch.manual_seed(0)
+    model = zoo.mlp(hidden=40)
+    start = {k: v.clone() for k, v in model.state_dict().items()}
+    data = list(zip(range(20), zoo.batches(*zoo.teacher_classification(256), 32), strict=False))
+
+    def run(reduce_every: int) -> tuple[torch.Tensor, torch.Tensor]:
+        model.load_state_dict(start)
+        opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+        probe = params.ParamProbe(components.discover(model), sketch_size=16)  # strided sketches
+        blocks, totals = [], []
+        for step, (_, x, y) in data:
+            probe.begin()
+            F.cross_entropy(model(x), y).backward()
+            probe.after_backward()
+            probe.grads()
+            opt.step()
+            opt.zero_grad()
+            probe.end(slot=step)
+            if step == 9:
+                with torch.no_grad():
+                    model[2].weight.mul_(1.5)
+            if (step + 1) % reduce_every == 0 or step == len(data) - 1:
+                slots, block, total, _ = probe.reduce()
+                assert slots == list(range(step + 1 - len(slots), step + 1))
+                blocks.append(block)
+                totals.append(total)
+        return torch.cat(blocks), torch.cat(totals)
+
+    one, total = run(1)
+    batched, batched_total = run(every)
+    assert one.shape == (20, len(components.discover(model)), len(params.PARAM_METRICS))
+    assert torch.equal(one.isnan(), batched.isnan())
+    assert torch.equal(one.nan_to_num(), batched.nan_to_num()) and torch.equal(total, batched_total)
+    drift = one[:, :, params.PARAM_METRICS.index("weight_drift_l2")]
+    assert drift[10, 2] > 0 and drift[9, 2] == 0  # the write shows at the step after it
 
 
 def test_head_prediction_entropy_and_confidence(tmp_path: Path) -> None:

@@ -118,8 +118,13 @@ class ParamProbe:
         self._row_views = self._views_of(self.rows)  # made once: a slice costs a few us a step
         self._sharded = any(callable(getattr(p, "to_local", None)) for p in self.params)
         self.pending: list[_Step] = []
-        # the last reduced step: its update and weight sketch, its per-component weight norms
-        self._carry: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        # `reduce`'s working rows, kept (fresh multi-MB temporaries every few steps cost page
+        # faults in the training's own ops): [0] the last reduced step's update then the queued
+        # steps' updates, [1] their drift sketches, [2] a product; and the last reduced step's
+        # weight sketch and per-component weight norms
+        self._work = torch.empty(3, FORWARD_BATCH_STEPS + 1, k, device=device)
+        self._carry_sketch = torch.empty(k, device=device)
+        self._carry_wnorm: torch.Tensor | None = None  # None: no step reduced yet
         self._ends = 0  # steps ended so far: update cosine and drift need a step before
         self._valid = np.zeros((2, self.n, len(PARAM_METRICS)), dtype=bool)  # [first step, later]
         for m in ("weight_norm_l2", "update_norm_l2", "update_ratio"):
@@ -338,19 +343,27 @@ class ParamProbe:
         comp = torch.zeros(k, 4, n, device=self.device).index_add_(
             2, self.param_comp, norms * norms).sqrt()
         fwd_norm, wnorm = comp[:, 0], comp[:, 2]
-        update = sketch - fwd_sketch
-        if self._carry is None:  # the first step: no update or weights before it (null values)
-            self._carry = (update[0], fwd_sketch[0], fwd_norm[0])
-        prev_update, prev_sketch, prev_wnorm = (torch.cat([c[None], x[:-1]]) for c, x in zip(
-            self._carry, (update, sketch, wnorm), strict=True))
+        if self._work.shape[1] <= k:  # more steps queued than the step buffer first held
+            self._work = torch.empty(3, k + 1, self._work.shape[2], device=self.device)
+        updates, drift, prod = self._work[0, :k + 1], self._work[1, :k], self._work[2, :k]
+        update, prev_update = updates[1:], updates[:-1]
+        torch.sub(sketch, fwd_sketch, out=update)
+        if self._carry_wnorm is None:  # the first step: no update or weights before it (null values)
+            updates[0].copy_(update[0])
+            self._carry_sketch.copy_(fwd_sketch[0])
+            self._carry_wnorm = fwd_norm[0]
+        prev_wnorm = torch.cat([self._carry_wnorm[None], wnorm[:-1]])
         if not all(s.exact_fwd for s in steps):  # no norms taken: the weights the last step left
             exact = to_device(np.array([s.exact_fwd for s in steps]), self.device)
             fwd_norm = torch.where(exact[:, None], fwd_norm, prev_wnorm)
-        drift = fwd_sketch - prev_sketch
-        # the four per-component sums of scaled sketch products in one segment reduction
-        terms = torch.stack([update * update, update * prev_update, prev_update * prev_update,
-                             drift * drift], 1)
-        sums = torch.zeros(k, 4, n, device=self.device).index_add_(2, self.coord_comp, terms * self.scale)
+        torch.sub(fwd_sketch[:1], self._carry_sketch, out=drift[:1])
+        torch.sub(fwd_sketch[1:], sketch[:-1], out=drift[1:])
+        # per component, the sums of scaled sketch products: |update|^2, update . previous update,
+        # |previous update|^2, |drift|^2
+        sums = torch.zeros(k, 4, n, device=self.device)
+        for i, (a, b) in enumerate(((update, update), (update, prev_update), (prev_update, prev_update),
+                                    (drift, drift))):
+            sums[:, i].index_add_(1, self.coord_comp, torch.mul(a, b, out=prod).mul_(self.scale))
         unorm = sums[:, 0].sqrt()
         zero = torch.zeros(n, dtype=torch.float64, device=self.device)
         cols = {"grad_norm_l2": comp[:, 1],
@@ -358,7 +371,9 @@ class ParamProbe:
                 "weight_norm_l2": wnorm, "update_norm_l2": unorm, "update_ratio": unorm / wnorm,
                 "update_cos": sums[:, 1] / (unorm * sums[:, 2].sqrt()),
                 "weight_drift_l2": torch.maximum(sums[:, 3].sqrt(), (fwd_norm - prev_wnorm).abs())}
-        self._carry = (update[-1], sketch[-1].clone(), wnorm[-1])
+        updates[0].copy_(update[-1])
+        self._carry_sketch.copy_(sketch[-1])
+        self._carry_wnorm = wnorm[-1]
         total = rows[:, self._grad_n].double().square().sum(1).sqrt()
         preclip = total
         if any(s.preclip == _AT_BACKWARD for s in steps):

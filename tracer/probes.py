@@ -169,7 +169,9 @@ class _Plan:
                 off += u
             self.buffers.append((buf, units))
         # room for the reduction's element-wise temporaries (float32, like the reduced samples)
+        # and for its per-unit statistics (`_unit_stats`, every group's columns side by side)
         self.scratch = [torch.empty(b.shape, device=device) for b, _ in self.buffers]
+        self.units = torch.empty(_UNIT_STATS * sum(b.shape[1] for b, _ in self.buffers), device=device)
 
     def holds(self, k: int, samples: list[tuple[int, torch.Tensor]]) -> bool:
         """Whether `samples` (step `k` of the batch) all sit in their places here."""
@@ -179,31 +181,37 @@ class _Plan:
         return all(views.get(c) is s for c, s in samples)
 
 
-def _unit_stats(m: torch.Tensor, scratch: torch.Tensor | None = None) -> list[torch.Tensor]:
-    """Per unit (column of m): finite count, sum, sum of squares, zeros, absmax; m with NaN/Inf -> 0.
+def _unit_stats(m: torch.Tensor, out: torch.Tensor, scratch: torch.Tensor | None = None) -> torch.Tensor:
+    """Per unit (column of m), into the rows of `out` (_UNIT_STATS, m's columns): finite count,
+    sum, sum of squares, zeros, absmax (the last two rows, saturated and dead, are the caller's);
+    returns m with NaN/Inf -> 0.
 
     The ops are picked for speed on CPU (one thread, a (16, 11264) sample): sum 12 us, square-sum
     ~35 us, amax and amin ~10 us each (abs().amax ~35 us, aminmax slower still), sign().abs().sum
     ~85 us, where vector_norm(dim=0) takes 1.2 ms, (m == 0).sum 250 us and `isfinite` more: on
     CPU it runs only when a column sum says a value is not finite (one host read per row group
-    and batch of steps; free on CPU). `scratch` (m's shape) takes the element-wise temporaries:
-    fresh multi-MB tensors each time cost page faults.
+    and batch of steps; free on CPU). `scratch` (m's shape) takes the element-wise temporaries
+    and `out` the per-unit ones: fresh multi-MB tensors each time cost page faults, in the
+    training's own ops too (the allocator's thresholds move).
     """
     r = m.shape[0]
-    usum = m.sum(0)
+    nfin, usum, usq, zeros, uabs = out[:5]
+    torch.sum(m, 0, out=usum)
     if m.device.type != "cpu" or not bool(torch.isfinite(usum).all()):
         fin = torch.isfinite(m)  # on a device: always take this branch, a sync-free path
-        nfin = fin.sum(0).float()
+        torch.sum(fin, 0, out=nfin)
         m = torch.where(fin, m, 0.0)
-        usum = m.sum(0)
+        torch.sum(m, 0, out=usum)
     else:
-        nfin = torch.full_like(usum, r)
+        nfin.fill_(r)
     tmp = scratch if scratch is not None and scratch.dtype == m.dtype else torch.empty_like(m)
-    usq = torch.mul(m, m, out=tmp).sum(0)
+    torch.sum(torch.mul(m, m, out=tmp), 0, out=usq)
     # max |x| as max(max x, -min x): two reductions, no |m| temporary; abs_ turns a -0.0 into 0.0
-    uabs = torch.maximum(m.amax(0), m.amin(0).neg_()).abs_()
-    zeros = nfin - torch.sign(m, out=tmp).abs_().sum(0)  # replaced non-finite values count as neither
-    return [nfin, usum, usq, zeros, uabs, m]
+    torch.amin(m, 0, out=zeros)  # `zeros` is free until the last line
+    torch.maximum(torch.amax(m, 0, out=uabs), zeros.neg_(), out=uabs).abs_()
+    torch.sum(torch.sign(m, out=tmp).abs_(), 0, out=zeros)
+    torch.sub(nfin, zeros, out=zeros)  # replaced non-finite values count as neither
+    return m
 
 
 @dataclass
@@ -423,15 +431,23 @@ class ForwardProbe:
             lay = self._layouts[(key, k)] = _Layout(key, k, self.components, self.device)
         return lay
 
-    def _group_matrix(self, steps: list[_StepSamples], g: int,
-                      group: list[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Row group `g` of the steps' samples as one (rows, K * units) matrix, step-major, and
-        scratch room of its shape if there is some."""
+    @staticmethod
+    def _staged(steps: list[_StepSamples]) -> _Plan | None:
+        """The staging buffers that hold all of these consecutive steps' samples, if any."""
         plan, k0 = steps[0].plan, steps[0].k
         if plan is not None and plan.key == steps[0].key and all(
                 s.plan is plan and s.k == k0 + i for i, s in enumerate(steps)):
+            return plan
+        return None
+
+    @staticmethod
+    def _group_matrix(steps: list[_StepSamples], plan: _Plan | None, g: int,
+                      group: list[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Row group `g` of the steps' samples as one (rows, K * units) matrix, step-major, and
+        scratch room of its shape if there is some."""
+        if plan is not None:
             buf, units = plan.buffers[g]  # the hooks wrote the samples in place: a view, no copy
-            cols = slice(k0 * units, (k0 + len(steps)) * units)
+            cols = slice(steps[0].k * units, (steps[0].k + len(steps)) * units)
             return buf[:, cols], plan.scratch[g][:, cols]
         blocks = [s.samples[p][1] for s in steps for p in group]
         return (torch.cat(blocks, 1) if len(blocks) > 1 else blocks[0]), None
@@ -439,17 +455,23 @@ class ForwardProbe:
     def _sample_stats(self, steps: list[_StepSamples]) -> dict[str, torch.Tensor]:
         k, n = len(steps), self.n
         lay = self._layout(steps[0].key, k)
-        per_unit = []
+        plan = self._staged(steps)
+        width = len(lay.unit_slot)  # K steps' units, group after group
+        unit = (plan.units[:_UNIT_STATS * width] if plan is not None else torch.empty(
+            _UNIT_STATS * width, device=self.device)).view(_UNIT_STATS, width)  # contiguous for fewer steps too
+        col = 0
         for g, group in enumerate(lay.groups):
-            m, scratch = self._group_matrix(steps, g, group)
-            *stats, m = _unit_stats(m.float(), scratch)
+            m, scratch = self._group_matrix(steps, plan, g, group)
+            out = unit[:, col:col + m.shape[1]]
+            col += m.shape[1]
+            m = _unit_stats(m.float(), out, scratch)
             if lay.bounded[g]:
-                stats.append(((m - lay.centre[g]).abs() >= lay.half[g]).sum(0).float())
+                tmp = scratch if scratch is not None else torch.empty_like(m)
+                torch.sum(torch.ge(torch.sub(m, lay.centre[g], out=tmp).abs_(), lay.half[g], out=tmp), 0,
+                          out=out[5])
             else:
-                stats.append(torch.zeros_like(stats[0]))
-            stats.append((stats[4] <= DEAD_EPS).float())
-            per_unit.append(torch.stack(stats))  # (7, K * units): rows are contiguous
-        unit = torch.cat(per_unit, 1) if len(per_unit) > 1 else per_unit[0]
+                out[5].zero_()
+            torch.le(out[4], DEAD_EPS, out=out[6])
         # per (step, component): its units are one run, so a segment sum (in unit order, as an
         # index_add would add them) gives its totals; absent components stay 0 (null rows)
         seg = torch.segment_reduce(unit, "sum", lengths=lay.seg_lengths, axis=1)

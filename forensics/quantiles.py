@@ -28,12 +28,13 @@ WORKERS = os.cpu_count() or 1  # columns computed at once by `trailing_many`
 
 
 @numba.njit(nogil=True, inline="always")
-def _rank(buf: np.ndarray, n: int, x: float) -> int:  # pragma: no cover - compiled
-    """How many of the sorted `buf[:n]` are below `x` (binary search)."""
+def _rank(buf: np.ndarray, mask: int, head: int, n: int, x: float) -> int:  # pragma: no cover - compiled
+    """How many of the window's sorted values (`buf`, a ring: the j-th is `buf[(head + j) & mask]`,
+    j < n) are below `x` (binary search)."""
     lo, hi = 0, n
     while lo < hi:
         mid = (lo + hi) >> 1
-        if buf[mid] < x:
+        if buf[(head + mid) & mask] < x:
             lo = mid + 1
         else:
             hi = mid
@@ -45,41 +46,70 @@ def _trailing(values: np.ndarray, starts: np.ndarray, window: int, lag: int, min
               out: np.ndarray) -> None:  # pragma: no cover - compiled
     """`out[:, i]` = (q25, median, q75) of the series window ending `lag` rows before row i.
 
+    The window's finite values stay sorted in a ring, so a value leaves or enters by moving the
+    values on whichever side of it is shorter: a series that trends (every new value the
+    largest, the oldest the smallest: norms over training) moves almost nothing, where a flat
+    array moved the whole window each row. When a value leaves and another enters, the values
+    between the two places move instead if that is fewer.
+
     Helpers are inlined at compile time: one cached function to load when a command starts."""
-    buf = np.empty(window + 1)  # the window's finite values, sorted: buf[:n]
+    cap = 1
+    while cap < window + 1:
+        cap <<= 1
+    mask = cap - 1
+    buf = np.empty(cap)
     for g in range(len(starts) - 1):
         first, end = starts[g], starts[g + 1]
-        n = 0
+        n, head = 0, 0
         for i in range(first, end):
             x_in = values[i - lag] if i - lag >= first else np.nan
             x_out = values[i - lag - window] if i - lag - window >= first else np.nan
             entering, leaving = not math.isnan(x_in), not math.isnan(x_out)
+            at = 0
+            if entering:
+                at = _rank(buf, mask, head, n, x_in)
             if leaving:
-                lo = _rank(buf, n, x_out)  # the leaving value's place (the first holding it)
-                if not entering:  # close the gap
-                    for k in range(lo, n - 1):
-                        buf[k] = buf[k + 1]
+                lo = _rank(buf, mask, head, n, x_out)  # the leaving value's place (the first holding it)
+                if entering:
+                    if at > lo:
+                        at -= 1  # its place once the leaving value is gone
+                    between = at - lo if at > lo else lo - at
+                    if between <= min(lo, n - 1 - lo) + min(at, n - 1 - at):
+                        # fewer moves: shift the values between the two places by one
+                        if at > lo:
+                            for k in range(lo, at):
+                                buf[(head + k) & mask] = buf[(head + k + 1) & mask]
+                        else:
+                            for k in range(lo, at, -1):
+                                buf[(head + k) & mask] = buf[(head + k - 1) & mask]
+                        buf[(head + at) & mask] = x_in
+                        leaving = entering = False  # both done
+                if leaving:  # close the gap from its shorter side
+                    if lo < n - 1 - lo:
+                        for k in range(lo, 0, -1):
+                            buf[(head + k) & mask] = buf[(head + k - 1) & mask]
+                        head = (head + 1) & mask
+                    else:
+                        for k in range(lo, n - 1):
+                            buf[(head + k) & mask] = buf[(head + k + 1) & mask]
                     n -= 1
-            elif entering:  # a new place at the end, for the entering value to move from
-                lo = n
-                buf[n] = np.inf
-                n += 1
-            if entering:  # move x_in into buf[lo]'s place, shifting only the values between
-                at = _rank(buf, n, x_in)  # counts buf[lo] too when it is below x_in
-                if at > lo:
-                    at -= 1
-                    for k in range(lo, at):
-                        buf[k] = buf[k + 1]
+            if entering:  # open a place at `at` from its shorter side
+                if at < n - at:
+                    head = (head - 1) & mask
+                    for k in range(at):
+                        buf[(head + k) & mask] = buf[(head + k + 1) & mask]
                 else:
-                    for k in range(lo, at, -1):
-                        buf[k] = buf[k - 1]
-                buf[at] = x_in
+                    for k in range(n, at, -1):
+                        buf[(head + k) & mask] = buf[(head + k - 1) & mask]
+                buf[(head + at) & mask] = x_in
+                n += 1
             if n >= min_samples and n > 0:
-                out[0, i] = buf[min(int(math.floor((n - 1) * 0.25 + 0.5)), n - 1)]  # nearest rank
+                out[0, i] = buf[(head + min(int(math.floor((n - 1) * 0.25 + 0.5)), n - 1)) & mask]  # nearest rank
                 mid_at = (n - 1) * 0.5  # the median interpolates linearly
                 lo_i, hi_i = int(math.floor(mid_at)), int(math.ceil(mid_at))
-                out[1, i] = buf[lo_i] if lo_i == hi_i else buf[lo_i] + (buf[hi_i] - buf[lo_i]) * (mid_at - lo_i)
-                out[2, i] = buf[min(int(math.floor((n - 1) * 0.75 + 0.5)), n - 1)]
+                m_lo = buf[(head + lo_i) & mask]
+                out[1, i] = m_lo if lo_i == hi_i else m_lo + (buf[(head + hi_i) & mask] - m_lo) * (mid_at - lo_i)
+                out[2, i] = buf[(head + min(int(math.floor((n - 1) * 0.75 + 0.5)), n - 1)) & mask]
             else:
                 out[0, i] = out[1, i] = out[2, i] = np.nan
 

@@ -35,6 +35,26 @@ def test_trailing_equals_polars_rolling_with_ties_gaps_and_short_series(seed: in
         assert np.array_equal(got, want, equal_nan=True), (window, lag, min_samples)
 
 
+@pytest.mark.parametrize("shape", ["up", "down", "steps", "zigzag"])
+def test_trailing_equals_polars_rolling_on_trending_series(shape: str) -> None:
+    # values that enter at one end of the sorted window and leave from the other (norms over
+    # training), with ties, gaps and lags: the kernel moves values from either side
+    rng = np.random.default_rng(len(shape))
+    n = 900
+    base = {"up": np.arange(n, dtype=float), "down": -np.arange(n, dtype=float),
+            "steps": np.repeat(np.arange(n // 30, dtype=float), 30),
+            "zigzag": np.abs((np.arange(n) % 200) - 100).astype(float)}[shape]
+    values = base + rng.normal(scale=0.3, size=n).round(1)
+    valid = rng.random(n) > 0.05
+    lengths = np.array([300, 5, 595])
+    series = np.repeat(np.arange(3), lengths)
+    starts = np.concatenate([[0], np.cumsum(lengths)])
+    for window, lag, min_samples in ((64, 3, 64), (7, 0, 1), (33, 2, 10)):
+        got = quantiles.trailing(np.where(valid, values, np.nan), starts, window, lag, min_samples)
+        want = _polars(values, valid, series, window, lag, min_samples)
+        assert np.array_equal(got, want, equal_nan=True), (window, lag, min_samples)
+
+
 def test_trailing_many_spreads_columns_and_keeps_their_order() -> None:
     rng = np.random.default_rng(7)
     columns = [rng.normal(size=500) * (k + 1) for k in range(5)]

@@ -19,7 +19,7 @@ from __future__ import annotations
 import numpy as np
 import polars as pl
 
-from .baseline import KEYS, LR_PEAK, lr_peaks, series_starts
+from .baseline import KEYS, LR_PEAK, lr_peaks, series_starts, sort_series
 from .classify import ALARM_SCHEMA, alarms, hits, score
 from .conditions import Config
 
@@ -61,7 +61,7 @@ class Classifier:
         window = rows if self._tail is None else pl.concat([self._tail, rows], how="diagonal_relaxed")
         if self._lr_peak is not None and "lr" in window.columns:  # the run's lr before the window
             window = window.join(self._lr_peak, on=list(KEYS), how="left")
-        window = window.sort([*KEYS, "step"])  # once: the baseline and the carry read series in order
+        window = sort_series(window)  # once: the baseline and the carry read series in order
         judged = pl.col(_NEW) if self.since is None else pl.col(_NEW) & (pl.col("step") >= self.since)
         scored = score(window.lazy(), self.config, self.reference).filter(judged).collect()
         self.scored = scored  # the judged rows of this call, for a caller that localises live

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import polars as pl
 import pytest
+from warninglight.forensics import baseline
 from warninglight.forensics.baseline import band, with_baseline
 from warninglight.forensics.conditions import BaselineConfig
 
@@ -62,3 +64,17 @@ def test_norms_are_judged_in_log_units_and_band_brackets_the_median() -> None:
     b = band(s, "grad_norm_l2", width_z=3.0).filter(pl.col("step") == 45)
     assert b["lower"][0] == pytest.approx(100 * math.exp(-0.06))
     assert b["upper"][0] == pytest.approx(100 * math.exp(0.06))
+
+
+@pytest.mark.parametrize("step_span", [1_000, 1 << 41])
+def test_sort_series_orders_rows_as_the_sort_on_names_does(step_span: int) -> None:
+    # names that share prefixes, differ in case or are not ASCII; ranks with gaps; a step span
+    # too wide for the one integer key takes the plain sort
+    rng = np.random.default_rng(3)
+    names = ["a", "a.b", "a.b.c", "B", "h.10.mlp", "h.2.mlp", "é", "z"]
+    steps = np.unique(rng.integers(1, step_span, size=200))
+    frame = (pl.DataFrame({"rank": [0, 3, 17]}).join(pl.DataFrame({"component": names}), how="cross")
+             .join(pl.DataFrame({"step": steps}), how="cross").sample(fraction=0.7, shuffle=True, seed=1))
+    frame = frame.with_columns(pl.Series("x", rng.normal(size=frame.height)))
+    assert baseline.sort_series(frame).equals(frame.sort(["rank", "component", "step"]))
+    assert baseline.sort_series(frame.head(0)).is_empty()

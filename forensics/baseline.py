@@ -135,24 +135,47 @@ def series_starts(frame: pl.DataFrame) -> np.ndarray:
     return np.append(np.flatnonzero(frame.select(new.fill_null(True)).to_series().to_numpy()), frame.height)
 
 
+def history_cut(frame: pl.DataFrame, starts: np.ndarray, judged: str, lead: int) -> np.ndarray | None:
+    """Which rows of `frame` (sorted by rank, component, step; `starts`: `series_starts`) are
+    worth a baseline when only the rows marked by the boolean column `judged` will be judged,
+    and each reads the rule verdicts of at most `lead` rows before it (persistence): the rows
+    from the earliest step any series needs on, in every series (a step keeps all its rows, so
+    the peers' median at it is unchanged). None: all of them."""
+    marked = frame[judged].to_numpy()
+    if not marked.any():
+        return None
+    series = np.repeat(np.arange(len(starts) - 1), np.diff(starts))
+    first = np.full(len(starts) - 1, frame.height)
+    np.minimum.at(first, series[marked], np.flatnonzero(marked))  # each series' first judged row
+    has = first < frame.height
+    need = np.maximum(starts[:-1][has], first[has] - lead)  # and the rows its persistence reads
+    step = frame["step"].to_numpy()
+    keep = step >= step[need].min()
+    return None if keep.all() else keep
+
+
 def _own_baseline(frame: pl.DataFrame, starts: np.ndarray, metrics: list[str], cfg: BaselineConfig,
-                  lr: bool) -> pl.DataFrame:
+                  lr: bool, keep: np.ndarray | None = None) -> pl.DataFrame:
     """`frame` (sorted by rank, component, step) with each row's place in its series (`POS`) and
     each metric's median and scale against its own trailing window (`baseline_exprs`), from the
     window's quartiles and median (`m__q25`, `m__q50`, `m__q75`, on the baseline's scale), which
-    one compiled pass per metric computes (`quantiles.py`) and which are dropped once used."""
+    one compiled pass per metric computes (`quantiles.py`) and which are dropped once used.
+
+    `keep` (`history_cut`): the rows to return; every row still feeds the windows."""
     frame = frame.with_columns(pl.Series(POS, np.arange(frame.height) - np.repeat(starts[:-1], np.diff(starts))))
+    kept = frame if keep is None else frame.filter(pl.Series(keep))
     per_pass = max(1, quantiles.WORKERS)  # columns in flight at once: bounds the float arrays held
     for i in range(0, len(metrics), per_pass):
         batch = metrics[i:i + per_pass]
         values = frame.select(_finite(m, lr and m in LR_SCALED).alias(m) for m in batch)
         stats = quantiles.trailing_many([values[m].fill_null(np.nan).to_numpy() for m in batch],
                                         starts, cfg.window, cfg.lag, cfg.min_samples)
-        frame = (frame.with_columns(pl.Series(f"{m}__q{q}", out[k], dtype=pl.Float64, nan_to_null=True)
-                                    for m, out in zip(batch, stats, strict=True) for k, q in enumerate(_Q))
-                 .with_columns(e for m in batch for e in baseline_exprs(m, lr))
-                 .drop(f"{m}__q{q}" for m in batch for q in _Q))
-    return frame
+        kept = (kept.with_columns(pl.Series(f"{m}__q{q}", out[k] if keep is None else out[k][keep],
+                                            dtype=pl.Float64, nan_to_null=True)
+                                  for m, out in zip(batch, stats, strict=True) for k, q in enumerate(_Q))
+                .with_columns(e for m in batch for e in baseline_exprs(m, lr))
+                .drop(f"{m}__q{q}" for m in batch for q in _Q))
+    return kept
 
 
 def baseline_exprs(metric: str, lr: bool = False) -> list[pl.Expr]:
@@ -181,12 +204,16 @@ def reference_exprs(metric: str, lr: bool, suffix: str) -> list[pl.Expr]:
 
 
 def with_baseline(frame: pl.LazyFrame | pl.DataFrame, cfg: BaselineConfig, metrics: list[str] | None = None,
-                  reference: pl.DataFrame | None = None, suffix: str = "__ref") -> pl.LazyFrame:
+                  reference: pl.DataFrame | None = None, suffix: str = "__ref",
+                  judged: str | None = None, lead: int = 0) -> pl.LazyFrame:
     """`frame` (health rows, sorted here by rank, component, step) with baseline columns added,
     and each row's place in its series (`POS`, which the persistence of rules reads).
 
     `reference`: a reference run's baseline columns by (component, step) (`reference.py`), used
-    instead of each component's own past for every metric it has.
+    instead of each component's own past for every metric it has. `judged`: a boolean column
+    marking the rows that will be judged, each reading at most `lead` rows before it; the rows
+    before those are history only and are left out once their values fed the windows
+    (`history_cut`: a live monitor's and an analysis window's carried rows).
     """
     given: set[str] = set()
     if reference is not None:  # joined first: a join does not keep the row order rolling windows need
@@ -202,7 +229,8 @@ def with_baseline(frame: pl.LazyFrame | pl.DataFrame, cfg: BaselineConfig, metri
     metrics = metrics if metrics is not None else metrics_in(rows)
     given &= set(metrics)
     own = [m for m in metrics if m not in given]
-    rows = _own_baseline(rows, starts, own, cfg, lr)
+    keep = history_cut(rows, starts, judged, lead) if judged is not None else None
+    rows = _own_baseline(rows, starts, own, cfg, lr, keep)
     if given:
         rows = rows.with_columns([e for m in metrics if m in given for e in reference_exprs(m, lr, suffix)])
         rows = rows.drop([c for c in reference.columns if c.endswith(suffix)])  # type: ignore[union-attr]

@@ -87,12 +87,16 @@ def _rules(config: Config) -> list[tuple[Condition, Rule, str]]:
     return [(c, r, f"hit__{c.name}__{i}") for c in config.conditions for i, r in enumerate(c.rules)]
 
 
-def score(frame: pl.LazyFrame, config: Config, reference: pl.DataFrame | None = None) -> pl.LazyFrame:
+def score(frame: pl.LazyFrame, config: Config, reference: pl.DataFrame | None = None,
+          judged: str | None = None) -> pl.LazyFrame:
     """Health rows with baseline columns and one boolean column per (condition, rule).
 
     `reference`: judge against a reference run's baseline instead of each component's past.
+    `judged`: a boolean column marking the rows that will be judged: only those are scored
+    exactly (with the rows their persistence reads); the frame keeps fewer of the others.
     """
-    scored = with_baseline(frame, config.baseline, reference=reference)
+    lead = max(c.persistence_of(r) for c in config.conditions for r in c.rules) - 1
+    scored = with_baseline(frame, config.baseline, reference=reference, judged=judged, lead=lead)
     present = set(metrics_in(scored))  # with the metrics the baseline derives (lr_surge)
     peers = {r.metric for c in config.conditions for r in c.rules if r.peers_fold is not None} & present
     scored = scored.with_columns([  # the median component's value/baseline at each step

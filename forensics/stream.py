@@ -26,6 +26,7 @@ from .conditions import Config
 GROUP = ["rank", "component", "condition"]
 HEAT_SCHEMA = {"component": pl.String, "step": pl.Int64, "score": pl.Float64}
 _NEW = "__new"  # marks the rows of the current call among the carried ones
+_JUDGED = "__judged"  # ... and of those, the rows judged (not before `since`)
 
 
 class StepOrderError(ValueError):
@@ -63,12 +64,14 @@ class Classifier:
             window = window.join(self._lr_peak, on=list(KEYS), how="left")
         window = sort_series(window)  # once: the baseline and the carry read series in order
         judged = pl.col(_NEW) if self.since is None else pl.col(_NEW) & (pl.col("step") >= self.since)
-        scored = score(window.lazy(), self.config, self.reference).filter(judged).collect()
+        window = window.with_columns(judged.alias(_JUDGED))
+        scored = (score(window.lazy(), self.config, self.reference, judged=_JUDGED)
+                  .filter(pl.col(_JUDGED)).drop(_JUDGED).collect())
         self.scored = scored  # the judged rows of this call, for a caller that localises live
         if self.heat_width is not None:
             self._heat.append(heat_of(scored, self.heat_width))
         new = self._episode_alarms(hits(scored.lazy(), self.config))
-        self._tail = self._carry(window)
+        self._tail = self._carry(window.drop(_JUDGED))
         return new
 
     def alarms(self) -> pl.DataFrame:

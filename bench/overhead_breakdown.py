@@ -2,9 +2,10 @@
 
 Wraps the recorder's hooks and probes with timers (so the figures include the timers' own small
 cost), trains the overhead benchmark's GPT for a few steps with and without the recorder, and
-prints milliseconds per step for each part. Nested parts are printed indented under their caller.
-Also prints the process's minor page faults per step each way (getrusage). Run:
-`python bench/overhead_breakdown.py [--steps N] [--threads T]`.
+prints milliseconds and minor page faults per step for each part (nested parts are printed
+indented under their caller, and counted in it too), and the process's minor page faults per
+step each way (getrusage). Run:
+`python bench/overhead_breakdown.py [--steps N] [--threads T] [--model bench|small]`.
 """
 
 from __future__ import annotations

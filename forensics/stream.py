@@ -19,7 +19,15 @@ from __future__ import annotations
 import numpy as np
 import polars as pl
 
-from .baseline import KEYS, LR_PEAK, lr_peaks, series_starts, sort_series
+from .baseline import (
+    KEYS,
+    LR_PEAK,
+    SERIES_KEY,
+    lr_peaks,
+    series_starts,
+    sort_series,
+    with_series_values,
+)
 from .classify import ALARM_SCHEMA, alarms, hits, score
 from .conditions import Config
 
@@ -60,18 +68,18 @@ class Classifier:
             return pl.DataFrame(schema=ALARM_SCHEMA)
         rows = self._prepare(rows)
         window = rows if self._tail is None else pl.concat([self._tail, rows], how="diagonal_relaxed")
-        if self._lr_peak is not None and "lr" in window.columns:  # the run's lr before the window
-            window = window.join(self._lr_peak, on=list(KEYS), how="left")
         window = sort_series(window)  # once: the baseline and the carry read series in order
+        if self._lr_peak is not None and "lr" in window.columns:  # the run's lr before the window
+            window = with_series_values(window, self._lr_peak)
         judged = pl.col(_NEW) if self.since is None else pl.col(_NEW) & (pl.col("step") >= self.since)
         window = window.with_columns(judged.alias(_JUDGED))
         scored = (score(window.lazy(), self.config, self.reference, judged=_JUDGED)
-                  .filter(pl.col(_JUDGED)).drop(_JUDGED).collect())
+                  .filter(pl.col(_JUDGED)).drop(_JUDGED, SERIES_KEY).collect())
         self.scored = scored  # the judged rows of this call, for a caller that localises live
         if self.heat_width is not None:
             self._heat.append(heat_of(scored, self.heat_width))
         new = self._episode_alarms(hits(scored.lazy(), self.config))
-        self._tail = self._carry(window.drop(_JUDGED))
+        self._tail = self._carry(window.drop(_JUDGED))  # with its key: series_starts reads it
         return new
 
     def alarms(self) -> pl.DataFrame:

@@ -76,5 +76,9 @@ def test_sort_series_orders_rows_as_the_sort_on_names_does(step_span: int) -> No
     frame = (pl.DataFrame({"rank": [0, 3, 17]}).join(pl.DataFrame({"component": names}), how="cross")
              .join(pl.DataFrame({"step": steps}), how="cross").sample(fraction=0.7, shuffle=True, seed=1))
     frame = frame.with_columns(pl.Series("x", rng.normal(size=frame.height)))
-    assert baseline.sort_series(frame).equals(frame.sort(["rank", "component", "step"]))
+    ordered = baseline.sort_series(frame)
+    assert ordered.drop(baseline.SERIES_KEY, strict=False).equals(frame.sort(["rank", "component", "step"]))
+    # the series it finds from the key are those the names give
+    assert np.array_equal(baseline.series_starts(ordered),
+                          baseline.series_starts(ordered.drop(baseline.SERIES_KEY, strict=False)))
     assert baseline.sort_series(frame.head(0)).is_empty()

@@ -23,6 +23,7 @@ from matplotlib.patches import Rectangle
 
 MAX_LABEL = 26  # characters of a component name on an axis before it is shortened
 MAX_ROWS_LABELLED = 60  # more component rows than this and labels would overlap at 8 pt
+STEP_COLUMNS = 2000  # a component x step map draws at most this many step columns (bins of steps)
 Z_CAP = 12.0  # |z| colour scale saturates here; beyond it every cell looks equally alarming
 Z_LEVELS = (0.0, 3.0, 4.0, 6.0, 8.0, Z_CAP, 2 * Z_CAP)  # heatmap colour bins of |z|; the last is ">= Z_CAP"
 
@@ -196,26 +197,31 @@ def condition_map(alarms: pl.DataFrame, order: Sequence[str], last_step: int,
                   marks: Sequence[Mark] = (), kinds: dict[str, str] | None = None) -> Figure:
     """Component × step map coloured by the alarmed condition, from each alarm's onset to its last step.
 
-    `alarms`: rows with observed_on, condition, onset_step and (optionally) last_step.
+    `alarms`: rows with observed_on, condition, onset_step and (optionally) last_step. A run of
+    more than `STEP_COLUMNS` steps is drawn in bins of steps (a cell shows an episode that covers
+    any of its steps): one column per step of a 1e5-step run took ~6 GiB to draw.
     """
     conditions = sorted(set(alarms["condition"].to_list())) if len(alarms) else []
     index = {c: i for i, c in enumerate(order)}
-    grid = np.full((len(order), last_step), np.nan)
+    width = -(-last_step // STEP_COLUMNS) if last_step > STEP_COLUMNS else 1  # steps per column
+    grid = np.full((len(order), -(-last_step // width)), np.nan)
     # unclassified first, so a named condition on the same component and steps is drawn over it
     ordered = alarms.sort(pl.col("condition") != "unclassified")
     for row in ordered.iter_rows(named=True):
         if row["observed_on"] in index and row["onset_step"] is not None:
             end = row.get("last_step") or last_step  # the episode's last alarming step, if known
-            grid[index[row["observed_on"]], int(row["onset_step"]) - 1:int(end)] = conditions.index(row["condition"])
+            first_col, last_col = (int(row["onset_step"]) - 1) // width, (int(end) - 1) // width
+            grid[index[row["observed_on"]], first_col:last_col + 1] = conditions.index(row["condition"])
     height = min(14.0, 1.6 + 0.28 * len(order))
     fig = Figure(figsize=(11, height), layout="constrained")
     ax = fig.subplots()
     palette = ListedColormap(matplotlib.colormaps["tab10"].colors[: max(1, len(conditions))]).with_extremes(bad="#f4f4f4")
     ax.imshow(grid, aspect="auto", interpolation="nearest", cmap=palette, vmin=-0.5,
-              vmax=max(1, len(conditions)) - 0.5, extent=(0.5, last_step + 0.5, len(order) - 0.5, -0.5))
+              vmax=max(1, len(conditions)) - 0.5, extent=(0.5, grid.shape[1] * width + 0.5, len(order) - 0.5, -0.5))
     _set_rows(ax, order, kinds)
     ax.set_xlabel("optimizer step")
-    ax.set_title("Alarmed components by condition (onset to last alarming step)")
+    ax.set_title("Alarmed components by condition (onset to last alarming step"
+                 + (f"; a column is {width} steps)" if width > 1 else ")"))
     handles = [Rectangle((0, 0), 1, 1, color=palette(i)) for i in range(len(conditions))]
     _draw_marks(ax, marks)
     lines, labels = ax.get_legend_handles_labels()

@@ -118,3 +118,23 @@ def test_figures_leave_the_callers_matplotlib_backend_alone(tmp_path: Path) -> N
         "print(matplotlib.get_backend(), png[:4] == b'\\x89PNG', 'matplotlib.pyplot' in sys.modules)\n")
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["svg", "True", "False"], out.stderr
+
+
+def test_the_condition_map_of_a_long_run_is_drawn_in_bins_of_steps() -> None:
+    # one column per step of a 1e5-step run took gigabytes to draw: a long run gets bins of
+    # steps, and a one-step episode still shows in its bin, a named condition over unclassified
+    alarms = pl.DataFrame({"observed_on": ["a", "b", "b"], "condition": ["exploding", "unclassified", "dead"],
+                           "onset_step": [99_150, 10, 10], "last_step": [99_150, 5_000, 20]})
+    fig = plots.condition_map(alarms, ["a", "b", "c"], last_step=99_300)
+    image = fig.axes[0].images[0]
+    grid = image.get_array()
+    width = -(-99_300 // plots.STEP_COLUMNS)  # 50 steps a column: 1,986 columns
+    assert grid.shape == (3, 1_986) and grid.shape[1] * width >= 99_300
+    conditions = ["dead", "exploding", "unclassified"]
+    assert grid[0, (99_150 - 1) // width] == conditions.index("exploding")
+    assert grid[1, 0] == conditions.index("dead")  # drawn over the unclassified episode
+    assert grid[1, (5_000 - 1) // width] == conditions.index("unclassified")
+    assert grid.mask[2].all() and image.get_extent()[1] >= 99_300
+    short = plots.condition_map(alarms.head(1).with_columns(pl.lit(150).alias("onset_step"),
+                                                            pl.lit(152).alias("last_step")), ["a"], last_step=300)
+    assert short.axes[0].images[0].get_array().shape == (1, 300)  # a step per column, as before

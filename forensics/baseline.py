@@ -134,8 +134,8 @@ def sort_series(frame: pl.DataFrame) -> pl.DataFrame:
 
 
 def _sorted_by_key(frame: pl.DataFrame) -> bool:
-    """Whether `frame` carries `sort_series`'s key and is (still) in its order."""
-    if SERIES_KEY not in frame.columns:
+    """Whether `frame` has rows, carries `sort_series`'s key and is (still) in its order."""
+    if SERIES_KEY not in frame.columns or frame.is_empty():
         return False
     key = frame[SERIES_KEY].to_numpy()
     return bool((key[1:] > key[:-1]).all())

@@ -82,3 +82,4 @@ def test_sort_series_orders_rows_as_the_sort_on_names_does(step_span: int) -> No
     assert np.array_equal(baseline.series_starts(ordered),
                           baseline.series_starts(ordered.drop(baseline.SERIES_KEY, strict=False)))
     assert baseline.sort_series(frame.head(0)).is_empty()
+    assert list(baseline.series_starts(ordered.head(0))) == [0]  # no series, as without the key

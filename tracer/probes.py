@@ -170,8 +170,9 @@ class _Plan:
             self.buffers.append((buf, units))
         # room for the reduction's element-wise temporaries (float32, like the reduced samples)
         # and for its per-unit statistics (`_unit_stats`, every group's columns side by side)
-        self.scratch = [torch.empty(b.shape, device=device) for b, _ in self.buffers]
-        self.units = torch.empty(_UNIT_STATS * sum(b.shape[1] for b, _ in self.buffers), device=device)
+        self.scratch = [torch.empty(b.shape, dtype=torch.float32, device=device) for b, _ in self.buffers]
+        self.units = torch.empty(_UNIT_STATS * sum(b.shape[1] for b, _ in self.buffers), dtype=torch.float32,
+                                 device=device)
 
     def holds(self, k: int, samples: list[tuple[int, torch.Tensor]]) -> bool:
         """Whether `samples` (step `k` of the batch) all sit in their places here."""
@@ -181,7 +182,7 @@ class _Plan:
         return all(views.get(c) is s for c, s in samples)
 
 
-def _unit_stats(m: torch.Tensor, out: torch.Tensor, scratch: torch.Tensor | None = None) -> torch.Tensor:
+def _unit_stats(m: torch.Tensor, out: torch.Tensor, scratch: torch.Tensor) -> torch.Tensor:
     """Per unit (column of m), into the rows of `out` (_UNIT_STATS, m's columns): finite count,
     sum, sum of squares, zeros, absmax (the last two rows, saturated and dead, are the caller's);
     returns m with NaN/Inf -> 0.
@@ -190,8 +191,8 @@ def _unit_stats(m: torch.Tensor, out: torch.Tensor, scratch: torch.Tensor | None
     ~35 us, amax and amin ~10 us each (abs().amax ~35 us, aminmax slower still), sign().abs().sum
     ~85 us, where vector_norm(dim=0) takes 1.2 ms, (m == 0).sum 250 us and `isfinite` more: on
     CPU it runs only when a column sum says a value is not finite (one host read per row group
-    and batch of steps; free on CPU). `scratch` (m's shape) takes the element-wise temporaries
-    and `out` the per-unit ones: fresh multi-MB tensors each time cost page faults, in the
+    and batch of steps; free on CPU). `scratch` (m's shape and dtype) takes the element-wise
+    temporaries and `out` the per-unit ones: fresh multi-MB tensors each time cost page faults, in the
     training's own ops too (the allocator's thresholds move).
     """
     r = m.shape[0]
@@ -204,12 +205,11 @@ def _unit_stats(m: torch.Tensor, out: torch.Tensor, scratch: torch.Tensor | None
         torch.sum(m, 0, out=usum)
     else:
         nfin.fill_(r)
-    tmp = scratch if scratch is not None and scratch.dtype == m.dtype else torch.empty_like(m)
-    torch.sum(torch.mul(m, m, out=tmp), 0, out=usq)
+    torch.sum(torch.mul(m, m, out=scratch), 0, out=usq)
     # max |x| as max(max x, -min x): two reductions, no |m| temporary; abs_ turns a -0.0 into 0.0
     torch.amin(m, 0, out=zeros)  # `zeros` is free until the last line
     torch.maximum(torch.amax(m, 0, out=uabs), zeros.neg_(), out=uabs).abs_()
-    torch.sum(torch.sign(m, out=tmp).abs_(), 0, out=zeros)
+    torch.sum(torch.sign(m, out=scratch).abs_(), 0, out=zeros)
     torch.sub(nfin, zeros, out=zeros)  # replaced non-finite values count as neither
     return m
 
@@ -458,16 +458,18 @@ class ForwardProbe:
         plan = self._staged(steps)
         width = len(lay.unit_slot)  # K steps' units, group after group
         unit = (plan.units[:_UNIT_STATS * width] if plan is not None else torch.empty(
-            _UNIT_STATS * width, device=self.device)).view(_UNIT_STATS, width)  # contiguous for fewer steps too
+            _UNIT_STATS * width, dtype=torch.float32, device=self.device)).view(_UNIT_STATS, width)  # contiguous for fewer steps too
         col = 0
         for g, group in enumerate(lay.groups):
             m, scratch = self._group_matrix(steps, plan, g, group)
             out = unit[:, col:col + m.shape[1]]
             col += m.shape[1]
-            m = _unit_stats(m.float(), out, scratch)
+            m = m.float()
+            if scratch is None:  # samples not staged: room for the element-wise temporaries
+                scratch = torch.empty_like(m)
+            m = _unit_stats(m, out, scratch)
             if lay.bounded[g]:
-                tmp = scratch if scratch is not None else torch.empty_like(m)
-                torch.sum(torch.ge(torch.sub(m, lay.centre[g], out=tmp).abs_(), lay.half[g], out=tmp), 0,
+                torch.sum(torch.ge(torch.sub(m, lay.centre[g], out=scratch).abs_(), lay.half[g], out=scratch), 0,
                           out=out[5])
             else:
                 out[5].zero_()

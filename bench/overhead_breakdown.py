@@ -5,7 +5,7 @@ cost), trains the overhead benchmark's GPT for a few steps with and without the 
 prints milliseconds and minor page faults per step for each part (nested parts are printed
 indented under their caller, and counted in it too), and the process's minor page faults per
 step each way (getrusage). Run:
-`python bench/overhead_breakdown.py [--steps N] [--threads T] [--model bench|small]`.
+`python bench/overhead_breakdown.py [--steps N] [--threads T] [--model bench|small] [--plain-first]`.
 """
 
 from __future__ import annotations
@@ -59,6 +59,9 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: leave as is)")
     ap.add_argument("--model", choices=sorted(MODELS), default="bench",
                     help="bench: the bench GPT; small: the small GPT (small ops, many hooks)")
+    ap.add_argument("--plain-first", action="store_true",
+                    help="time the pass without the recorder first (its page faults then owe nothing "
+                         "to the allocator state the watched pass leaves)")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -80,6 +83,7 @@ def main() -> None:
         return step_s
 
     train(3)
+    without = train(args.steps) if args.plain_first else None
     with tempfile.TemporaryDirectory() as tmp:
         rec = watch(model, opt, tmp, flush_every_steps=50)
         train(3, rec)
@@ -87,12 +91,14 @@ def main() -> None:
         part_faults.clear()
         with_rec = train(args.steps, rec)
         rec.close()
-    without = train(args.steps)
+    if without is None:
+        without = train(args.steps)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, "
           f"TinyGPT 4x{n_embd} seq {block} batch {batch}")
     print(f"step: {without * 1e3:.1f} ms without, {with_rec * 1e3:.1f} ms with the recorder "
           f"(ratio {with_rec / without:.3f}, one pass each way: noisier than bench/overhead.py)")
-    print(f"minor page faults per step: {faults[False]:.0f} without, {faults[True]:.0f} with the recorder "
+    print(f"minor page faults per step: {faults[False]:.0f} without "
+          f"({'before' if args.plain_first else 'after'} the watched pass), {faults[True]:.0f} with the recorder "
           "(of which inside its entry points, below: the nested ones are counted in their callers too)")
     for cls, name, indent in PARTS:
         key = f"{cls.__name__}.{name}"

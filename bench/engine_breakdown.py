@@ -1,0 +1,107 @@
+"""Where `analyze`'s time goes on a large trace: seconds in each part, and the parts' unit costs.
+
+Runs one whole-trace analysis in this process with timers around the engine's parts (nested
+parts are counted in their callers too), then, on one step window of the same run (the third
+the classifier judged), the quantile kernel's nanoseconds per row for each metric (one thread)
+and the window's sort by names against `sort_series`. The trace is a GPT sample trace grown to
+`--size` component-steps (bench/grow.py, the faulty one) unless `--trace` names one. Run:
+`python bench/engine_breakdown.py [--size 1e7 | --trace DIR]`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import functools
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import polars as pl
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import grow  # noqa: E402
+from warninglight.forensics import analysis, baseline, quantiles, static_rules, stream  # noqa: E402
+
+PARTS = ((stream.Classifier, "feed", 0), (stream, "sort_series", 1), (stream, "score", 1),
+         (baseline, "_own_baseline", 2), (quantiles, "trailing_many", 3), (stream, "heat_of", 1),
+         (stream, "hits", 1), (stream.Classifier, "_carry", 1), (analysis, "health_window", 0),
+         (static_rules.StaticScan, "feed", 0))
+WINDOW = 3  # the window whose unit costs are timed (the first ones are shorter: no history yet)
+
+
+def _label(owner: Any, name: str) -> str:
+    return f"{owner.__name__.rsplit('.', 1)[-1]}.{name}"
+
+
+def _timed(totals: dict[str, float], name: str, f: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(f)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return f(*args, **kwargs)
+        finally:
+            totals[name] += time.perf_counter() - t0
+    return wrapper
+
+
+def _kept(calls: list[tuple[Any, ...]], f: Callable[..., Any]) -> Callable[..., Any]:
+    """`f`, keeping the arguments of each call."""
+    @functools.wraps(f)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        calls.append(args)
+        return f(*args, **kwargs)
+    return wrapper
+
+
+def _best_s(f: Callable[[], Any], repeat: int = 3) -> float:
+    best = float("inf")
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        f()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--size", type=float, default=1e7, help="component-steps of the grown trace")
+    ap.add_argument("--trace", type=Path, default=None, help="a trace to analyse instead of growing one")
+    args = ap.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        trace = args.trace
+        if trace is None:
+            trace = Path(tmp) / "grown"
+            grow.grow(trace, grow.steps_for(args.size, 18 * 56), 56, True)
+        totals: dict[str, float] = collections.defaultdict(float)
+        for owner, name, _ in PARTS:
+            setattr(owner, name, _timed(totals, _label(owner, name), getattr(owner, name)))
+        sorts: list[tuple[Any, ...]] = []
+        own: list[tuple[Any, ...]] = []
+        stream.sort_series = _kept(sorts, stream.sort_series)
+        baseline._own_baseline = _kept(own, baseline._own_baseline)
+        t0 = time.perf_counter()
+        result = analysis.analyze(trace)
+        total = time.perf_counter() - t0
+    print(f"analyze {trace.name}: {total:.1f} s in all, {len(own)} step windows; "
+          f"root {result.root.attributed_to if result.root else None}")
+    for owner, name, indent in PARTS:
+        key = _label(owner, name)
+        print(f"{'    ' * indent}{key:<28s} {totals[key]:7.2f} s")
+    window = sorts[min(WINDOW, len(sorts)) - 1][0]
+    frame, starts, metrics, cfg, lr = own[min(WINDOW, len(own)) - 1][:5]
+    print(f"window {min(WINDOW, len(own))}: {frame.height:,} rows; sort by names "
+          f"{_best_s(lambda: window.sort([*baseline.KEYS, 'step'])) * 1e3:.0f} ms, sort_series "
+          f"{_best_s(lambda: baseline.sort_series(window)) * 1e3:.0f} ms")
+    values = frame.select(baseline._finite(m, lr and m in baseline.LR_SCALED).alias(m) for m in metrics)
+    for m in metrics:
+        col = values[m].cast(pl.Float64).fill_null(float("nan")).to_numpy()
+        s = _best_s(lambda col=col: quantiles.trailing(col, starts, cfg.window, cfg.lag, cfg.min_samples))
+        print(f"    quantile kernel {m:<22s} {s / len(col) * 1e9:6.1f} ns/row")
+
+
+if __name__ == "__main__":
+    main()

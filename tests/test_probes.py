@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import duckdb
@@ -10,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from warninglight.lab import zoo
-from warninglight.tracer import components, params, schema, watch
+from warninglight.tracer import components, kernels, params, schema, watch
 
 
 def health(trace: Path, metric: str) -> dict[tuple[int, str], float | None]:
@@ -256,3 +257,147 @@ def test_an_output_written_in_place_after_its_hook_is_recorded_as_the_layer_left
     got = health(tmp_path, "out_mean")
     assert [got[(s, "0")] for s in range(1, 13)] == pytest.approx([expected[s] for s in range(1, 13)], rel=1e-6)
     assert health(tmp_path, "out_zero_frac")[(12, "0")] == 0.0  # before the ReLU: no zeros
+
+
+def _sigmoid_tanh_model() -> nn.Module:
+    return nn.Sequential(nn.Linear(8, 24), nn.Tanh(), nn.Linear(24, 24), nn.Sigmoid(),
+                         nn.Linear(24, 24), nn.ReLU(), nn.Linear(24, 3))
+
+
+@pytest.mark.parametrize("bad", [None, math.nan, math.inf])
+def test_compiled_forward_statistics_equal_the_eager_ones(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                          bad: float | None) -> None:
+    # the compiled CPU pass (tracer/kernels.py) against the eager ops it replaces: saturated
+    # and dead units, exact zeros, and a non-finite value written into an output at step 5
+    assert kernels.available()
+    traces = {}
+    step = [0]
+
+    def poison(module: nn.Module, args: object, out: torch.Tensor) -> torch.Tensor:
+        if bad is not None and step[0] == 5:
+            out = out.clone()
+            out[0, 1] = bad
+        return out
+    for compiled in (True, False):
+        if not compiled:
+            monkeypatch.setattr(kernels, "available", lambda: False)
+        torch.manual_seed(0)
+        model = _sigmoid_tanh_model()
+        with torch.no_grad():
+            model[2].weight[:4].zero_()  # units of the sigmoid's input stuck at its bias
+            model[2].bias[:4] = 30.0
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        model[4].register_forward_hook(poison)
+        trace = tmp_path / str(compiled)
+        with watch(model, opt, trace, flush_every_steps=6):
+            for step[0] in range(12):
+                x = torch.randn(16, 8) * 4  # a wide input: many tanh units saturate
+                F.cross_entropy(model(x), torch.randint(0, 3, (16,))).backward()
+                opt.step()
+                opt.zero_grad()
+        traces[compiled] = trace
+    metrics = ("out_mean", "out_rms", "out_absmax", "out_zero_frac", "out_sat_frac", "out_dead_frac",
+               "out_nonfinite_count")
+    for metric in metrics:
+        fast, eager = health(traces[True], metric), health(traces[False], metric)
+        assert fast.keys() == eager.keys() and len(fast) == 12 * 7  # 7 components, 12 steps
+        assert [k for k, v in fast.items() if v is None] == [k for k, v in eager.items() if v is None]
+        pairs = [(fast[k], eager[k]) for k in fast if fast[k] is not None]
+        assert [a for a, _ in pairs] == pytest.approx([b for _, b in pairs], rel=1e-6, abs=1e-7), metric
+    sat = health(traces[True], "out_sat_frac")
+    assert sat[(1, "1")] > 0.1 and sat[(1, "3")] > 0.1  # the case the kernel's saturated count is for
+    if bad is not None:
+        assert health(traces[True], "out_nonfinite_count")[(6, "4")] == 1
+
+
+def test_compiled_norms_equal_the_exact_kernel_on_extreme_values() -> None:
+    # float64 sums of squares: no float32 overflow (entries of 1e30: torch's CPU norm kernel
+    # gives inf there), underflow (1e-30), zeros; against float64 norms
+    assert kernels.available()
+    model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64), nn.Linear(64, 64))
+    with torch.no_grad():
+        model[0].weight.fill_(1e30)
+        model[0].bias.fill_(1e-30)
+        model[1].weight.zero_()
+        model[1].bias[3] = math.inf
+        model[2].weight[0, 0] = math.nan
+    probe = params.ParamProbe(components.discover(model), sketch_size=16)
+    assert probe._compiled
+    flat = [p.detach() for p in model.parameters()]
+    out = torch.empty(len(flat))
+    probe._norms_into(out, flat, "weights")
+    exact = torch.stack([torch.linalg.vector_norm(p.double()) for p in flat]).float()
+    assert torch.equal(out.isnan(), exact.isnan()) and out[1] > 0 and out[0] == pytest.approx(6.4e31)
+    assert out.nan_to_num().tolist() == pytest.approx(exact.nan_to_num().tolist(), rel=1e-6)
+    # a tensor that is no longer contiguous float32 moves the pass to torch's kernel (whose
+    # float32 sum overflows at entries of 1e30: the first tensor is left out of the comparison)
+    probe._norms_into(out, [flat[0].t(), *flat[1:]], "weights")
+    assert not probe._dot["weights"]
+    assert out[1:].nan_to_num().tolist() == pytest.approx(exact[1:].nan_to_num().tolist(), rel=1e-6)
+
+
+class _Branches(nn.Module):
+    """Two experts on the root, the second used on odd steps only."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.head = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 3)
+        self.use_b = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        if self.use_b:
+            h = h + self.b(x)
+        return self.head(torch.relu(h))
+
+
+@pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "eager"])
+@pytest.mark.parametrize("set_to_none", [True, False])
+def test_gradient_norms_are_those_the_optimizer_receives(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                         compiled: bool, set_to_none: bool) -> None:
+    # what the gradient hooks must not get wrong: two micro-batches accumulated, an expert
+    # without a gradient on even steps (a zeroed gradient left from the step before when
+    # zero_grad keeps the tensors; step 3's gradient at step 4, no zero_grad in between),
+    # gradients scaled in place after backward on steps 5-6
+    if not compiled:
+        monkeypatch.setattr(kernels, "available", lambda: False)
+    torch.manual_seed(0)
+    model = _Branches()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    expected: list[dict[str, float]] = []
+    totals: list[float] = []
+
+    def note(*_: object) -> None:
+        totals.append(float(torch.linalg.vector_norm(torch.cat(
+            [p.grad.flatten() for p in model.parameters() if p.grad is not None]).double())))
+        expected.append({name: float(torch.linalg.vector_norm(torch.cat(
+            [p.grad.flatten() for p in mod.parameters()]).double()))
+            for name, mod in (("a", model.a), ("b", model.b), ("head", model.head))
+            if all(p.grad is not None for p in mod.parameters())})
+    with watch(model, opt, tmp_path, flush_every_steps=5) as rec:
+        assert rec.params._hooked is compiled
+        opt.register_step_pre_hook(note)
+        for step in range(1, 13):
+            model.use_b = step % 2 == 1
+            for _ in range(2):
+                F.cross_entropy(model(torch.randn(16, 8)), torch.randint(0, 3, (16,))).backward()
+            if step in (5, 6):
+                for p in model.parameters():
+                    if p.grad is not None:
+                        p.grad.mul_(0.5)
+            opt.step()
+            if step != 3:  # step 4 adds to step 3's gradients; expert b's stays as step 3 left it
+                opt.zero_grad(set_to_none=set_to_none)
+    got = health(tmp_path, "grad_norm_l2")
+    for step, norms in enumerate(expected, start=1):
+        for name in ("a", "b", "head"):
+            if name in norms:
+                assert got[(step, name)] == pytest.approx(norms[name], rel=1e-5), (step, name)
+            else:
+                assert got[(step, name)] is None, (step, name)
+    glob = schema.segment_glob(tmp_path, "steps")
+    total = duckdb.sql(f"select grad_norm_total_l2 from read_parquet('{glob}') order by step").fetchall()
+    assert [t for (t,) in total] == pytest.approx(totals, rel=1e-5)
+    assert not set_to_none or "b" not in expected[1]  # step 2: expert b had no gradient at all
+    assert set_to_none or expected[1]["b"] == 0  # ... or a zeroed one
+    assert expected[3]["b"] == expected[2]["b"] > 0  # step 4: expert b's gradient from step 3

@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from warninglight.lab import zoo
-from warninglight.tracer import params, probes, watch
+from warninglight.tracer import kernels, params, probes, watch
 
 _TRACER_DIR = str(Path(probes.__file__).parent)
 # every way a tensor's value reaches Python: each one waits for the device on an accelerator
@@ -68,13 +68,19 @@ def test_on_an_accelerator_the_step_reads_nothing_back(host_reads: dict[str, int
     assert host_reads == dict.fromkeys(_READS, 0)
 
 
+@pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "eager"])
 def test_on_cpu_the_step_reads_what_is_documented(host_reads: dict[str, int], tmp_path: Path,
-                                                  monkeypatch: pytest.MonkeyPatch) -> None:
-    # docs/overhead.md: one read per step (is the total gradient norm finite?), one per extra
-    # micro-batch (are the gradients so far finite?), and one per reduction of a batch of steps'
-    # sampled outputs and row group (is the sample finite?); the GPT's samples all have 16 rows
-    # sampled outputs and row group (is the sample finite?); and one per pass of norms over the
-    # weights or gradients (is any float32 sum of squares out of range?)
+                                                  monkeypatch: pytest.MonkeyPatch, compiled: bool) -> None:
+    # docs/overhead.md: one read per step (is the total gradient norm finite?) and one per extra
+    # micro-batch (are the gradients so far finite?). With the compiled CPU kernels each norm
+    # pass and each reduction of a batch of steps' sampled outputs (per row group; the GPT's
+    # samples all have 16 rows) takes one zero-copy numpy view of CPU memory; without them
+    # (no numba), each of those reads one verdict instead (is any float32 sum of squares out of
+    # range? is the sample finite?)
+    if compiled:
+        assert kernels.available()
+    else:
+        monkeypatch.setattr(kernels, "available", lambda: False)
     reductions, passes = [], []
     real, real_norms = probes.ForwardProbe.compute, params.ParamProbe._norms_into
 
@@ -90,12 +96,17 @@ def test_on_cpu_the_step_reads_what_is_documented(host_reads: dict[str, int], tm
     steps, micro = 16, 2
     _train_gpt("cpu", steps=steps, micro_batches=micro, trace=tmp_path)
     assert 2 <= len(reductions) <= 5  # every 8 steps, and at each flush
-    # per step: the gradients at the optimizer and the weights after it; the gradients at each
-    # backward's end once the first step showed that the loop modifies them (clipping); the
-    # weights at the first forward on the first step and every 8th (nothing else wrote them)
-    assert len(passes) == steps * (micro + 2) - micro + 1 + (steps - 1) // params.EXACT_DRIFT_EVERY
-    assert host_reads == {**dict.fromkeys(_READS, 0),
-                          "__bool__": steps * micro + len(reductions) + len(passes)}
+    # per step: the gradients at the optimizer (clipping wrote them after backward) and the
+    # weights after it; the weights at the first forward on the first step and every 8th (nothing
+    # else wrote them); without the compiled kernels, also the gradients at each backward's end
+    # once the first step showed that the loop modifies them (with them, the gradient hooks took
+    # those norms as backward produced each gradient: no pass)
+    at_backward = 0 if compiled else steps * micro - micro
+    assert len(passes) == 2 * steps + at_backward + 1 + (steps - 1) // params.EXACT_DRIFT_EVERY
+    per_pass = len(reductions) + len(passes)
+    # compiled: plus one view of the step rows, made once, that the gradient hooks write into
+    assert host_reads == {**dict.fromkeys(_READS, 0), "__bool__": steps * micro + (0 if compiled else per_pass),
+                          "numpy": per_pass + 1 if compiled else 0}
 
 
 class _Experts(torch.nn.Module):
@@ -173,7 +184,9 @@ def test_on_cuda_a_training_step_never_synchronises(tmp_path: Path) -> None:
     assert rec.step_count == 10 and rec.dropped_steps == 0
 
 
-def test_pre_clip_gradient_norm_is_recorded_beside_the_clipped_one(tmp_path: Path) -> None:
+@pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "eager"])
+def test_pre_clip_gradient_norm_is_recorded_beside_the_clipped_one(tmp_path: Path, compiled: bool,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     import duckdb
     from warninglight.tracer import schema
 
@@ -194,10 +207,15 @@ def test_pre_clip_gradient_norm_is_recorded_beside_the_clipped_one(tmp_path: Pat
         return duckdb.sql(f"select grad_norm_preclip_l2, grad_norm_total_l2 from "
                           f"read_parquet('{glob}') order by step").fetchall()
 
+    if not compiled:
+        monkeypatch.setattr(kernels, "available", lambda: False)
     plain = run(None, tmp_path / "plain")
     assert all(pre == total for pre, total in plain)  # nothing touched the gradients after backward
     clipped = run(0.01, tmp_path / "clipped")
-    assert clipped[0][0] is None  # the first step shows that the loop modifies gradients
+    if compiled:  # the gradient hooks took the norms as backward left them, from the first step
+        assert clipped[0][0] == pytest.approx(plain[0][1], rel=1e-6)
+    else:
+        assert clipped[0][0] is None  # the first step shows that the loop modifies gradients
     assert len(clipped) == 4
     for pre, total in clipped[1:]:  # what the optimizer got, and what backward left
         assert total == pytest.approx(0.01, rel=1e-4) and pre > 10 * total

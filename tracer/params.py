@@ -14,12 +14,14 @@ and the derivation ~30 per batch.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
 
 import numpy as np
 import torch
 
+from . import kernels
 from .components import Component
 from .probes import FORWARD_BATCH_STEPS, PARAM_METRICS, to_device
 from .replicas import local_shard
@@ -31,6 +33,8 @@ _DOT_SMALLEST = 1e-15
 EXACT_DRIFT_EVERY = 8
 # where a step's pre-clip total gradient norm comes from
 _NO_PRECLIP, _SAME_AS_TOTAL, _AT_BACKWARD = 0, 1, 2
+# values per gradient whose bits say it was not rewritten between backward and optimizer.step
+_PRINTS = 8
 
 
 def _sketch_slice(p: torch.Tensor, k: int, gen: np.random.Generator) -> tuple[int, int]:
@@ -137,12 +141,21 @@ class ParamProbe:
         # per kind of tensor: are its norms dot products (CPU float32)? weights: set by refresh()
         self._dot = {"weights": False, "grads": device.type == "cpu" and all(
             p.dtype == torch.float32 for p in self.params)}
+        # CPU float32 norms in one compiled call (tracer/kernels.py) when numba is there
+        self._compiled = device.type == "cpu" and bool(self.params) and kernels.available()
+        # gradient norms taken by post-accumulate-grad hooks (`grad_hooks`), and which gradient
+        # tensor and version each was taken from, as `_versions()` lists them ((0, -1): none)
+        self._hooked = False
+        self._no_versions = [0, -1] * len(self.params)
+        self._hook_versions = list(self._no_versions)
+        self._rows_np = self.rows.numpy() if self._compiled else None  # a view, made once
         self.has_grad: np.ndarray | None = None  # this step's components with a gradient
         self.grads_finite = True        # CPU only: the host verdict on the gradient norms
         self._preclip = _NO_PRECLIP
         self._bad: torch.Tensor | None = None
         self.modified_after_backward = False  # the loop was seen to change gradients after backward
-        self._at_backward: tuple[list[int], bool] | None = None  # versions, norms taken
+        # at the end of the last backward pass: versions, norms taken, gradient fingerprints
+        self._at_backward: tuple[list[int], bool, np.ndarray | None] | None = None
         self.refresh()
 
     def refresh(self) -> None:
@@ -176,6 +189,7 @@ class ParamProbe:
         if j >= self.rows.shape[0]:
             self.rows = torch.cat([self.rows, torch.zeros_like(self.rows)])
             self._row_views = self._views_of(self.rows)
+            self._rows_np = self.rows.numpy() if self._compiled else None
         return self._row_views[j]
 
     def _sketch_into(self, out: torch.Tensor) -> None:
@@ -190,14 +204,27 @@ class ParamProbe:
         """Per-tensor L2 norms of `tensors` ("weights" or "grads") into `out`: one pass over their memory.
 
         On an accelerator, one fused `torch._foreach_norm`. On the CPU that op is a loop of norm
-        kernels that accumulate in double; float32 tensors go through BLAS dot products instead
-        (float32 sums of squares, half the time, the same value for the same memory every time,
-        which weight drift relies on), and a tensor whose sum of squares overflowed or underflowed
+        kernels that accumulate in double, one op per tensor; float32 tensors go instead through
+        one compiled call (`kernels.norms_f32`: float64 sums of squares, the same value for the
+        same memory every time, which weight drift relies on), or where numba is missing through
+        BLAS dot products (float32 sums of squares; a tensor whose sum overflowed or underflowed
         float32 (an entry beyond ~1e19 or all entries below ~1e-19; an all-zero tensor looks the
-        same) is taken again by the exact kernel: on the host, reading that verdict (one read per
-        pass) costs nothing. Weights take one path for the whole run (drift compares two of their
-        norms), decided when their views are taken."""
+        same) is taken again by the exact kernel: on the host, reading that verdict costs
+        nothing). Weights take one path for the whole run (drift compares two of their norms),
+        decided when their views are taken."""
         if not self._dot[kind]:
+            torch.stack(torch._foreach_norm(tensors), out=out)
+            return
+        if self._compiled:
+            # the memory is read as contiguous float32: checked on every call (`p.data = x` may
+            # have swapped in anything since the last one), the addresses taken while held
+            if all(t.dtype == torch.float32 and t.layout == torch.strided and t.is_contiguous()
+                   for t in tensors):
+                n = len(tensors)
+                kernels.norms_f32(np.fromiter((t.data_ptr() for t in tensors), np.int64, n),
+                                  np.fromiter((t.numel() for t in tensors), np.int64, n), out.numpy())
+                return
+            self._dot[kind] = False  # not contiguous float32 any more: the exact kernel from now on
             torch.stack(torch._foreach_norm(tensors), out=out)
             return
         try:
@@ -229,6 +256,9 @@ class ParamProbe:
             if swapped:
                 self.refresh()
             row = self._row()
+            if self._hooked:  # this step's hook norms start from "no gradient" (norm 0)
+                self._hook_versions = list(self._no_versions)
+                row.pre_norms.zero_()
             self._sketch_into(row.fwd_sketch)
             self._exact_fwd = (swapped or self._end_versions is None or self._ends % EXACT_DRIFT_EVERY == 0
                                or self._weight_versions() != self._end_versions)
@@ -261,13 +291,58 @@ class ParamProbe:
             out += (0, -1) if g is None else (id(g), g._version)
         return out
 
+    def grad_hooks(self) -> list[torch.utils.hooks.RemovableHandle]:
+        """CPU, float32, compiled kernels: a post-accumulate-grad hook per parameter takes its
+        gradient's norm as backward leaves it, while it is still in cache (the pass over cold
+        memory at `optimizer.step` is then needed only if something wrote the gradients after
+        the backward pass: clipping, unscaling, an all-reduce). Returns the hooks' handles."""
+        if not (self._compiled and self._dot["grads"] and not self._sharded and self._rows_np is not None):
+            return []
+        handles = []
+        for i, p in enumerate(self.params):
+            if p.requires_grad:
+                handles.append(p.register_post_accumulate_grad_hook(self._grad_hook(i)))
+        self._hooked = bool(handles)
+        return handles
+
+    def _grad_hook(self, i: int) -> Callable[[torch.Tensor], None]:
+        col = self._pre_n.start + i
+
+        def hook(p: torch.Tensor) -> None:
+            try:
+                g = p.grad
+                if g.dtype == torch.float32 and g.layout == torch.strided and g.is_contiguous():
+                    self._rows_np[len(self.pending), col] = kernels.norm_f32(g.data_ptr(), g.numel())
+                    self._hook_versions[2 * i:2 * i + 2] = id(g), g._version
+                    return
+            except Exception:  # never break backward: the pass takes over
+                pass
+            self._hook_versions[2 * i + 1] = -2  # matches no gradient: the pass takes over
+        return hook
+
     @torch.no_grad()
     def after_backward(self) -> None:
         """End of a backward pass: note the gradients' versions (and norms, if the loop modifies them)."""
-        taken = self.modified_after_backward and bool(self.params)
-        if taken:
+        versions = self._versions()
+        # the hooks' norms stand for the pass when each was taken from the gradient tensor and
+        # version there is now (a gradient left from an earlier step, or written since, is not)
+        taken = self._hooked and self.begun and self._hook_versions == versions
+        if not taken and self.modified_after_backward and self.params:
             self._norms_into(self._row().pre_norms, self._grads(), "grads")
-        self._at_backward = (self._versions(), taken)
+            taken = True
+        self._at_backward = (versions, taken, self._grad_prints() if self._hooked else None)
+
+    def _grad_prints(self) -> np.ndarray | None:
+        """Fingerprints of the gradients (`kernels.prints_f32`), or None if one is not contiguous
+        float32. Version counters miss some writes (GradScaler's unscale moves none): these do not."""
+        grads = self._grads()
+        if not all(g.dtype == torch.float32 and g.layout == torch.strided and g.is_contiguous() for g in grads):
+            return None
+        n = len(grads)
+        out = np.empty((n, _PRINTS), dtype=np.int32)
+        kernels.prints_f32(np.fromiter((g.data_ptr() for g in grads), np.int64, n),
+                           np.fromiter((g.numel() for g in grads), np.int64, n), out)
+        return out
 
     @torch.no_grad()
     def grads(self) -> None:
@@ -285,6 +360,9 @@ class ParamProbe:
         grads = self._grads()
         row = self._row()
         unchanged = at_bw is not None and at_bw[0] == self._versions()
+        if unchanged and self._hooked:  # and no value moved where the counters do not see it
+            now = self._grad_prints()
+            unchanged = at_bw[2] is not None and now is not None and np.array_equal(at_bw[2], now)
         if unchanged and at_bw[1]:
             row.grad_norms.copy_(row.pre_norms)  # the same gradients: no second pass
         else:

@@ -11,7 +11,8 @@ over block pairs of time(with) / time(without), with its spread, and the ratio o
 times. Wall-clock is the figure that matters; the process-CPU ratio is printed too because on
 a shared machine it is less disturbed by others' load. Every metric of every component is
 recorded at every step (forward statistics are computed for 8 steps at once, but each step
-keeps its own values). Run: `python bench/overhead.py [--steps N] [--pairs N] [--threads T]`.
+keeps its own values). Run: `python bench/overhead.py [--steps N] [--pairs N] [--threads T]`;
+`--interleave N` alternates single steps instead of blocks (see `measure_interleaved`).
 """
 
 from __future__ import annotations
@@ -180,6 +181,44 @@ def measure(name: str, make: Callable[[], Case], pairs: int, steps: int, wait_s:
     print(f"  load average after: {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
 
 
+def measure_interleaved(name: str, make: Callable[[], Case], steps: int, chunks: int = 10) -> None:
+    """Alternate single steps of a plain and a watched copy (`steps` each, order swapped every
+    step); print the ratio of the summed step times, and its spread over `chunks` runs of steps.
+
+    A block of 100 steps on a shared machine varies by +-10% from the next: noise that lasts
+    seconds hits one side of a block pair. Steps 0.04-0.2 s long, alternated, share it. Every
+    watched step is timed until the writer thread is idle again, so a flush's writing is charged
+    to the watched side in full (more than a real run pays: there it overlaps the next steps);
+    flushes at the recorder's default interval (100 steps)."""
+    torch.manual_seed(0)
+    plain_model, plain_loss = make()
+    torch.manual_seed(0)
+    model, loss_fn = make()
+    plain_opt = torch.optim.AdamW(plain_model.parameters(), lr=1e-3)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    plain_t, watched_t = [], []
+    with tempfile.TemporaryDirectory() as tmp:
+        run_block(plain_loss, plain_opt, 3, None)
+        rec = watch(model, opt, f"{tmp}/run")
+        run_block(loss_fn, opt, 11, rec)  # settles components, writes the early first segment
+        for i in range(steps):
+            for watched in ((False, True) if i % 2 else (True, False)):
+                if watched:
+                    watched_t.append(run_block(loss_fn, opt, 1, rec)[0])  # waits for the writer
+                else:
+                    plain_t.append(run_block(plain_loss, plain_opt, 1, None)[0])
+        rec.close()
+        lost = rec.dropped_steps
+    n = steps // chunks
+    per_chunk = [sum(watched_t[k * n:(k + 1) * n]) / sum(plain_t[k * n:(k + 1) * n]) for k in range(chunks)]
+    print(f"{name}: {statistics.median(plain_t) * 1e3:.2f} ms/step without the recorder, median "
+          f"({steps} steps each way, alternated step by step{f'; {lost} steps DROPPED' if lost else ''})")
+    print(f"  wall-clock ratio of the summed step times: {sum(watched_t) / sum(plain_t):.3f}; of the "
+          f"median steps: {statistics.median(watched_t) / statistics.median(plain_t):.3f}")
+    _print_ratios(f"ratio of the summed times per run of {n} steps", per_chunk)
+    print(f"  load average after: {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
+
+
 def _print_ratios(label: str, ratios: list[float]) -> None:
     q = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else [ratios[0]] * 3
     print(f"  {label}: median {statistics.median(ratios):.3f} (quartiles {q[0]:.3f}-{q[2]:.3f}, "
@@ -200,6 +239,8 @@ def main() -> None:
     ap.add_argument("--skip-small-gpt", action="store_true", help="not the d=128 GPT")
     ap.add_argument("--wait-quiet", type=float, default=0.0, metavar="S",
                     help="before each pair, wait up to S seconds until no other process is runnable")
+    ap.add_argument("--interleave", type=int, default=0, metavar="N",
+                    help="instead of blocks: N steps each way alternated step by step (the GPTs only)")
     ap.add_argument("--skip-replicas", action="store_true",
                     help="skip the per-rank evidence figure (bench/replica_overhead.py)")
     args = ap.parse_args()
@@ -209,6 +250,14 @@ def main() -> None:
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
     print(f"load average before: {' '.join(f'{x:.1f}' for x in os.getloadavg())} on {os.cpu_count()} "
           "CPUs (a loaded, shared machine moves these figures by several points)")
+    if args.interleave:
+        if not args.skip_bench_gpt:
+            measure_interleaved(f"bench GPT 4 layers, d=256, seq 128, batch {args.batch}",
+                                lambda: gpt_case(args.batch, n_layer=4, n_embd=256, block=128), args.interleave)
+        if not args.skip_small_gpt:
+            measure_interleaved("small GPT 4 layers, d=128, seq 64, batch 16",
+                                lambda: gpt_case(16, n_layer=4, n_embd=128, block=64), args.interleave)
+        return
     if not args.skip_bench_gpt:
         measure(f"bench GPT 4 layers, d=256, seq 128, batch {args.batch}",
                 lambda: gpt_case(args.batch, n_layer=4, n_embd=256, block=128), args.pairs, args.steps,

@@ -3,8 +3,8 @@
 Wraps the recorder's hooks and probes with timers (so the figures include the timers' own small
 cost), trains the overhead benchmark's GPT for a few steps with and without the recorder, and
 prints milliseconds and minor page faults per step for each part (nested parts are printed
-indented under their caller, and counted in it too), and the process's minor page faults per
-step each way (getrusage). Run:
+indented under their caller, and counted in it too), their total, and the process's minor page
+faults per step each way (getrusage). Run:
 `python bench/overhead_breakdown.py [--steps N] [--threads T] [--model bench|small] [--plain-first]`.
 """
 
@@ -100,10 +100,12 @@ def main() -> None:
     print(f"minor page faults per step: {faults[False]:.0f} without "
           f"({'before' if args.plain_first else 'after'} the watched pass), {faults[True]:.0f} with the recorder "
           "(of which inside its entry points, below: the nested ones are counted in their callers too)")
-    for cls, name, indent in PARTS:
-        key = f"{cls.__name__}.{name}"
+    lines = [(f"{cls.__name__}.{name}", indent) for cls, name, indent in PARTS]
+    for key, indent in lines:
         print(f"{'    ' * indent}{key:<28s} {totals[key] / args.steps * 1e3:6.2f} ms/step "
               f"{part_faults[key] / args.steps:7.0f} faults/step")
+    outermost = sum(totals[key] for key, indent in lines if indent == 0)
+    print(f"{'in all (the unindented lines)':<28s} {outermost / args.steps * 1e3:6.2f} ms/step")
 
 
 if __name__ == "__main__":

@@ -355,7 +355,7 @@ class _Branches(nn.Module):
 @pytest.mark.parametrize("set_to_none", [True, False])
 def test_gradient_norms_are_those_the_optimizer_receives(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                          compiled: bool, set_to_none: bool) -> None:
-    # what the gradient hooks must not get wrong: two micro-batches accumulated, an expert
+    # the norms the optimizer receives, on both paths: two micro-batches accumulated, an expert
     # without a gradient on even steps (a zeroed gradient left from the step before when
     # zero_grad keeps the tensors; step 3's gradient at step 4, no zero_grad in between),
     # gradients scaled in place after backward on steps 5-6
@@ -375,7 +375,7 @@ def test_gradient_norms_are_those_the_optimizer_receives(tmp_path: Path, monkeyp
             for name, mod in (("a", model.a), ("b", model.b), ("head", model.head))
             if all(p.grad is not None for p in mod.parameters())})
     with watch(model, opt, tmp_path, flush_every_steps=5) as rec:
-        assert rec.params._hooked is compiled
+        assert rec.params._compiled is compiled
         opt.register_step_pre_hook(note)
         for step in range(1, 13):
             model.use_b = step % 2 == 1

@@ -49,18 +49,6 @@ def _build() -> dict[str, Any]:
         for i in range(addrs.shape[0]):
             out[i] = norm_f32(addrs[i], lens[i])  # the same arithmetic as one tensor at a time
 
-    @numba.njit(nogil=True, cache=True)
-    def prints_f32(addrs: np.ndarray, lens: np.ndarray, out: np.ndarray) -> None:
-        k = out.shape[1]
-        for i in range(addrs.shape[0]):
-            n = lens[i]
-            if n == 0:
-                out[i, :] = 0
-                continue
-            a = numba.carray(_address(addrs[i]), (n,), np.int32)  # the values' bits
-            for t in range(k):
-                out[i, t] = a[(n - 1) * t // (k - 1)]
-
     @numba.njit(nogil=True, cache=True, boundscheck=False)
     def forward_sums(m: np.ndarray, slots: np.ndarray, centre: np.ndarray, half: np.ndarray,
                      bounded: bool, dead_eps: float, sums: np.ndarray, absmax: np.ndarray) -> None:
@@ -116,10 +104,6 @@ def _build() -> dict[str, Any]:
     norms_f32(np.array([x.ctypes.data], dtype=np.int64), np.array([3], dtype=np.int64), out)
     if abs(float(out[0]) - 5 ** 0.5) > 1e-6 or norm_f32(x.ctypes.data, 3) != out[0]:
         raise RuntimeError("the compiled norm kernel gave a wrong value")
-    prints = np.zeros((1, 3), dtype=np.int32)
-    prints_f32(np.array([x.ctypes.data], dtype=np.int64), np.array([3], dtype=np.int64), prints)
-    if list(prints[0]) != list(x.view(np.int32)):
-        raise RuntimeError("the compiled fingerprint kernel gave a wrong value")
     # both layouts a sample matrix comes in (a whole buffer; a slice of a staging buffer's
     # columns), compiled now rather than in a training step
     wide = np.zeros((2, 6), dtype=np.float32)
@@ -132,8 +116,7 @@ def _build() -> dict[str, Any]:
             raise RuntimeError("the compiled forward kernel gave a wrong value")
     if len(forward_sums.signatures) < 2:
         raise RuntimeError("the compiled forward kernel has one layout only")
-    return {"norm_f32": norm_f32, "norms_f32": norms_f32, "prints_f32": prints_f32,
-            "forward_sums": forward_sums}
+    return {"norms_f32": norms_f32, "forward_sums": forward_sums}
 
 
 def available() -> bool:
@@ -148,23 +131,11 @@ def available() -> bool:
         return bool(_state["ok"])
 
 
-def norm_f32(addr: int, n: int) -> float:
-    """The L2 norm of `n` contiguous float32 values at address `addr` (held by the caller)."""
-    return _state["norm_f32"](addr, n)
-
-
 def norms_f32(addrs: np.ndarray, lens: np.ndarray, out: np.ndarray) -> None:
     """out[i] = L2 norm of the `lens[i]` contiguous float32 values at address `addrs[i]`.
 
     The caller holds the tensors behind the addresses for the duration of the call."""
     _state["norms_f32"](addrs, lens, out)
-
-
-def prints_f32(addrs: np.ndarray, lens: np.ndarray, out: np.ndarray) -> None:
-    """out[i] (int32, k >= 2 of them) = the bits of k evenly spaced values of the `lens[i]`
-    contiguous float32 values at `addrs[i]` (0 for an empty tensor): a fingerprint that any
-    rescaling of a tensor changes, taken without touching the rest of its memory."""
-    _state["prints_f32"](addrs, lens, out)
 
 
 def forward_sums(m: np.ndarray, slots: np.ndarray, centre: np.ndarray, half: np.ndarray,

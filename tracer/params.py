@@ -2,19 +2,19 @@
 
 Two passes over memory per step (gradient norms, weight norms after the step), and a third (the
 weight norms as the step found them) when something may have written the weights between steps,
-and every 8th step; each is one fused `torch._foreach_norm` (on the CPU, BLAS dot products) whose per-tensor norms go
-straight into the step's row of a preallocated buffer, beside a fixed sketch of a few hundred coordinates
-per parameter (read through views made once: one `torch.cat` into the same row). Everything
-derived from those rows (per-component norms, update, cosine, drift, the total gradient norm) is
+and every 8th step. On an accelerator each is one fused `torch._foreach_norm`; on the CPU one
+compiled call (`kernels.norms_f32`). The per-tensor norms go straight into the
+step's row of a preallocated buffer, beside a fixed sketch of a few hundred coordinates per
+parameter (read through views made once: one `torch.cat` into the same row). Everything derived
+from those rows (per-component norms, update, cosine, drift, the total gradient norm) is
 computed by `reduce` for a batch of steps at once, with the same arithmetic as one step at a
-time: on a small model each eager op costs more than its arithmetic, so a step does ~8 ops here
-and the derivation ~30 per batch.
+time: on a small model each eager op costs more than its arithmetic, so a step does a handful
+of ops here and the derivation ~30 per batch.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -33,8 +33,6 @@ _DOT_SMALLEST = 1e-15
 EXACT_DRIFT_EVERY = 8
 # where a step's pre-clip total gradient norm comes from
 _NO_PRECLIP, _SAME_AS_TOTAL, _AT_BACKWARD = 0, 1, 2
-# values per gradient whose bits say it was not rewritten between backward and optimizer.step
-_PRINTS = 8
 
 
 def _sketch_slice(p: torch.Tensor, k: int, gen: np.random.Generator) -> tuple[int, int]:
@@ -143,19 +141,12 @@ class ParamProbe:
             p.dtype == torch.float32 for p in self.params)}
         # CPU float32 norms in one compiled call (tracer/kernels.py) when numba is there
         self._compiled = device.type == "cpu" and bool(self.params) and kernels.available()
-        # gradient norms taken by post-accumulate-grad hooks (`grad_hooks`), and which gradient
-        # tensor and version each was taken from, as `_versions()` lists them ((0, -1): none)
-        self._hooked = False
-        self._no_versions = [0, -1] * len(self.params)
-        self._hook_versions = list(self._no_versions)
-        self._rows_np = self.rows.numpy() if self._compiled else None  # a view, made once
         self.has_grad: np.ndarray | None = None  # this step's components with a gradient
         self.grads_finite = True        # CPU only: the host verdict on the gradient norms
         self._preclip = _NO_PRECLIP
         self._bad: torch.Tensor | None = None
         self.modified_after_backward = False  # the loop was seen to change gradients after backward
-        # at the end of the last backward pass: versions, norms taken, gradient fingerprints
-        self._at_backward: tuple[list[int], bool, np.ndarray | None] | None = None
+        self._at_backward: tuple[list[int], bool] | None = None  # versions, norms taken
         self.refresh()
 
     def refresh(self) -> None:
@@ -189,7 +180,6 @@ class ParamProbe:
         if j >= self.rows.shape[0]:
             self.rows = torch.cat([self.rows, torch.zeros_like(self.rows)])
             self._row_views = self._views_of(self.rows)
-            self._rows_np = self.rows.numpy() if self._compiled else None
         return self._row_views[j]
 
     def _sketch_into(self, out: torch.Tensor) -> None:
@@ -256,9 +246,6 @@ class ParamProbe:
             if swapped:
                 self.refresh()
             row = self._row()
-            if self._hooked:  # this step's hook norms start from "no gradient" (norm 0)
-                self._hook_versions = list(self._no_versions)
-                row.pre_norms.zero_()
             self._sketch_into(row.fwd_sketch)
             self._exact_fwd = (swapped or self._end_versions is None or self._ends % EXACT_DRIFT_EVERY == 0
                                or self._weight_versions() != self._end_versions)
@@ -291,58 +278,13 @@ class ParamProbe:
             out += (0, -1) if g is None else (id(g), g._version)
         return out
 
-    def grad_hooks(self) -> list[torch.utils.hooks.RemovableHandle]:
-        """CPU, float32, compiled kernels: a post-accumulate-grad hook per parameter takes its
-        gradient's norm as backward leaves it, while it is still in cache (the pass over cold
-        memory at `optimizer.step` is then needed only if something wrote the gradients after
-        the backward pass: clipping, unscaling, an all-reduce). Returns the hooks' handles."""
-        if not (self._compiled and self._dot["grads"] and not self._sharded and self._rows_np is not None):
-            return []
-        handles = []
-        for i, p in enumerate(self.params):
-            if p.requires_grad:
-                handles.append(p.register_post_accumulate_grad_hook(self._grad_hook(i)))
-        self._hooked = bool(handles)
-        return handles
-
-    def _grad_hook(self, i: int) -> Callable[[torch.Tensor], None]:
-        col = self._pre_n.start + i
-
-        def hook(p: torch.Tensor) -> None:
-            try:
-                g = p.grad
-                if g.dtype == torch.float32 and g.layout == torch.strided and g.is_contiguous():
-                    self._rows_np[len(self.pending), col] = kernels.norm_f32(g.data_ptr(), g.numel())
-                    self._hook_versions[2 * i:2 * i + 2] = id(g), g._version
-                    return
-            except Exception:  # never break backward: the pass takes over
-                pass
-            self._hook_versions[2 * i + 1] = -2  # matches no gradient: the pass takes over
-        return hook
-
     @torch.no_grad()
     def after_backward(self) -> None:
         """End of a backward pass: note the gradients' versions (and norms, if the loop modifies them)."""
-        versions = self._versions()
-        # the hooks' norms stand for the pass when each was taken from the gradient tensor and
-        # version there is now (a gradient left from an earlier step, or written since, is not)
-        taken = self._hooked and self.begun and self._hook_versions == versions
-        if not taken and self.modified_after_backward and self.params:
+        taken = self.modified_after_backward and bool(self.params)
+        if taken:
             self._norms_into(self._row().pre_norms, self._grads(), "grads")
-            taken = True
-        self._at_backward = (versions, taken, self._grad_prints() if self._hooked else None)
-
-    def _grad_prints(self) -> np.ndarray | None:
-        """Fingerprints of the gradients (`kernels.prints_f32`), or None if one is not contiguous
-        float32. Version counters miss some writes (GradScaler's unscale moves none): these do not."""
-        grads = self._grads()
-        if not all(g.dtype == torch.float32 and g.layout == torch.strided and g.is_contiguous() for g in grads):
-            return None
-        n = len(grads)
-        out = np.empty((n, _PRINTS), dtype=np.int32)
-        kernels.prints_f32(np.fromiter((g.data_ptr() for g in grads), np.int64, n),
-                           np.fromiter((g.numel() for g in grads), np.int64, n), out)
-        return out
+        self._at_backward = (self._versions(), taken)
 
     @torch.no_grad()
     def grads(self) -> None:
@@ -360,9 +302,6 @@ class ParamProbe:
         grads = self._grads()
         row = self._row()
         unchanged = at_bw is not None and at_bw[0] == self._versions()
-        if unchanged and self._hooked:  # and no value moved where the counters do not see it
-            now = self._grad_prints()
-            unchanged = at_bw[2] is not None and now is not None and np.array_equal(at_bw[2], now)
         if unchanged and at_bw[1]:
             row.grad_norms.copy_(row.pre_norms)  # the same gradients: no second pass
         else:

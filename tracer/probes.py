@@ -3,10 +3,10 @@
 Forward hooks do at most three small things per call (on an accelerator a non-finite count over
 the whole output, and on a component's first call of the step a copy of a fixed-size strided row
 subsample); the statistics of those subsamples are computed for several steps at once
-(`ForwardProbe.compute`, every `FORWARD_BATCH_STEPS` steps and before every flush) as segment
-reductions over the concatenated subsamples, and the parameters' statistics once per step with
-`torch._foreach_norm` and a sketch read through views made once. Small eager ops are what cost
-time on small models (dispatch overhead), not arithmetic, hence this shape.
+(`ForwardProbe.compute`, every `FORWARD_BATCH_STEPS` steps and before every flush): on the CPU
+in one compiled pass per group of samples (`kernels.forward_sums`), on an accelerator as segment
+reductions over the concatenated subsamples. Small eager ops are what cost time on small models
+(dispatch overhead), not arithmetic, hence this shape.
 """
 
 from __future__ import annotations

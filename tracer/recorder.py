@@ -231,7 +231,6 @@ class Recorder:
             handles.append(self.model.register_forward_hook(self._root_hook))
             for comp in self.components:
                 handles.append(comp.module.register_forward_hook(self._make_hook(comp)))
-            handles.extend(self.params.grad_hooks())
             if self.optimizer is not None:
                 handles.append(self.optimizer.register_step_pre_hook(lambda *_: self._pre_step()))
                 handles.append(self.optimizer.register_step_post_hook(lambda *_: self._post_step()))

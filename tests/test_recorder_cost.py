@@ -71,12 +71,12 @@ def test_on_an_accelerator_the_step_reads_nothing_back(host_reads: dict[str, int
 @pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "eager"])
 def test_on_cpu_the_step_reads_what_is_documented(host_reads: dict[str, int], tmp_path: Path,
                                                   monkeypatch: pytest.MonkeyPatch, compiled: bool) -> None:
-    # docs/overhead.md: one read per step (is the total gradient norm finite?) and one per extra
-    # micro-batch (are the gradients so far finite?). With the compiled CPU kernels each norm
-    # pass and each reduction of a batch of steps' sampled outputs (per row group; the GPT's
-    # samples all have 16 rows) takes one zero-copy numpy view of CPU memory; without them
-    # (no numba), each of those reads one verdict instead (is any float32 sum of squares out of
-    # range? is the sample finite?)
+    # docs/overhead.md: one read per step (is the total gradient norm finite?), one per extra
+    # micro-batch (are the gradients so far finite?) and one per pass of norms over the weights
+    # or gradients (is any float32 sum of squares out of range?). With the compiled forward pass
+    # each reduction of a batch of steps' sampled outputs (per row group; the GPT's samples all
+    # have 16 rows) takes one zero-copy numpy view of CPU memory; without it (no numba) it reads
+    # one verdict instead (is the sample finite?)
     if compiled:
         assert kernels.available()
     else:
@@ -100,9 +100,9 @@ def test_on_cpu_the_step_reads_what_is_documented(host_reads: dict[str, int], tm
     # backward's end once the first step showed that the loop modifies them (clipping); the
     # weights at the first forward on the first step and every 8th (nothing else wrote them)
     assert len(passes) == steps * (micro + 2) - micro + 1 + (steps - 1) // params.EXACT_DRIFT_EVERY
-    per_pass = len(reductions) + len(passes)
-    assert host_reads == {**dict.fromkeys(_READS, 0), "__bool__": steps * micro + (0 if compiled else per_pass),
-                          "numpy": per_pass if compiled else 0}
+    assert host_reads == {**dict.fromkeys(_READS, 0),
+                          "__bool__": steps * micro + len(passes) + (0 if compiled else len(reductions)),
+                          "numpy": len(reductions) if compiled else 0}
 
 
 class _Experts(torch.nn.Module):

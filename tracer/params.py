@@ -2,14 +2,13 @@
 
 Two passes over memory per step (gradient norms, weight norms after the step), and a third (the
 weight norms as the step found them) when something may have written the weights between steps,
-and every 8th step. On an accelerator each is one fused `torch._foreach_norm`; on the CPU one
-compiled call (`kernels.norms_f32`). The per-tensor norms go straight into the
-step's row of a preallocated buffer, beside a fixed sketch of a few hundred coordinates per
-parameter (read through views made once: one `torch.cat` into the same row). Everything derived
-from those rows (per-component norms, update, cosine, drift, the total gradient norm) is
+and every 8th step; each is one fused `torch._foreach_norm` (on the CPU, BLAS dot products) whose per-tensor norms go
+straight into the step's row of a preallocated buffer, beside a fixed sketch of a few hundred coordinates
+per parameter (read through views made once: one `torch.cat` into the same row). Everything
+derived from those rows (per-component norms, update, cosine, drift, the total gradient norm) is
 computed by `reduce` for a batch of steps at once, with the same arithmetic as one step at a
-time: on a small model each eager op costs more than its arithmetic, so a step does a handful
-of ops here and the derivation ~30 per batch.
+time: on a small model each eager op costs more than its arithmetic, so a step does ~8 ops here
+and the derivation ~30 per batch.
 """
 
 from __future__ import annotations
@@ -21,7 +20,6 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from . import kernels
 from .components import Component
 from .probes import FORWARD_BATCH_STEPS, PARAM_METRICS, to_device
 from .replicas import local_shard
@@ -139,8 +137,6 @@ class ParamProbe:
         # per kind of tensor: are its norms dot products (CPU float32)? weights: set by refresh()
         self._dot = {"weights": False, "grads": device.type == "cpu" and all(
             p.dtype == torch.float32 for p in self.params)}
-        # CPU float32 norms in one compiled call (tracer/kernels.py) when numba is there
-        self._compiled = device.type == "cpu" and bool(self.params) and kernels.available()
         self.has_grad: np.ndarray | None = None  # this step's components with a gradient
         self.grads_finite = True        # CPU only: the host verdict on the gradient norms
         self._preclip = _NO_PRECLIP
@@ -194,27 +190,14 @@ class ParamProbe:
         """Per-tensor L2 norms of `tensors` ("weights" or "grads") into `out`: one pass over their memory.
 
         On an accelerator, one fused `torch._foreach_norm`. On the CPU that op is a loop of norm
-        kernels that accumulate in double, one op per tensor; float32 tensors go instead through
-        one compiled call (`kernels.norms_f32`: float64 sums of squares, the same value for the
-        same memory every time, which weight drift relies on), or where numba is missing through
-        BLAS dot products (float32 sums of squares; a tensor whose sum overflowed or underflowed
+        kernels that accumulate in double; float32 tensors go through BLAS dot products instead
+        (float32 sums of squares, half the time, the same value for the same memory every time,
+        which weight drift relies on), and a tensor whose sum of squares overflowed or underflowed
         float32 (an entry beyond ~1e19 or all entries below ~1e-19; an all-zero tensor looks the
-        same) is taken again by the exact kernel: on the host, reading that verdict costs
-        nothing). Weights take one path for the whole run (drift compares two of their norms),
-        decided when their views are taken."""
+        same) is taken again by the exact kernel: on the host, reading that verdict (one read per
+        pass) costs nothing. Weights take one path for the whole run (drift compares two of their
+        norms), decided when their views are taken."""
         if not self._dot[kind]:
-            torch.stack(torch._foreach_norm(tensors), out=out)
-            return
-        if self._compiled:
-            # the memory is read as contiguous float32: checked on every call (`p.data = x` may
-            # have swapped in anything since the last one), the addresses taken while held
-            if all(t.dtype == torch.float32 and t.layout == torch.strided and t.is_contiguous()
-                   for t in tensors):
-                n = len(tensors)
-                kernels.norms_f32(np.fromiter((t.data_ptr() for t in tensors), np.int64, n),
-                                  np.fromiter((t.numel() for t in tensors), np.int64, n), out.numpy())
-                return
-            self._dot[kind] = False  # not contiguous float32 any more: the exact kernel from now on
             torch.stack(torch._foreach_norm(tensors), out=out)
             return
         try:

@@ -156,7 +156,8 @@ class _Plan:
     any such sample is concatenated as before: the values are the same either way.
     """
 
-    def __init__(self, key: Key, steps: int, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, key: Key, steps: int, dtype: torch.dtype, device: torch.device,
+                 scratch: bool = True) -> None:
         self.key, self.steps = key, steps
         self.views: list[dict[int, torch.Tensor]] = [{} for _ in range(steps)]
         self.buffers: list[tuple[torch.Tensor, int]] = []  # per row group: (buffer, units a step)
@@ -173,11 +174,13 @@ class _Plan:
                     self.views[k][c] = buf[:, k * units + off:k * units + off + u]
                 off += u
             self.buffers.append((buf, units))
-        # room for the reduction's element-wise temporaries (float32, like the reduced samples)
-        # and for its per-unit statistics (`_unit_stats`, every group's columns side by side)
-        self.scratch = [torch.empty(b.shape, dtype=torch.float32, device=device) for b, _ in self.buffers]
-        self.units = torch.empty(_UNIT_STATS * sum(b.shape[1] for b, _ in self.buffers), dtype=torch.float32,
-                                 device=device)
+        # room for the eager reduction's element-wise temporaries (float32, like the reduced
+        # samples) and for its per-unit statistics (`_unit_stats`, every group's columns side by
+        # side); the compiled pass needs neither (`scratch=False`)
+        n_scratch = len(self.buffers) if scratch else 0
+        self.scratch = [torch.empty(b.shape, dtype=torch.float32, device=device) for b, _ in self.buffers[:n_scratch]]
+        self.units = torch.empty(_UNIT_STATS * sum(b.shape[1] for b, _ in self.buffers) if scratch else 0,
+                                 dtype=torch.float32, device=device)
 
     def holds(self, k: int, samples: list[tuple[int, torch.Tensor]]) -> bool:
         """Whether `samples` (step `k` of the batch) all sit in their places here."""
@@ -386,7 +389,7 @@ class ForwardProbe:
             # a shape seen on two steps in a row gets staging buffers (alternating shapes do not)
             if (plan is None or plan.key != key) and key == self._last_key:
                 dtypes = {s.dtype for _, s in self.samples}
-                self._plan = _Plan(key, FORWARD_BATCH_STEPS, dtypes.pop(), self.device) \
+                self._plan = _Plan(key, FORWARD_BATCH_STEPS, dtypes.pop(), self.device, not self._compiled) \
                     if len(dtypes) == 1 else None
             self._last_key = key
         self.pending.append(step)
@@ -455,7 +458,7 @@ class ForwardProbe:
         if plan is not None:
             buf, units = plan.buffers[g]  # the hooks wrote the samples in place: a view, no copy
             cols = slice(steps[0].k * units, (steps[0].k + len(steps)) * units)
-            return buf[:, cols], plan.scratch[g][:, cols]
+            return buf[:, cols], (plan.scratch[g][:, cols] if plan.scratch else None)
         blocks = [s.samples[p][1] for s in steps for p in group]
         return (torch.cat(blocks, 1) if len(blocks) > 1 else blocks[0]), None
 

@@ -145,6 +145,30 @@ def test_grad_scaler_norms_are_the_unscaled_ones(tmp_path: Path) -> None:
     assert scaled == pytest.approx(plain, rel=1e-6) and len(plain) == 3
 
 
+def test_grad_scaler_after_a_clipped_step_still_gives_the_unscaled_norms(tmp_path: Path) -> None:
+    # clipping on step 1 only, then the scaler's unscale alone: the unscale moves no version
+    # counter, so the gradients look unchanged since backward; the recorded norms must still be
+    # those the optimizer receives (unscaled), not the backward-end (scaled) ones
+    torch.manual_seed(0)
+    model = zoo.mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**12)
+    seen: list[float] = []
+    opt.register_step_pre_hook(lambda *_: seen.append(float(torch.linalg.vector_norm(
+        torch.cat([p.grad.flatten() for p in model.parameters()]).double()))))
+    with watch(model, opt, tmp_path):
+        for step, (_, xb, yb) in zip(range(4), zoo.batches(*zoo.teacher_classification(256), 32), strict=False):
+            scaler.scale(F.cross_entropy(model(xb), yb)).backward()
+            scaler.unscale_(opt)
+            if step == 0:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1e6)  # moves the counters only
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+    got = [r[0] for r in read(tmp_path, "steps", "select grad_norm_total_l2 from t order by step")]
+    assert len(seen) == 4 and got == pytest.approx(seen, rel=1e-5)
+
+
 @pytest.mark.parametrize("mode, fullgraph", [("eager", False), ("skip", True), ("graph", True)])
 def test_torch_compile_is_recorded_or_named(mode: str, fullgraph: bool, tmp_path: Path) -> None:
     torch._dynamo.reset()  # compiled code from another test's model must not be reused here

@@ -284,11 +284,11 @@ class ParamProbe:
         self.has_grad[self.param_comp_np[has]] = True
         grads = self._grads()
         row = self._row()
+        # always a pass of its own, even when no version counter moved since the backward-end
+        # pass: some writes move none (GradScaler's unscale), so copying those norms could be
+        # off by the scale
+        self._norms_into(row.grad_norms, grads, "grads")
         unchanged = at_bw is not None and at_bw[0] == self._versions()
-        if unchanged and at_bw[1]:
-            row.grad_norms.copy_(row.pre_norms)  # the same gradients: no second pass
-        else:
-            self._norms_into(row.grad_norms, grads, "grads")
         if unchanged:
             self._preclip = _SAME_AS_TOTAL
         elif at_bw is not None:

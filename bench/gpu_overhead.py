@@ -38,6 +38,16 @@ def build(tiny: bool, device: str) -> tuple[torch.nn.Module, zoo.GPTConfig]:
     return model.to(device), cfg
 
 
+def _own_forward(cls: type) -> type:
+    """A subclass of `cls` whose forward is a code object of its own. Dynamo caches compiled
+    graphs per code object, and a graph traced without hooks does not guard against them: the
+    watched copy would otherwise run the plain copy's graph and record no forward statistics
+    after its first step."""
+    def forward(self: torch.nn.Module, idx: torch.Tensor) -> torch.Tensor:
+        return cls.forward(self, idx)
+    return type(f"Plain{cls.__name__}", (cls,), {"forward": forward})
+
+
 def make_step(model: torch.nn.Module, opt: torch.optim.Optimizer, cfg: zoo.GPTConfig, batch: int,
               device: str, amp: bool, rec: object | None) -> Callable[[int], None]:
     """One training step on synthetic tokens drawn from a per-step seed (the same for both copies)."""
@@ -131,6 +141,7 @@ def main() -> None:
     torch.manual_seed(0)
     plain, cfg = build(tiny, device)
     watched = copy.deepcopy(plain)
+    plain.__class__ = _own_forward(type(plain))
     n_params = sum(p.numel() for p in plain.parameters())
     gpu = torch.cuda.get_device_name() if device == "cuda" else "none (CPU, --tiny: not a GPU figure)"
     print(f"torch {torch.__version__}; device: {gpu}")

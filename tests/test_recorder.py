@@ -169,6 +169,32 @@ def test_grad_scaler_after_a_clipped_step_still_gives_the_unscaled_norms(tmp_pat
     assert len(seen) == 4 and got == pytest.approx(seen, rel=1e-5)
 
 
+def test_a_compiled_graph_without_the_hooks_is_named(tmp_path: Path) -> None:
+    # dynamo runs a graph traced for an unwatched instance of the same class for the watched one
+    # too (a graph traced without hooks does not guard against them): from then on no hook fires
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model, other = zoo.mlp(), zoo.mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    data = zoo.batches(*zoo.teacher_classification(256), 32)
+    with warnings.catch_warnings(record=True) as caught, watch(model, opt, tmp_path):
+        warnings.simplefilter("always")
+        compiled, compiled_other = torch.compile(model, backend="eager"), torch.compile(other, backend="eager")
+        for step in range(3):
+            _, xb, yb = next(data)
+            F.cross_entropy(compiled(xb), yb).backward()
+            opt.step()
+            opt.zero_grad()
+            if step == 0:
+                compiled_other(xb)  # traced without hooks, after the watched model's first step
+    rows = read(tmp_path, "health", "select step, count(out_rms) from t group by step order by step")
+    assert rows[0][1] > 0 and rows[1][1] == 0  # the shadowing this test is about
+    warned = [str(w.message) for w in caught if "no forward hook fired in step 2" in str(w.message)]
+    events = read(tmp_path, "events", "select detail from t where kind = 'warning'")
+    assert len(warned) == 1 and any("no forward hook fired in step 2" in d for (d,) in events)
+    torch._dynamo.reset()
+
+
 @pytest.mark.parametrize("mode, fullgraph", [("eager", False), ("skip", True), ("graph", True)])
 def test_torch_compile_is_recorded_or_named(mode: str, fullgraph: bool, tmp_path: Path) -> None:
     torch._dynamo.reset()  # compiled code from another test's model must not be reused here

@@ -103,6 +103,7 @@ class Recorder:
         self._in_step = False
         self._micro_batches = 0
         self._order = 0
+        self._hooks_stopped = False  # warned that a step ran with no forward hook firing
         self._warned = False
         self._warning_events = 0
         self._errors_seen = 0
@@ -331,6 +332,14 @@ class Recorder:
                 self._absorb_graph_samples()
             if self.step_count == self._first_step:
                 self._settle_components()
+            elif not self._hooks_stopped and self._order and not self.fwd.sampled.any():
+                self._hooks_stopped = True
+                self._warn_once(
+                    f"no forward hook fired in step {self.step_count}, though they did before: its "
+                    "forward statistics are null. A torch.compile graph traced without the hooks "
+                    "may be running (dynamo reuses a graph compiled for another instance of the "
+                    "model's class, e.g. an unwatched copy, and does not guard against hooks), or "
+                    "the forward ran in eval() mode or under no_grad")
             self._step_record(now)
             if self.replicas is not None:
                 self.replicas.end_step(self.step_count)

@@ -129,18 +129,27 @@ def wait_for_quiet(max_wait_s: float) -> bool:
     return False
 
 
+Twin = tuple[torch.nn.Module, Callable[[], torch.Tensor], torch.optim.Optimizer]
+
+
+def _twins(make: Callable[[], Case]) -> list[Twin]:
+    """Two copies of a case (same initial weights, same batches), each with its own AdamW:
+    [(model, loss, optimizer) of the plain copy, the same of the copy to watch]."""
+    out = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        model, loss = make()
+        out.append((model, loss, torch.optim.AdamW(model.parameters(), lr=1e-3)))
+    return out
+
+
 def measure(name: str, make: Callable[[], Case], pairs: int, steps: int, wait_s: float = 0.0,
             flush_every: int | None = None) -> None:
     """Alternate blocks of a plain and a watched copy; print the median ratio and its spread.
 
     `wait_s` > 0: before each pair, wait up to that long for other processes to leave the CPUs;
     the ratio is also printed over the pairs during which none of them ran ("clean" pairs)."""
-    torch.manual_seed(0)
-    plain_model, plain_loss = make()
-    torch.manual_seed(0)
-    model, loss_fn = make()
-    plain_opt = torch.optim.AdamW(plain_model.parameters(), lr=1e-3)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    (_, plain_loss, plain_opt), (model, loss_fn, opt) = _twins(make)
     wall, cpu, base, watched, busy = [], [], [], [], []
     contention = Contention()
     with tempfile.TemporaryDirectory() as tmp:
@@ -190,12 +199,7 @@ def measure_interleaved(name: str, make: Callable[[], Case], steps: int, chunks:
     watched step is timed until the writer thread is idle again, so a flush's writing is charged
     to the watched side in full (more than a real run pays: there it overlaps the next steps);
     flushes at the recorder's default interval (100 steps)."""
-    torch.manual_seed(0)
-    plain_model, plain_loss = make()
-    torch.manual_seed(0)
-    model, loss_fn = make()
-    plain_opt = torch.optim.AdamW(plain_model.parameters(), lr=1e-3)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    (_, plain_loss, plain_opt), (model, loss_fn, opt) = _twins(make)
     plain_t, watched_t = [], []
     with tempfile.TemporaryDirectory() as tmp:
         run_block(plain_loss, plain_opt, 3, None)

@@ -177,9 +177,9 @@ class _Plan:
         # room for the eager reduction's element-wise temporaries (float32, like the reduced
         # samples) and for its per-unit statistics (`_unit_stats`, every group's columns side by
         # side); the compiled pass needs neither (`scratch=False`)
-        n_scratch = len(self.buffers) if scratch else 0
-        self.scratch = [torch.empty(b.shape, dtype=torch.float32, device=device) for b, _ in self.buffers[:n_scratch]]
-        self.units = torch.empty(_UNIT_STATS * sum(b.shape[1] for b, _ in self.buffers) if scratch else 0,
+        self.scratch = [torch.empty(b.shape, dtype=torch.float32, device=device)
+                        for b, _ in self.buffers] if scratch else []
+        self.units = torch.empty(_UNIT_STATS * sum(b.shape[1] for b, _ in self.buffers) * scratch,
                                  dtype=torch.float32, device=device)
 
     def holds(self, k: int, samples: list[tuple[int, torch.Tensor]]) -> bool:
@@ -220,6 +220,15 @@ def _unit_stats(m: torch.Tensor, out: torch.Tensor, scratch: torch.Tensor) -> to
     torch.sum(torch.sign(m, out=scratch).abs_(), 0, out=zeros)
     torch.sub(nfin, zeros, out=zeros)  # replaced non-finite values count as neither
     return m
+
+
+def _metrics_of_sums(sums: torch.Tensor, absmax: torch.Tensor, n_unit: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The forward metrics from per-(step, component) sums (_UNIT_STATS, K, C) of the per-unit
+    statistics, the (K, C) max |x|, and each component's unit count."""
+    count = sums[0].clamp_min(1)
+    return {"out_mean": sums[1] / count, "out_rms": (sums[2] / count).sqrt(), "out_absmax": absmax,
+            "out_zero_frac": sums[3] / count, "out_sat_frac": sums[5] / count,
+            "out_dead_frac": sums[6] / n_unit}
 
 
 @dataclass
@@ -490,13 +499,8 @@ class ForwardProbe:
         # index_add would add them) gives its totals; absent components stay 0 (null rows)
         seg = torch.segment_reduce(unit, "sum", lengths=lay.seg_lengths, axis=1)
         sums = torch.zeros(_UNIT_STATS, k * n, device=self.device).index_copy_(1, lay.seg_slot, seg)
-        sums = sums.view(_UNIT_STATS, k, n)
-        absmax = torch.zeros(k * n, device=self.device).scatter_reduce_(
-            0, lay.unit_slot, unit[4], "amax").view(k, n)
-        count = sums[0].clamp_min(1)
-        return {"out_mean": sums[1] / count, "out_rms": (sums[2] / count).sqrt(),
-                "out_absmax": absmax, "out_zero_frac": sums[3] / count,
-                "out_sat_frac": sums[5] / count, "out_dead_frac": sums[6] / lay.n_unit}
+        absmax = torch.zeros(k * n, device=self.device).scatter_reduce_(0, lay.unit_slot, unit[4], "amax")
+        return _metrics_of_sums(sums.view(_UNIT_STATS, k, n), absmax.view(k, n), lay.n_unit)
 
     def _sample_stats_compiled(self, steps: list[_StepSamples], lay: _Layout,
                                plan: _Plan | None) -> dict[str, torch.Tensor]:
@@ -511,11 +515,8 @@ class ForwardProbe:
             kernels.forward_sums(m, lay.unit_slot_np[col:col + m.shape[1]], lay.centre_np[g], lay.half_np[g],
                                  lay.bounded[g], DEAD_EPS, sums, absmax)
             col += m.shape[1]
-        per = torch.from_numpy(sums).view(_UNIT_STATS, k, n)
-        count = per[0].clamp_min(1)
-        return {"out_mean": per[1] / count, "out_rms": (per[2] / count).sqrt(),
-                "out_absmax": torch.from_numpy(absmax).view(k, n), "out_zero_frac": per[3] / count,
-                "out_sat_frac": per[5] / count, "out_dead_frac": per[6] / lay.n_unit}
+        return _metrics_of_sums(torch.from_numpy(sums).view(_UNIT_STATS, k, n),
+                                torch.from_numpy(absmax).view(k, n), lay.n_unit)
 
     def _head_stats(self, steps: list[_StepSamples]) -> dict[str, torch.Tensor]:
         k, n = len(steps), self.n

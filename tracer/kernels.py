@@ -14,6 +14,7 @@ tested).
 
 from __future__ import annotations
 
+import os
 import threading
 from typing import Any
 
@@ -94,7 +95,10 @@ def _build() -> dict[str, Any]:
 
 def available() -> bool:
     """Whether the compiled pass can be used (compiles it the first time: ~2 s; then numba's
-    cache loads it in ~0.5 s)."""
+    cache loads it in ~0.5 s). `WARNINGLIGHT_EAGER=1` in the environment says no: the eager ops
+    then run, e.g. to compare the two (`bench/overhead.py`, `bench/overhead_breakdown.py`)."""
+    if os.environ.get("WARNINGLIGHT_EAGER", "") not in ("", "0"):
+        return False
     with _lock:
         if "ok" not in _state:
             try:

@@ -2,8 +2,8 @@
 
 Runs one whole-trace analysis in this process with timers around the engine's parts (nested
 parts are counted in their callers too), then, on one step window of the same run (the third
-the classifier judged), the quantile kernel's nanoseconds per row for each metric (one thread)
-and the window's sort by names against `sort_series`. The trace is a GPT sample trace grown to
+the classifier judged), the baseline kernel's nanoseconds per row for each metric (one thread:
+the window's order statistics, then median, scale and z) and the window's sort by names against `sort_series`. The trace is a GPT sample trace grown to
 `--size` component-steps (bench/grow.py, the faulty one) unless `--trace` names one. Run:
 `python bench/engine_breakdown.py [--size 1e7 | --trace DIR]`.
 """
@@ -20,6 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import polars as pl
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -27,7 +28,7 @@ import grow  # noqa: E402
 from warninglight.forensics import analysis, baseline, quantiles, static_rules, stream  # noqa: E402
 
 PARTS = ((stream.Classifier, "feed", 0), (stream, "sort_series", 1), (stream, "score", 1),
-         (baseline, "_own_baseline", 2), (quantiles, "trailing_many", 3), (stream, "heat_of", 1),
+         (baseline, "_own_baseline", 2), (quantiles, "baseline", 3), (stream, "heat_of", 1),
          (stream, "hits", 1), (stream.Classifier, "_carry", 1), (analysis, "health_window", 0),
          (static_rules.StaticScan, "feed", 0))
 WINDOW = 3  # the window whose unit costs are timed (the first ones are shorter: no history yet)
@@ -90,17 +91,20 @@ def main() -> None:
           f"root {result.root.attributed_to if result.root else None}")
     for owner, name, indent in PARTS:
         key = _label(owner, name)
-        print(f"{'    ' * indent}{key:<28s} {totals[key]:7.2f} s")
+        threads = "  (summed over the threads running it)" if (owner, name) == (quantiles, "baseline") else ""
+        print(f"{'    ' * indent}{key:<28s} {totals[key]:7.2f} s{threads}")
     window = sorts[min(WINDOW, len(sorts)) - 1][0]
     frame, starts, metrics, cfg, lr = own[min(WINDOW, len(own)) - 1][:5]
     print(f"window {min(WINDOW, len(own))}: {frame.height:,} rows; sort by names "
           f"{_best_s(lambda: window.sort([*baseline.KEYS, 'step'])) * 1e3:.0f} ms, sort_series "
           f"{_best_s(lambda: baseline.sort_series(window)) * 1e3:.0f} ms")
-    values = frame.select(baseline._finite(m, lr and m in baseline.LR_SCALED).alias(m) for m in metrics)
+    lr_values = frame["lr"].cast(pl.Float64).to_numpy() if lr else None
+    rows = np.arange(frame.height)
     for m in metrics:
-        col = values[m].cast(pl.Float64).fill_null(float("nan")).to_numpy()
-        s = _best_s(lambda col=col: quantiles.trailing(col, starts, cfg.window, cfg.lag, cfg.min_samples))
-        print(f"    quantile kernel {m:<22s} {s / len(col) * 1e9:6.1f} ns/row")
+        col = baseline._column(frame, m, lr)
+        s = _best_s(lambda col=col: quantiles.baseline(col, lr_values, starts, rows, cfg.window, cfg.lag,
+                                                       cfg.min_samples, baseline._SCALES))
+        print(f"    baseline kernel {m:<22s} {s / frame.height * 1e9:6.1f} ns/row")
 
 
 if __name__ == "__main__":

@@ -1,9 +1,10 @@
-"""Each component against its own past: a trailing robust baseline, vectorised with Polars.
+"""Each component against its own past: a trailing robust baseline, one compiled pass per metric.
 
 For every (rank, component) and metric, the baseline at step t is the median and a robust scale
 (interquartile range / 1.349, which equals the standard deviation for Gaussian noise) of the
-metric's finite values over the `window` steps ending `lag` steps before t (the order statistics
-come from one compiled pass per metric, `quantiles.py`; the rest is Polars). It is causal: step
+metric's finite values over the `window` steps ending `lag` steps before t (the order statistics,
+and the median, scale and z from them, come from one compiled pass per metric, `quantiles.py`;
+sorting, the lr surge and a reference run's baseline are Polars and numpy). It is causal: step
 t's baseline uses only steps < t - lag + 1, so an alarm at t is what a live monitor would raise.
 
 Columns added per metric m: `m__med`, `m__scale`, `m__z`. Norms and ratios (`LOG_METRICS`) vary
@@ -39,7 +40,6 @@ LOG_TINY = 1e-12  # log(0) stand-in: a norm of exactly 0 is a collapse, not a mi
 LOG_SCALE_FLOOR = 0.02  # log units: ±2%
 LR_PEAK = "__lr_peak"  # the highest lr a series had before a window's rows (stream.Classifier)
 POS = "__pos"  # a row's place in its (rank, component) series, from 0: what windows over rows need
-_Q = tuple(str(round(100 * q)) for q in quantiles.QUANTILES)  # column suffixes: 25, 50, 75
 
 
 def transform(metric: str, x: pl.Expr) -> pl.Expr:
@@ -64,14 +64,6 @@ def _lr_factor() -> pl.Expr:
     """The step's lr where the update is judged relative to it, else 1 (no lr, or lr 0)."""
     lr = pl.col("lr").cast(pl.Float64)
     return pl.when(lr.is_finite() & (lr > 0)).then(lr).otherwise(1.0)
-
-
-def _finite(metric: str, scaled: bool = False) -> pl.Expr:
-    x = pl.col(metric).cast(pl.Float64)
-    value = transform(metric, x)
-    if scaled:
-        value = value - _lr_factor().log()
-    return pl.when(x.is_finite()).then(value)
 
 
 def lr_surge(lr: pl.Series, starts: np.ndarray, before: np.ndarray | None = None) -> pl.Series:
@@ -180,45 +172,55 @@ def with_series_values(frame: pl.DataFrame, values: pl.DataFrame) -> pl.DataFram
     return frame.with_columns(firsts.drop(*KEYS)[spread])
 
 
+def _column(frame: pl.DataFrame, metric: str, lr: bool) -> quantiles.Column:
+    """`quantiles.baseline`'s input for one metric of `frame`."""
+    values = frame[metric].cast(pl.Float64)
+    log = metric in LOG_METRICS
+    # a log metric floors a null like a NaN (its z is then a number): its nulls need no mask
+    missing = values.is_null().to_numpy() if values.null_count() and not log else None
+    return quantiles.Column(values.to_numpy(), missing, log, lr and metric in LR_SCALED,
+                            ABS_FLOOR.get(metric, DEFAULT_ABS_FLOOR))
+
+
+_SCALES = quantiles.Scales(REL_FLOOR, LOG_SCALE_FLOOR, LOG_TINY, IQR_TO_SIGMA)
+
+
 def _own_baseline(frame: pl.DataFrame, starts: np.ndarray, metrics: list[str], cfg: BaselineConfig,
                   lr: bool, keep: np.ndarray | None = None) -> pl.DataFrame:
     """`frame` (sorted by rank, component, step) with each row's place in its series (`POS`) and
-    each metric's median and scale against its own trailing window (`baseline_exprs`), from the
-    window's quartiles and median (`m__q25`, `m__q50`, `m__q75`, on the baseline's scale), which
-    one compiled pass per metric computes (`quantiles.py`) and which are dropped once used.
+    each metric's median, scale and z against its own trailing window, from one compiled pass
+    per metric (`quantiles.baseline`: the window's quartiles and median on the baseline's scale,
+    then the columns from them); metrics run as many at a time as the machine has cores.
+
+    Median and scale: the scale is the interquartile range / `IQR_TO_SIGMA`, floored (log
+    metrics: at `LOG_SCALE_FLOOR` log units; others: at `REL_FLOOR` of |median| and at the
+    metric's `ABS_FLOOR`); a log metric's median is exp(the window's median of log values),
+    times the step's lr for an `LR_SCALED` one (the update this step's lr intends). z = (value -
+    median) / scale, on the log scale for log metrics; null where there is no baseline yet.
 
     `keep` (`history_cut`): the rows to return; every row still feeds the windows."""
     frame = frame.with_columns(pl.Series(POS, np.arange(frame.height) - np.repeat(starts[:-1], np.diff(starts))))
     kept = frame if keep is None else frame.filter(pl.Series(keep))
-    per_pass = max(1, quantiles.WORKERS)  # columns in flight at once: bounds the float arrays held
-    for i in range(0, len(metrics), per_pass):
-        batch = metrics[i:i + per_pass]
-        values = frame.select(_finite(m, lr and m in LR_SCALED).alias(m) for m in batch)
-        stats = quantiles.trailing_many([values[m].fill_null(np.nan).to_numpy() for m in batch],
-                                        starts, cfg.window, cfg.lag, cfg.min_samples)
-        kept = (kept.with_columns(pl.Series(f"{m}__q{q}", out[k] if keep is None else out[k][keep],
-                                            dtype=pl.Float64, nan_to_null=True)
-                                  for m, out in zip(batch, stats, strict=True) for k, q in enumerate(_Q))
-                .with_columns(e for m in batch for e in baseline_exprs(m, lr))
-                .drop(f"{m}__q{q}" for m in batch for q in _Q))
-    return kept
+    rows = np.arange(frame.height) if keep is None else np.flatnonzero(keep)
+    lr_values = frame["lr"].cast(pl.Float64).to_numpy() if lr else None
+    meds: list[pl.Series] = []
+    zs: list[pl.Series] = []
+    stats = quantiles.baseline_many([_column(frame, m, lr) for m in metrics], lr_values, starts, rows,
+                                    cfg.window, cfg.lag, cfg.min_samples, _SCALES)
+    for m, (med, scale, z, z_valid) in zip(metrics, stats, strict=True):
+        meds += [pl.Series(f"{m}__med", med, dtype=pl.Float64, nan_to_null=True),
+                 pl.Series(f"{m}__scale", scale, dtype=pl.Float64)]
+        zs.append(_with_nulls(f"{m}__z", z, z_valid))
+    return kept.with_columns(meds + zs)
 
 
-def baseline_exprs(metric: str, lr: bool = False) -> list[pl.Expr]:
-    """Median and robust scale of `metric` from its trailing order statistics (`_own_baseline`).
-
-    `lr`: the frame has an `lr` column; `LR_SCALED` metrics are then judged relative to it.
-    """
-    scaled = lr and metric in LR_SCALED
-    med = pl.col(f"{metric}__q50")
-    iqr = pl.col(f"{metric}__q75") - pl.col(f"{metric}__q25")
-    if metric in LOG_METRICS:
-        scale = pl.max_horizontal(iqr / IQR_TO_SIGMA, pl.lit(LOG_SCALE_FLOOR))
-        expected = med.exp() * _lr_factor() if scaled else med.exp()  # the update this step's lr intends
-        return [expected.alias(f"{metric}__med"), scale.alias(f"{metric}__scale")]
-    floor = ABS_FLOOR.get(metric, DEFAULT_ABS_FLOOR)
-    scale = pl.max_horizontal(iqr / IQR_TO_SIGMA, med.abs() * REL_FLOOR, pl.lit(floor))
-    return [med.alias(f"{metric}__med"), scale.alias(f"{metric}__scale")]
+def _with_nulls(name: str, values: np.ndarray, valid: np.ndarray) -> pl.Series:
+    """A float64 Series of `values`, null where not `valid` (a NaN where valid stays a NaN)."""
+    if valid.all():
+        return pl.Series(name, values, dtype=pl.Float64)
+    if not np.isnan(values[valid]).any():
+        return pl.Series(name, np.where(valid, values, np.nan), dtype=pl.Float64, nan_to_null=True)
+    return pl.Series(name, values, dtype=pl.Float64).set(pl.Series(~valid), None)  # type: ignore[arg-type]
 
 
 def reference_exprs(metric: str, lr: bool, suffix: str) -> list[pl.Expr]:
@@ -267,8 +269,8 @@ def with_baseline(frame: pl.LazyFrame | pl.DataFrame, cfg: BaselineConfig, metri
         pl.when(pl.col(f"{m}__med").is_not_null()).then(
             (transform(m, pl.col(m).cast(pl.Float64)) - transform(m, pl.col(f"{m}__med")))
             / pl.col(f"{m}__scale")).alias(f"{m}__z")
-        for m in metrics
-    ])
+        for m in metrics if m in given
+    ]).select(*(c for c in rows.columns if not c.endswith("__z")), *(f"{m}__z" for m in metrics))
 
 
 def band(frame: pl.DataFrame, metric: str, width_z: float = 3.0) -> pl.DataFrame:

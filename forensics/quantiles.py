@@ -17,9 +17,13 @@ tests/test_quantiles.py holds the kernel to Polars' rolling functions on random 
 
 from __future__ import annotations
 
+import collections
 import math
 import os
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import NamedTuple
 
 import numba
 import numpy as np
@@ -115,6 +119,59 @@ def _trailing(values: np.ndarray, starts: np.ndarray, window: int, lag: int, min
                 out[0, i] = out[1, i] = out[2, i] = np.nan
 
 
+@numba.njit(nogil=True, inline="always")
+def _log_floored(x: float, tiny: float) -> float:  # pragma: no cover - compiled
+    """log(max(x, tiny)) with Polars' `max_horizontal`, which passes over a NaN: log(tiny)."""
+    return math.log(x if x > tiny else tiny)
+
+
+@numba.njit(cache=True, nogil=True)
+def _baseline(raw: np.ndarray, missing: np.ndarray, lr: np.ndarray, starts: np.ndarray, kept: np.ndarray,
+              window: int, lag: int, min_samples: int, log: bool, scaled: bool, floor: float,
+              rel_floor: float, log_floor: float, tiny: float, iqr_to_sigma: float,
+              med: np.ndarray, scale: np.ndarray, z: np.ndarray, z_valid: np.ndarray) -> None:  # pragma: no cover - compiled
+    """One metric's baseline columns for rows `kept`, from its raw values (see `baseline`)."""
+    n = len(raw)
+    per_iqr = 1.0 / iqr_to_sigma  # Polars divides by a constant as a product with its inverse
+    values = np.empty(n)
+    logged = np.empty(n if log else 0)  # log(max(x, tiny)) of every row: z reads it again
+    for i in range(n):
+        x = raw[i]
+        v = x
+        if log:
+            v = logged[i] = _log_floored(x, tiny)
+        if math.isfinite(x):
+            if scaled:
+                f = lr[i]
+                v = v - math.log(f if math.isfinite(f) and f > 0 else 1.0)
+            values[i] = v
+        else:
+            values[i] = np.nan
+    q = np.empty((3, n))
+    _trailing(values, starts, window, lag, min_samples, q)
+    for j in range(len(kept)):
+        i = kept[j]
+        q25, q50, q75 = q[0, i], q[1, i], q[2, i]
+        if math.isnan(q50):  # no baseline yet: the scale is its floor, the rest null
+            med[j], scale[j], z[j], z_valid[j] = np.nan, log_floor if log else floor, np.nan, False
+        elif log:
+            m = math.exp(q50)
+            if scaled:
+                f = lr[i]
+                m = m * (f if math.isfinite(f) and f > 0 else 1.0)
+            s = max((q75 - q25) * per_iqr, log_floor)
+            med[j], scale[j] = m, s
+            # a missing value (null or NaN) is floored like any other, as the Polars
+            # expression (transform(x) - transform(med)) / scale did
+            z[j] = (logged[i] - _log_floored(m, tiny)) / s
+            z_valid[j] = True
+        else:
+            s = max((q75 - q25) * per_iqr, abs(q50) * rel_floor, floor)
+            med[j], scale[j] = q50, s
+            z[j] = (raw[i] - q50) / s
+            z_valid[j] = not missing[i]
+
+
 def trailing(values: np.ndarray, starts: np.ndarray, window: int, lag: int, min_samples: int) -> np.ndarray:
     """(3, rows) float64: `QUANTILES` of each row's trailing window; NaN where none yet (one
     contiguous row per quantile: a Polars column is made from it without a copy).
@@ -126,6 +183,74 @@ def trailing(values: np.ndarray, starts: np.ndarray, window: int, lag: int, min_
     _trailing(np.ascontiguousarray(values, dtype=np.float64), np.asarray(starts, dtype=np.int64),
               window, lag, min_samples, out)
     return out
+
+
+class Column(NamedTuple):
+    """One metric's baseline inputs for `baseline_many`: raw float64 values (NaN where null or
+    NaN), where they are null (None: nowhere), and how the metric is judged."""
+
+    raw: np.ndarray
+    missing: np.ndarray | None
+    log: bool      # on log(max(value, tiny)) (norms and ratios)
+    scaled: bool   # relative to the step's lr
+    floor: float   # the scale's absolute floor (metric units; not used on log metrics)
+
+
+@dataclass(frozen=True)
+class Scales:
+    """The constants of the baseline's scale (`baseline.py` owns them)."""
+
+    rel_floor: float
+    log_floor: float
+    tiny: float
+    iqr_to_sigma: float
+
+
+def baseline(col: Column, lr: np.ndarray | None, starts: np.ndarray, kept: np.ndarray, window: int,
+             lag: int, min_samples: int, scales: Scales) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(median, scale, z, z valid) of rows `kept` of one metric against its trailing window.
+
+    The median is NaN where the window holds fewer than `min_samples` finite values (no
+    baseline: null), the scale then its floor; z is valid where the median is, and on a metric
+    judged on its own scale also where the value is not null. Log metrics are judged on
+    log(max(value, tiny)) (minus log(lr) when `scaled`), their median given back in the metric's
+    units (times the lr when `scaled`) and their scale in log units: the arithmetic of the Polars
+    expressions this replaced, bit for bit (tests/test_quantiles.py)."""
+    k = len(kept)
+    med, scale, z = np.empty(k), np.empty(k), np.empty(k)
+    z_valid = np.empty(k, dtype=np.bool_)
+    n = len(col.raw)
+    missing = col.missing if col.missing is not None else np.zeros(n, dtype=np.bool_)
+    lr_values = lr if lr is not None else np.ones(n)
+    _baseline(np.ascontiguousarray(col.raw, dtype=np.float64), missing, lr_values,
+              np.asarray(starts, dtype=np.int64), np.asarray(kept, dtype=np.int64), window, lag,
+              min_samples, col.log, col.scaled and lr is not None, col.floor, scales.rel_floor,
+              scales.log_floor, scales.tiny, scales.iqr_to_sigma, med, scale, z, z_valid)
+    return med, scale, z, z_valid
+
+
+def baseline_many(columns: list[Column], lr: np.ndarray | None, starts: np.ndarray, kept: np.ndarray,
+                  window: int, lag: int, min_samples: int,
+                  scales: Scales) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]]:
+    """`baseline` of each column, in order, computed on all the machine's cores (no GIL held).
+
+    At most two columns per core are computed ahead of the one the caller takes, so the arrays
+    held stay bounded however many metrics there are, and a slow column does not leave the
+    other cores idle (as batches of one column per core did)."""
+    def one(col: Column) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        return baseline(col, lr, starts, kept, window, lag, min_samples, scales)
+    workers = min(len(columns), WORKERS)
+    if workers <= 1:
+        yield from (one(c) for c in columns)
+        return
+    with ThreadPoolExecutor(workers) as pool:
+        ahead: collections.deque[Future[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]]] = collections.deque()
+        for col in columns:
+            ahead.append(pool.submit(one, col))
+            if len(ahead) >= 2 * workers:
+                yield ahead.popleft().result()
+        while ahead:
+            yield ahead.popleft().result()
 
 
 def warm() -> None:

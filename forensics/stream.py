@@ -60,7 +60,8 @@ class Classifier:
         self.heat_width = heat_width
         self._heat: list[pl.DataFrame] = []
         self.since = since  # steps before it are history only: read, never judged
-        self.scored: pl.DataFrame | None = None
+        self._judged: pl.LazyFrame | None = None  # the last call's judged rows, scored
+        self._scored: pl.DataFrame | None = None
 
     def feed(self, rows: pl.DataFrame) -> pl.DataFrame:
         """Judge the rows of new steps; return the alarms that begin in them (`ALARM_SCHEMA`)."""
@@ -73,14 +74,23 @@ class Classifier:
             window = with_series_values(window, self._lr_peak)
         judged = pl.col(_NEW) if self.since is None else pl.col(_NEW) & (pl.col("step") >= self.since)
         window = window.with_columns(judged.alias(_JUDGED))
-        scored = (score(window.lazy(), self.config, self.reference, judged=_JUDGED)
-                  .filter(pl.col(_JUDGED)).drop(_JUDGED, SERIES_KEY).collect())
-        self.scored = scored  # the judged rows of this call, for a caller that localises live
+        # the judged rows, never copied out of the scored frame: each reader takes its columns of them
+        judged_rows = (score(window.lazy(), self.config, self.reference, judged=_JUDGED)
+                       .drop(SERIES_KEY).collect().lazy().filter(pl.col(_JUDGED)).drop(_JUDGED))
+        self._judged, self._scored = judged_rows, None
         if self.heat_width is not None:
-            self._heat.append(heat_of(scored, self.heat_width))
-        new = self._episode_alarms(hits(scored.lazy(), self.config))
+            self._heat.append(heat_of(judged_rows, self.heat_width))
+        new = self._episode_alarms(hits(judged_rows, self.config))
         self._tail = self._carry(window.drop(_JUDGED))  # with its key: series_starts reads it
         return new
+
+    @property
+    def scored(self) -> pl.DataFrame | None:
+        """The judged rows of the last call with their baseline and rule columns, for a caller
+        that localises live (None before the first call)."""
+        if self._scored is None and self._judged is not None:
+            self._scored = self._judged.collect()
+        return self._scored
 
     def alarms(self) -> pl.DataFrame:
         """Every alarm so far, each with the last step of its episode; sorted like `classify.alarms`."""
@@ -151,16 +161,16 @@ class Classifier:
         return new
 
 
-def heat_of(scored: pl.DataFrame, width: int) -> pl.DataFrame:
+def heat_of(scored: pl.DataFrame | pl.LazyFrame, width: int) -> pl.DataFrame:
     """Worst |robust z| over the metrics per (component, bin of `width` steps), max over ranks.
 
     A z before its metric has a baseline (warm-up, median null) is not a departure: left out.
     """
-    z_cols = [c for c in scored.columns if c.endswith("__z")]
+    z_cols = [c for c in scored.collect_schema().names() if c.endswith("__z")]
     if not z_cols:
         return pl.DataFrame(schema=HEAT_SCHEMA)
     finite = [pl.when(pl.col(c).is_finite() & pl.col(c.replace("__z", "__med")).is_not_null()).then(pl.col(c).abs())
               for c in z_cols]
     step = pl.col("step") if width == 1 else (pl.col("step") - 1) // width * width + 1
-    return (scored.select("component", step.alias("step"), pl.max_horizontal(finite).alias("score"))
-            .group_by("component", "step").agg(pl.col("score").max()))
+    return (scored.lazy().select("component", step.alias("step"), pl.max_horizontal(finite).alias("score"))
+            .group_by("component", "step").agg(pl.col("score").max()).collect())

@@ -63,3 +63,67 @@ def test_trailing_many_spreads_columns_and_keeps_their_order() -> None:
     for column, got in zip(columns, many, strict=True):
         assert np.array_equal(got, quantiles.trailing(column, starts, 16, 2, 8), equal_nan=True)
     assert np.isnan(many[0][:, :2 + 8 - 1]).all() and not np.isnan(many[0][:, 2 + 8 - 1]).any()
+
+
+def _polars_baseline(frame: pl.DataFrame, metric: str, starts: np.ndarray, window: int, lag: int,
+                     min_samples: int) -> pl.DataFrame:
+    """The baseline columns as Polars expressions over the kernel's order statistics: how the
+    engine computed them before they moved into the compiled pass (the reference it is held to)."""
+    from warninglight.forensics import baseline as b
+
+    lr = "lr" in frame.columns
+    scaled = lr and metric in b.LR_SCALED
+    log = metric in b.LOG_METRICS
+    lrf = pl.when(pl.col("lr").is_finite() & (pl.col("lr") > 0)).then(pl.col("lr")).otherwise(1.0)
+    x = pl.col(metric).cast(pl.Float64)
+    value = b.transform(metric, x) - (lrf.log() if scaled else 0.0)
+    values = frame.select(pl.when(x.is_finite()).then(value)).to_series().fill_null(np.nan).to_numpy()
+    q = quantiles.trailing(values, starts, window, lag, min_samples)
+    q25, med, q75 = (pl.lit(pl.Series(v, dtype=pl.Float64, nan_to_null=True)) for v in q)
+    iqr = q75 - q25
+    if log:
+        scale = pl.max_horizontal(iqr / b.IQR_TO_SIGMA, pl.lit(b.LOG_SCALE_FLOOR))
+        med = med.exp() * lrf if scaled else med.exp()
+    else:
+        scale = pl.max_horizontal(iqr / b.IQR_TO_SIGMA, med.abs() * b.REL_FLOOR,
+                                  pl.lit(b.ABS_FLOOR.get(metric, b.DEFAULT_ABS_FLOOR)))
+    out = frame.with_columns(med.alias("med"), scale.alias("scale"))
+    return out.select("med", "scale", pl.when(pl.col("med").is_not_null()).then(
+        (b.transform(metric, x) - b.transform(metric, pl.col("med"))) / pl.col("scale")).alias("z"))
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_baseline_columns_equal_the_polars_expressions_bit_for_bit(seed: int) -> None:
+    from warninglight.forensics import baseline as b
+    from warninglight.forensics.conditions import BaselineConfig
+
+    rng = np.random.default_rng(100 + seed)
+    lengths = rng.integers(1, 300, size=4)
+    n = int(lengths.sum())
+    odd = np.array([np.nan, np.inf, -np.inf, 0.0, -1.0, 1e-300, 1e30])
+    def column(scale: float) -> pl.Series:  # positive noisy values with every kind of odd one
+        v = np.exp(rng.normal(size=n)) * scale
+        pick = rng.random(n) < 0.05
+        v[pick] = rng.choice(odd, size=int(pick.sum()))
+        return pl.Series(v).set(pl.Series(rng.random(n) < 0.05), None)  # type: ignore[arg-type]
+    lr = np.where(rng.random(n) < 0.9, 1e-3 * np.exp(rng.normal(size=n)), rng.choice([np.nan, 0.0, -1.0], size=n))
+    frame = pl.DataFrame({
+        "rank": np.zeros(n, dtype=np.int64), "component": np.repeat([f"c{i}" for i in range(len(lengths))], lengths),
+        "step": np.concatenate([np.arange(1, k + 1) for k in lengths]),
+        "out_rms": column(1.0), "update_norm_l2": column(1e-3), "out_mean": column(0.1),
+        "out_zero_frac": column(0.01), "lr": pl.Series(lr).set(pl.Series(rng.random(n) < 0.05), None),  # type: ignore[arg-type]
+    })
+    starts = np.concatenate([[0], np.cumsum(lengths)])
+    cfg = BaselineConfig(window=int(rng.integers(8, 70)), lag=int(rng.integers(0, 4)), min_samples=4)
+    cfg = BaselineConfig(window=cfg.window, lag=cfg.lag, min_samples=min(cfg.window, int(rng.integers(1, 40))))
+    metrics = ["out_rms", "update_norm_l2", "out_mean", "out_zero_frac"]
+    for with_lr in (True, False):
+        rows = frame if with_lr else frame.drop("lr")
+        got = b.with_baseline(rows.lazy(), cfg, metrics).collect()
+        for m in metrics:
+            want = _polars_baseline(rows, m, starts, cfg.window, cfg.lag, cfg.min_samples)
+            for c in ("med", "scale", "z"):
+                g, w = got[f"{m}__{c}"], want[c]
+                assert g.is_null().to_list() == w.is_null().to_list(), (m, c, with_lr)
+                assert np.array_equal(g.to_numpy(), w.to_numpy(), equal_nan=True), (m, c, with_lr)
+        assert got.columns[-len(metrics):] == [f"{m}__z" for m in metrics]

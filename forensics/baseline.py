@@ -40,6 +40,7 @@ LOG_TINY = 1e-12  # log(0) stand-in: a norm of exactly 0 is a collapse, not a mi
 LOG_SCALE_FLOOR = 0.02  # log units: ±2%
 LR_PEAK = "__lr_peak"  # the highest lr a series had before a window's rows (stream.Classifier)
 POS = "__pos"  # a row's place in its (rank, component) series, from 0: what windows over rows need
+HEAT = "__heat"  # a row's worst |z| over the metrics that have a baseline there (the heatmap's cell)
 
 
 def transform(metric: str, x: pl.Expr) -> pl.Expr:
@@ -205,13 +206,16 @@ def _own_baseline(frame: pl.DataFrame, starts: np.ndarray, metrics: list[str], c
     lr_values = frame["lr"].cast(pl.Float64).to_numpy() if lr else None
     meds: list[pl.Series] = []
     zs: list[pl.Series] = []
+    heat = np.full(len(rows), np.nan)
     stats = quantiles.baseline_many([_column(frame, m, lr) for m in metrics], lr_values, starts, rows,
                                     cfg.window, cfg.lag, cfg.min_samples, _SCALES)
     for m, (med, scale, z, z_valid) in zip(metrics, stats, strict=True):
         meds += [pl.Series(f"{m}__med", med, dtype=pl.Float64, nan_to_null=True),
                  pl.Series(f"{m}__scale", scale, dtype=pl.Float64)]
         zs.append(_with_nulls(f"{m}__z", z, z_valid))
-    return kept.with_columns(meds + zs)
+        # the heatmap's cell: a finite z with a baseline (fmax passes over the NaN of the others)
+        np.fmax(heat, np.where(z_valid & np.isfinite(z), np.abs(z), np.nan), out=heat)
+    return kept.with_columns(meds + zs).with_columns(pl.Series(HEAT, heat, dtype=pl.Float64, nan_to_null=True))
 
 
 def _with_nulls(name: str, values: np.ndarray, valid: np.ndarray) -> pl.Series:
@@ -264,13 +268,20 @@ def with_baseline(frame: pl.LazyFrame | pl.DataFrame, cfg: BaselineConfig, metri
     if given:
         rows = rows.with_columns([e for m in metrics if m in given for e in reference_exprs(m, lr, suffix)])
         rows = rows.drop([c for c in reference.columns if c.endswith(suffix)])  # type: ignore[union-attr]
-    frame = rows.lazy()
-    return frame.with_columns([  # null where there is no baseline yet
+    frame = rows.lazy().with_columns([  # null where there is no baseline yet
         pl.when(pl.col(f"{m}__med").is_not_null()).then(
             (transform(m, pl.col(m).cast(pl.Float64)) - transform(m, pl.col(f"{m}__med")))
             / pl.col(f"{m}__scale")).alias(f"{m}__z")
         for m in metrics if m in given
-    ]).select(*(c for c in rows.columns if not c.endswith("__z")), *(f"{m}__z" for m in metrics))
+    ]).with_columns(pl.max_horizontal(pl.col(HEAT), *(_heat_of_z(m) for m in metrics if m in given)).alias(HEAT))
+    return frame.select(*(c for c in rows.columns if not c.endswith("__z") and c != HEAT),
+                        *(f"{m}__z" for m in metrics), HEAT)
+
+
+def _heat_of_z(metric: str) -> pl.Expr:
+    """|z| of `metric` where it is finite and has a baseline: what the heatmap shows of it."""
+    z = pl.col(f"{metric}__z")
+    return pl.when(z.is_finite() & pl.col(f"{metric}__med").is_not_null()).then(z.abs())
 
 
 def band(frame: pl.DataFrame, metric: str, width_z: float = 3.0) -> pl.DataFrame:

@@ -20,8 +20,9 @@ from __future__ import annotations
 import collections
 import math
 import os
+import threading
 from collections.abc import Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -129,12 +130,15 @@ def _log_floored(x: float, tiny: float) -> float:  # pragma: no cover - compiled
 def _baseline(raw: np.ndarray, missing: np.ndarray, lr: np.ndarray, starts: np.ndarray, kept: np.ndarray,
               window: int, lag: int, min_samples: int, log: bool, scaled: bool, floor: float,
               rel_floor: float, log_floor: float, tiny: float, iqr_to_sigma: float,
-              med: np.ndarray, scale: np.ndarray, z: np.ndarray, z_valid: np.ndarray) -> None:  # pragma: no cover - compiled
-    """One metric's baseline columns for rows `kept`, from its raw values (see `baseline`)."""
+              med: np.ndarray, scale: np.ndarray, z: np.ndarray, z_valid: np.ndarray,
+              scratch: np.ndarray) -> None:  # pragma: no cover - compiled
+    """One metric's baseline columns for rows `kept`, from its raw values (see `baseline`);
+    `scratch` holds at least 5 floats per row."""
     n = len(raw)
     per_iqr = 1.0 / iqr_to_sigma  # Polars divides by a constant as a product with its inverse
-    values = np.empty(n)
-    logged = np.empty(n if log else 0)  # log(max(x, tiny)) of every row: z reads it again
+    values = scratch[:n]
+    logged = scratch[n:2 * n]  # log(max(x, tiny)) of every row (log metrics): z reads it again
+    q = scratch[2 * n:5 * n].reshape((3, n))
     for i in range(n):
         x = raw[i]
         v = x
@@ -147,7 +151,6 @@ def _baseline(raw: np.ndarray, missing: np.ndarray, lr: np.ndarray, starts: np.n
             values[i] = v
         else:
             values[i] = np.nan
-    q = np.empty((3, n))
     _trailing(values, starts, window, lag, min_samples, q)
     for j in range(len(kept)):
         i = kept[j]
@@ -225,8 +228,21 @@ def baseline(col: Column, lr: np.ndarray | None, starts: np.ndarray, kept: np.nd
     _baseline(np.ascontiguousarray(col.raw, dtype=np.float64), missing, lr_values,
               np.asarray(starts, dtype=np.int64), np.asarray(kept, dtype=np.int64), window, lag,
               min_samples, col.log, col.scaled and lr is not None, col.floor, scales.rel_floor,
-              scales.log_floor, scales.tiny, scales.iqr_to_sigma, med, scale, z, z_valid)
+              scales.log_floor, scales.tiny, scales.iqr_to_sigma, med, scale, z, z_valid, _scratch(5 * n))
     return med, scale, z, z_valid
+
+
+_local = threading.local()
+
+
+def _scratch(size: int) -> np.ndarray:
+    """This thread's working floats, at least `size` of them: kept from call to call, since fresh
+    multi-MB arrays for every metric of every window cost page faults when the allocator hands
+    their pages back and takes them again."""
+    buf = getattr(_local, "buf", None)
+    if buf is None or len(buf) < size:
+        buf = _local.buf = np.empty(size)
+    return buf
 
 
 def baseline_many(columns: list[Column], lr: np.ndarray | None, starts: np.ndarray, kept: np.ndarray,
@@ -243,14 +259,32 @@ def baseline_many(columns: list[Column], lr: np.ndarray | None, starts: np.ndarr
     if workers <= 1:
         yield from (one(c) for c in columns)
         return
-    with ThreadPoolExecutor(workers) as pool:
-        ahead: collections.deque[Future[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]]] = collections.deque()
+    pool = _pool()
+    ahead: collections.deque[Future[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]]] = collections.deque()
+    try:
         for col in columns:
             ahead.append(pool.submit(one, col))
             if len(ahead) >= 2 * workers:
                 yield ahead.popleft().result()
         while ahead:
             yield ahead.popleft().result()
+    finally:  # a caller that stops early (or fails) leaves no column running
+        for future in ahead:
+            future.cancel()
+        wait(ahead)
+
+
+_pools: list[ThreadPoolExecutor] = []
+_pool_lock = threading.Lock()
+
+
+def _pool() -> ThreadPoolExecutor:
+    """The process's baseline workers, one per core, made once: their scratch (`_scratch`) is
+    kept from window to window."""
+    with _pool_lock:
+        if not _pools:
+            _pools.append(ThreadPoolExecutor(WORKERS, thread_name_prefix="warninglight-baseline"))
+        return _pools[0]
 
 
 def warm() -> None:

@@ -20,6 +20,7 @@ import numpy as np
 import polars as pl
 
 from .baseline import (
+    HEAT,
     KEYS,
     LR_PEAK,
     SERIES_KEY,
@@ -162,15 +163,11 @@ class Classifier:
 
 
 def heat_of(scored: pl.DataFrame | pl.LazyFrame, width: int) -> pl.DataFrame:
-    """Worst |robust z| over the metrics per (component, bin of `width` steps), max over ranks.
-
-    A z before its metric has a baseline (warm-up, median null) is not a departure: left out.
-    """
-    z_cols = [c for c in scored.collect_schema().names() if c.endswith("__z")]
-    if not z_cols:
+    """Worst |robust z| over the metrics per (component, bin of `width` steps), max over ranks:
+    the max of the scored rows' `HEAT` (each row's worst |z| among metrics with a baseline
+    there: a z before its metric has one, in warm-up, is not a departure)."""
+    if HEAT not in scored.collect_schema().names():
         return pl.DataFrame(schema=HEAT_SCHEMA)
-    finite = [pl.when(pl.col(c).is_finite() & pl.col(c.replace("__z", "__med")).is_not_null()).then(pl.col(c).abs())
-              for c in z_cols]
     step = pl.col("step") if width == 1 else (pl.col("step") - 1) // width * width + 1
-    return (scored.lazy().select("component", step.alias("step"), pl.max_horizontal(finite).alias("score"))
+    return (scored.lazy().select("component", step.alias("step"), pl.col(HEAT).alias("score"))
             .group_by("component", "step").agg(pl.col("score").max()).collect())

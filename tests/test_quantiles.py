@@ -127,4 +127,10 @@ def test_baseline_columns_equal_the_polars_expressions_bit_for_bit(seed: int) ->
                 g, w = got[f"{m}__{c}"], want[c]
                 assert g.is_null().to_list() == w.is_null().to_list(), (m, c, with_lr)
                 assert np.array_equal(g.to_numpy(), w.to_numpy(), equal_nan=True), (m, c, with_lr)
-        assert got.columns[-len(metrics):] == [f"{m}__z" for m in metrics]
+        assert got.columns[-len(metrics) - 1:] == [*(f"{m}__z" for m in metrics), b.HEAT]
+        # each row's heatmap cell: the worst finite |z| among the metrics with a baseline there
+        cells = [pl.when(pl.col(f"{m}__z").is_finite() & pl.col(f"{m}__med").is_not_null())
+                 .then(pl.col(f"{m}__z").abs()) for m in metrics]
+        want_heat = got.select(pl.max_horizontal(cells)).to_series()
+        assert got[b.HEAT].is_null().to_list() == want_heat.is_null().to_list()
+        assert np.array_equal(got[b.HEAT].to_numpy(), want_heat.to_numpy(), equal_nan=True)

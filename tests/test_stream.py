@@ -30,8 +30,14 @@ def test_feeding_in_any_chunks_gives_the_whole_trace_alarms(name: str) -> None:
         for chunk in (7, 500):
             clf = classify_trace(trace, cfg, components, heat_width=1, chunk_steps=chunk)
             assert clf.alarms().equals(expected), chunk
-            # the heatmap it keeps is the whole scored frame's, cell for cell
-            heat = heat_of(scored, 1).sort("component", "step")
+            # the heatmap it keeps is the whole scored frame's, cell for cell: each row's worst
+            # |z| among the metrics with a baseline there, taken here from the z columns
+            cells = [pl.when(pl.col(c).is_finite() & pl.col(c.replace("__z", "__med")).is_not_null())
+                     .then(pl.col(c).abs()) for c in scored.columns if c.endswith("__z")]
+            heat = (scored.select("component", "step", pl.max_horizontal(cells).alias("score"))
+                    .group_by("component", "step").agg(pl.col("score").max()).sort("component", "step"))
+            assert heat_of(scored, 1).sort("component", "step").equals(heat)
+            assert heat["score"].drop_nulls().len() > 0
             assert clf.heat().equals(heat), chunk
     finally:
         trace.close()

@@ -177,8 +177,7 @@ def _column(frame: pl.DataFrame, metric: str, lr: bool) -> quantiles.Column:
     """`quantiles.baseline`'s input for one metric of `frame`."""
     values = frame[metric].cast(pl.Float64)
     log = metric in LOG_METRICS
-    # a log metric floors a null like a NaN (its z is then a number): its nulls need no mask
-    missing = values.is_null().to_numpy() if values.null_count() and not log else None
+    missing = values.is_null().to_numpy() if values.null_count() else None
     return quantiles.Column(values.to_numpy(), missing, log, lr and metric in LR_SCALED,
                             ABS_FLOOR.get(metric, DEFAULT_ABS_FLOOR))
 
@@ -268,8 +267,8 @@ def with_baseline(frame: pl.LazyFrame | pl.DataFrame, cfg: BaselineConfig, metri
     if given:
         rows = rows.with_columns([e for m in metrics if m in given for e in reference_exprs(m, lr, suffix)])
         rows = rows.drop([c for c in reference.columns if c.endswith(suffix)])  # type: ignore[union-attr]
-    frame = rows.lazy().with_columns([  # null where there is no baseline yet
-        pl.when(pl.col(f"{m}__med").is_not_null()).then(
+    frame = rows.lazy().with_columns([  # null where there is no baseline yet, or no value
+        pl.when(pl.col(f"{m}__med").is_not_null() & pl.col(m).is_not_null()).then(
             (transform(m, pl.col(m).cast(pl.Float64)) - transform(m, pl.col(f"{m}__med")))
             / pl.col(f"{m}__scale")).alias(f"{m}__z")
         for m in metrics if m in given

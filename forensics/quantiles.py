@@ -164,10 +164,9 @@ def _baseline(raw: np.ndarray, missing: np.ndarray, lr: np.ndarray, starts: np.n
                 m = m * (f if math.isfinite(f) and f > 0 else 1.0)
             s = max((q75 - q25) * per_iqr, log_floor)
             med[j], scale[j] = m, s
-            # a missing value (null or NaN) is floored like any other, as the Polars
-            # expression (transform(x) - transform(med)) / scale did
+            # a NaN is floored like any other value (far below its baseline); a null has no z
             z[j] = (logged[i] - _log_floored(m, tiny)) / s
-            z_valid[j] = True
+            z_valid[j] = not missing[i]
         else:
             s = max((q75 - q25) * per_iqr, abs(q50) * rel_floor, floor)
             med[j], scale[j] = q50, s
@@ -214,8 +213,8 @@ def baseline(col: Column, lr: np.ndarray | None, starts: np.ndarray, kept: np.nd
     """(median, scale, z, z valid) of rows `kept` of one metric against its trailing window.
 
     The median is NaN where the window holds fewer than `min_samples` finite values (no
-    baseline: null), the scale then its floor; z is valid where the median is, and on a metric
-    judged on its own scale also where the value is not null. Log metrics are judged on
+    baseline: null), the scale then its floor; z is valid where the median is and the value is
+    not null. Log metrics are judged on
     log(max(value, tiny)) (minus log(lr) when `scaled`), their median given back in the metric's
     units (times the lr when `scaled`) and their scale in log units: the arithmetic of the Polars
     expressions this replaced, bit for bit (tests/test_quantiles.py)."""

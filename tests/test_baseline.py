@@ -83,3 +83,22 @@ def test_sort_series_orders_rows_as_the_sort_on_names_does(step_span: int) -> No
                           baseline.series_starts(ordered.drop(baseline.SERIES_KEY, strict=False)))
     assert baseline.sort_series(frame.head(0)).is_empty()
     assert list(baseline.series_starts(ordered.head(0))) == [0]  # no series, as without the key
+
+
+def test_a_step_without_a_value_is_no_departure() -> None:
+    # a parameter that gets a gradient every other step (an expert not routed to, a branch not
+    # taken): the steps without one have no gradient norm, so no z and no heatmap cell, while a
+    # NaN norm is still scored as far off its baseline
+    n = 80
+    norms: list[float | None] = [1.0 + 0.01 * (i % 7) if i % 2 == 0 else None for i in range(n)]
+    norms[70] = math.nan
+    df = pl.DataFrame({"rank": [0] * n, "component": ["expert"] * n, "step": list(range(1, n + 1)),
+                       "grad_norm_l2": norms}, schema_overrides={"grad_norm_l2": pl.Float64})
+    s = with_baseline(df.lazy(), CFG, ["grad_norm_l2"]).collect().sort("step")
+    judged = s.filter(pl.col("grad_norm_l2__med").is_not_null())
+    assert judged.height > 30
+    absent = judged.filter(pl.col("grad_norm_l2").is_null())
+    assert absent["grad_norm_l2__z"].is_null().all() and absent[baseline.HEAT].is_null().all()
+    present = judged.filter(pl.col("grad_norm_l2").is_not_null() & (pl.col("step") != 71))
+    assert present[baseline.HEAT].max() < 3  # type: ignore[operator]
+    assert judged.filter(pl.col("step") == 71)["grad_norm_l2__z"][0] < -100

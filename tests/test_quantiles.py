@@ -69,7 +69,8 @@ def test_trailing_many_spreads_columns_and_keeps_their_order() -> None:
 def _polars_baseline(frame: pl.DataFrame, metric: str, starts: np.ndarray, window: int, lag: int,
                      min_samples: int) -> pl.DataFrame:
     """The baseline columns as Polars expressions over the kernel's order statistics: how the
-    engine computed them before they moved into the compiled pass (the reference it is held to)."""
+    engine computed them before they moved into the compiled pass (the reference it is held to),
+    except that a null value now has no z (a log metric's null used to score as log(1e-12))."""
     from warninglight.forensics import baseline as b
 
     lr = "lr" in frame.columns
@@ -89,7 +90,7 @@ def _polars_baseline(frame: pl.DataFrame, metric: str, starts: np.ndarray, windo
         scale = pl.max_horizontal(iqr / b.IQR_TO_SIGMA, med.abs() * b.REL_FLOOR,
                                   pl.lit(b.ABS_FLOOR.get(metric, b.DEFAULT_ABS_FLOOR)))
     out = frame.with_columns(med.alias("med"), scale.alias("scale"))
-    return out.select("med", "scale", pl.when(pl.col("med").is_not_null()).then(
+    return out.select("med", "scale", pl.when(pl.col("med").is_not_null() & x.is_not_null()).then(
         (b.transform(metric, x) - b.transform(metric, pl.col("med"))) / pl.col("scale")).alias("z"))
 
 

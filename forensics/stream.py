@@ -35,6 +35,7 @@ from .conditions import Config
 GROUP = ["rank", "component", "condition"]
 HEAT_SCHEMA = {"component": pl.String, "step": pl.Int64, "score": pl.Float64}
 _NEW = "__new"  # marks the rows of the current call among the carried ones
+_COMPONENT_COLUMNS = ("role",)  # what the rules read of the components table (`Rule.roles`)
 _JUDGED = "__judged"  # ... and of those, the rows judged (not before `since`)
 
 
@@ -114,9 +115,12 @@ class Classifier:
         if "rank" not in rows.columns:
             rows = rows.with_columns(pl.lit(0, pl.Int64).alias("rank"))
         if self._components is not None and "role" not in rows.columns:
+            # only what the rules read: every other column rides through each window's sort,
+            # concatenation and carry (four string columns of the components table took ~80%
+            # of the sort on a large run's windows)
             comps = self._components
             on = [k for k in KEYS if k in comps.columns]
-            extra = [c for c in comps.columns if c not in rows.columns or c in on]
+            extra = [*on, *(c for c in _COMPONENT_COLUMNS if c in comps.columns and c not in rows.columns)]
             rows = rows.join(comps.select(extra).unique(on, keep="last"), on=on, how="left")
         firsts = rows.group_by("rank").agg(pl.col("step").min(), pl.col("step").max().alias("last"))
         for rank, first, last in firsts.iter_rows():

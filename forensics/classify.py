@@ -116,6 +116,9 @@ def _magnitude(rule: Rule) -> pl.Expr:
 def hits(scored: pl.LazyFrame, config: Config) -> pl.DataFrame:
     """Every (component, condition, step) that fired, with the rule's metric and robust z."""
     names = set(scored.collect_schema().names())
+    fired = [name for _, _, name in _rules(config) if name in names]
+    if fired:  # hits are rare: one pass keeps the rows with any, and each rule reads those
+        scored = scored.filter(pl.any_horizontal(fired)).collect().lazy()
     parts = []
     for c, r, name in _rules(config):
         if name not in names:

@@ -273,7 +273,7 @@ def baseline_many(columns: list[Column], lr: np.ndarray | None, starts: np.ndarr
         wait(ahead)
 
 
-_pools: list[ThreadPoolExecutor] = []
+_pools: dict[int, ThreadPoolExecutor] = {}  # by process id: a forked child has none of the threads
 _pool_lock = threading.Lock()
 
 
@@ -281,9 +281,11 @@ def _pool() -> ThreadPoolExecutor:
     """The process's baseline workers, one per core, made once: their scratch (`_scratch`) is
     kept from window to window."""
     with _pool_lock:
-        if not _pools:
-            _pools.append(ThreadPoolExecutor(WORKERS, thread_name_prefix="warninglight-baseline"))
-        return _pools[0]
+        pid = os.getpid()
+        if pid not in _pools:
+            _pools.clear()
+            _pools[pid] = ThreadPoolExecutor(WORKERS, thread_name_prefix="warninglight-baseline")
+        return _pools[pid]
 
 
 def warm() -> None:

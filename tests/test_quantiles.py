@@ -135,3 +135,27 @@ def test_baseline_columns_equal_the_polars_expressions_bit_for_bit(seed: int) ->
         want_heat = got.select(pl.max_horizontal(cells)).to_series()
         assert got[b.HEAT].is_null().to_list() == want_heat.is_null().to_list()
         assert np.array_equal(got[b.HEAT].to_numpy(), want_heat.to_numpy(), equal_nan=True)
+
+
+@pytest.mark.skipif(not hasattr(__import__("os"), "fork"), reason="needs fork")
+def test_baseline_runs_in_a_forked_child_after_the_parent_used_its_workers() -> None:
+    import multiprocessing
+
+    from warninglight.forensics import baseline as b
+
+    rng = np.random.default_rng(3)
+    columns = [quantiles.Column(rng.normal(size=400), None, False, False, 1e-8) for _ in range(4)]
+    starts, kept = np.array([0, 150, 400]), np.arange(400)
+    def run() -> list[np.ndarray]:
+        return [z for _, _, z, _ in quantiles.baseline_many(columns, None, starts, kept, 16, 2, 8, b._SCALES)]
+    parent = run()  # the parent's worker threads exist now; a forked child inherits none of them
+    ctx = multiprocessing.get_context("fork")
+    with ctx.Pool(1) as pool:
+        child = pool.apply_async(_zs_in_child, (columns, starts, kept)).get(timeout=60)
+    for a, c in zip(parent, child, strict=True):
+        assert np.array_equal(a, c, equal_nan=True)
+
+
+def _zs_in_child(columns: list[quantiles.Column], starts: np.ndarray, kept: np.ndarray) -> list[np.ndarray]:
+    from warninglight.forensics import baseline as b
+    return [z for _, _, z, _ in quantiles.baseline_many(columns, None, starts, kept, 16, 2, 8, b._SCALES)]

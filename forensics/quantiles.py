@@ -13,6 +13,10 @@ definitions, bit for bit:
 
 A row whose window holds fewer than `min_samples` finite values gets NaN (no baseline yet).
 tests/test_quantiles.py holds the kernel to Polars' rolling functions on random and trending series.
+
+`baseline` runs the same pass over one metric's raw values and writes, for the rows asked for,
+the median, robust scale and z the baseline reports (`baseline.py` owns their definitions);
+`baseline_many` runs metrics on all cores.
 """
 
 from __future__ import annotations
@@ -214,10 +218,10 @@ def baseline(col: Column, lr: np.ndarray | None, starts: np.ndarray, kept: np.nd
 
     The median is NaN where the window holds fewer than `min_samples` finite values (no
     baseline: null), the scale then its floor; z is valid where the median is and the value is
-    not null. Log metrics are judged on
-    log(max(value, tiny)) (minus log(lr) when `scaled`), their median given back in the metric's
-    units (times the lr when `scaled`) and their scale in log units: the arithmetic of the Polars
-    expressions this replaced, bit for bit (tests/test_quantiles.py)."""
+    not null. Log metrics are judged on log(max(value, tiny)) (minus log(lr) when `scaled`),
+    their median given back in the metric's units (times the lr when `scaled`) and their scale
+    in log units: the arithmetic of the Polars expressions this replaced, bit for bit
+    (tests/test_quantiles.py)."""
     k = len(kept)
     med, scale, z = np.empty(k), np.empty(k), np.empty(k)
     z_valid = np.empty(k, dtype=np.bool_)

@@ -35,8 +35,8 @@ from .conditions import Config
 GROUP = ["rank", "component", "condition"]
 HEAT_SCHEMA = {"component": pl.String, "step": pl.Int64, "score": pl.Float64}
 _NEW = "__new"  # marks the rows of the current call among the carried ones
-_COMPONENT_COLUMNS = ("role",)  # what the rules read of the components table (`Rule.roles`)
 _JUDGED = "__judged"  # ... and of those, the rows judged (not before `since`)
+_COMPONENT_COLUMNS = ("role",)  # what the rules read of the components table (`Rule.roles`)
 
 
 class StepOrderError(ValueError):

@@ -263,16 +263,19 @@ def with_baseline(frame: pl.LazyFrame | pl.DataFrame, cfg: BaselineConfig, metri
     given &= set(metrics)
     own = [m for m in metrics if m not in given]
     keep = history_cut(rows, starts, judged, lead) if judged is not None else None
-    rows = _own_baseline(rows, starts, own, cfg, lr, keep)
-    if given:
-        rows = rows.with_columns([e for m in metrics if m in given for e in reference_exprs(m, lr, suffix)])
-        rows = rows.drop([c for c in reference.columns if c.endswith(suffix)])  # type: ignore[union-attr]
+    rows = _own_baseline(rows, starts, own, cfg, lr, keep)  # z and heatmap cells of its own metrics
+    if not given:
+        return rows.lazy()
+    ref = [m for m in metrics if m in given]
+    rows = rows.with_columns([e for m in ref for e in reference_exprs(m, lr, suffix)])
+    rows = rows.drop([c for c in reference.columns if c.endswith(suffix)])  # type: ignore[union-attr]
     frame = rows.lazy().with_columns([  # null where there is no baseline yet, or no value
         pl.when(pl.col(f"{m}__med").is_not_null() & pl.col(m).is_not_null()).then(
             (transform(m, pl.col(m).cast(pl.Float64)) - transform(m, pl.col(f"{m}__med")))
             / pl.col(f"{m}__scale")).alias(f"{m}__z")
-        for m in metrics if m in given
-    ]).with_columns(pl.max_horizontal(pl.col(HEAT), *(_heat_of_z(m) for m in metrics if m in given)).alias(HEAT))
+        for m in ref
+    ]).with_columns(pl.max_horizontal(pl.col(HEAT), *(_heat_of_z(m) for m in ref)).alias(HEAT))
+    # the columns in the order a run without a reference has: z after every median and scale
     return frame.select(*(c for c in rows.columns if not c.endswith("__z") and c != HEAT),
                         *(f"{m}__z" for m in metrics), HEAT)
 

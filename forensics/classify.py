@@ -116,13 +116,11 @@ def _magnitude(rule: Rule) -> pl.Expr:
 def hits(scored: pl.LazyFrame, config: Config) -> pl.DataFrame:
     """Every (component, condition, step) that fired, with the rule's metric and robust z."""
     names = set(scored.collect_schema().names())
-    fired = [name for _, _, name in _rules(config) if name in names]
-    if fired:  # hits are rare: one pass keeps the rows with any, and each rule reads those
-        scored = scored.filter(pl.any_horizontal(fired)).collect().lazy()
+    rules = [(c, r, name) for c, r, name in _rules(config) if name in names]
+    if rules:  # hits are rare: one pass keeps the rows with any, and each rule reads those
+        scored = scored.filter(pl.any_horizontal([name for _, _, name in rules])).collect().lazy()
     parts = []
-    for c, r, name in _rules(config):
-        if name not in names:
-            continue
+    for c, r, name in rules:
         med = pl.col(f"{r.metric}__med") if r.direction != NONFINITE else pl.lit(None, pl.Float64)
         parts.append(scored.filter(pl.col(name)).select(
             "rank", "component", "step", pl.lit(c.name).alias("condition"),

@@ -170,8 +170,6 @@ def heat_of(scored: pl.DataFrame | pl.LazyFrame, width: int) -> pl.DataFrame:
     """Worst |robust z| over the metrics per (component, bin of `width` steps), max over ranks:
     the max of the scored rows' `HEAT` (each row's worst |z| among metrics with a baseline
     there: a z before its metric has one, in warm-up, is not a departure)."""
-    if HEAT not in scored.collect_schema().names():
-        return pl.DataFrame(schema=HEAT_SCHEMA)
     step = pl.col("step") if width == 1 else (pl.col("step") - 1) // width * width + 1
     return (scored.lazy().select("component", step.alias("step"), pl.col(HEAT).alias("score"))
             .group_by("component", "step").agg(pl.col("score").max()).collect())

@@ -179,8 +179,8 @@ class _Plan:
         # side); the compiled pass needs neither (`scratch=False`)
         self.scratch = [torch.empty(b.shape, dtype=torch.float32, device=device)
                         for b, _ in self.buffers] if scratch else []
-        self.units = torch.empty(_UNIT_STATS * sum(b.shape[1] for b, _ in self.buffers) * scratch,
-                                 dtype=torch.float32, device=device)
+        width = sum(b.shape[1] for b, _ in self.buffers) if scratch else 0
+        self.units = torch.empty(_UNIT_STATS * width, dtype=torch.float32, device=device)
 
     def holds(self, k: int, samples: list[tuple[int, torch.Tensor]]) -> bool:
         """Whether `samples` (step `k` of the batch) all sit in their places here."""

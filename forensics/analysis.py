@@ -331,8 +331,6 @@ def classify_trace(trace: Trace, config: Config, components: pl.DataFrame, heat_
     clf = Classifier(config, components, heat_width, since=judge_from, reference=reference)
     lr = component_lr(trace)  # the lr each component saw: update metrics are judged relative to it
     for start in range(read_from, last + 1, chunk):
-        # no component columns: the classifier joins the one its rules read (each rides through
-        # every window's sort and carry)
         rows = health_window(trace, start, min(start + chunk - 1, last))
         rows = join_lr(rows.lazy(), lr).collect()
         clf.feed(rows)

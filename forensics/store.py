@@ -286,14 +286,13 @@ def window_files(trace: Trace, table: str, first: int, last: int) -> list[Path]:
             and s.first <= last and s.last >= first]  # type: ignore[operator]
 
 
-def health_window(trace: Trace, first: int, last: int, components: pl.DataFrame | None = None, *,
-                  columns: list[str] | None = None, names: list[str] | None = None,
-                  rank: int | None = None) -> pl.DataFrame:
+def health_window(trace: Trace, first: int, last: int, *, columns: list[str] | None = None,
+                  names: list[str] | None = None, rank: int | None = None) -> pl.DataFrame:
     """Effective-timeline health rows of steps first..last, reading only the files that hold them.
 
-    With `components` (the `components` view as a frame), each row also gets its component's
-    role, bound, parent and forward order, like `health_frame`. `columns`: only step, component,
-    rank and these; `names` / `rank`: only those components / that rank.
+    `columns`: only step, component, rank and these; `names` / `rank`: only those components /
+    that rank. The components' attributes are not joined (the classifier joins the one its
+    rules read, localisation the ones it reads).
     """
     files = window_files(trace, "health", first, last)
     picked = "t.*" if columns is None else ", ".join(
@@ -311,10 +310,7 @@ def health_window(trace: Trace, first: int, last: int, components: pl.DataFrame 
     import polars as pl
 
     frame: pl.DataFrame = pl.from_arrow(arrow)  # type: ignore[assignment]
-    if components is None:
-        return frame
-    comps = components.select(*[c for c in COMPONENT_KEYS if c in components.columns])
-    return frame.join(comps, on=["rank", "component"], how="left")
+    return frame
 
 
 def _quote(text: str) -> str:

@@ -50,7 +50,7 @@ def test_feed_returns_each_alarm_once_when_its_episode_begins() -> None:
         components = trace.frame("components").collect()
         _, expected = classify(health_frame(trace), cfg)
         clf = Classifier(cfg, components)
-        raised = [clf.feed(health_window(trace, s, s, components)) for s in range(1, 301)]
+        raised = [clf.feed(health_window(trace, s, s)) for s in range(1, 301)]
         carried = len(clf._tail) if clf._tail is not None else 0
     finally:
         trace.close()
@@ -66,10 +66,11 @@ def test_feed_returns_each_alarm_once_when_its_episode_begins() -> None:
 def test_a_step_fed_twice_is_refused() -> None:
     trace = open_trace(SAMPLES / "mlp_clean")
     try:
-        rows = health_window(trace, 1, 10, trace.frame("components").collect())
+        rows = health_window(trace, 1, 10)
+        components = trace.frame("components").collect()
     finally:
         trace.close()
-    clf = Classifier(Config())
+    clf = Classifier(Config(), components)
     clf.feed(rows)
     with pytest.raises(StepOrderError, match="steps up to 10 were already judged"):
         clf.feed(rows.filter(pl.col("step") == 10))

@@ -5,7 +5,10 @@ Records the overhead benchmark's GPT (4 layers, d=256, seq 128; every component,
 the recorder does at its default flush) with the options of earlier versions and the current
 `schema.PARQUET_WRITE_OPTIONS`, and prints bytes per component-step and milliseconds per segment
 (the writer thread's cost; the training thread never writes). Every variant is read back and
-compared with the rows, so no option loses a value.
+compared with the rows, so no option loses a value. The last line is what the recorder writes by
+default: the current options on the rows with their estimate columns rounded to
+`schema.SAMPLED_BITS` significand bits (the recording is made with `full_precision=True`, so the
+lines above it see every bit; a `--trace` recorded with the default is rounded already).
 
 Run: `python bench/trace_format.py [--steps 200] [--trace DIR]`.
 """
@@ -46,7 +49,7 @@ def record(out: Path, steps: int) -> Path:
     torch.manual_seed(0)
     model, loss_fn = gpt_case(16, n_layer=4, n_embd=256, block=128)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-4)
-    with watch(model, opt, out, flush_every_steps=SEGMENT_STEPS, flush_every_s=1e9) as rec:
+    with watch(model, opt, out, flush_every_steps=SEGMENT_STEPS, flush_every_s=1e9, full_precision=True) as rec:
         for _ in range(steps):
             loss = loss_fn()
             loss.backward()
@@ -69,6 +72,19 @@ def segments(trace: Path) -> list[pa.Table]:
         if len(pc.unique(part["step"])) == SEGMENT_STEPS:
             out.append(part)  # full segments only: a short tail would overstate the footer's share
     return out
+
+
+def rounded(part: pa.Table) -> pa.Table:
+    """`part` with its estimate columns rounded as the recorder stores them by default."""
+    from warninglight.tracer.writer import round_significand
+
+    for c in schema.HEALTH_COLUMNS:
+        if c.bits is not None:
+            col = part[c.name]
+            values = round_significand(col.to_numpy(zero_copy_only=False).astype("float32"), c.bits)
+            part = part.set_column(part.column_names.index(c.name), c.name, pa.array(
+                values, pa.float32(), mask=col.is_null().to_numpy(zero_copy_only=False)))
+    return part
 
 
 def measure(parts: list[pa.Table], options: dict[str, object], repeats: int = 3) -> tuple[float, float]:
@@ -103,6 +119,13 @@ def main() -> None:
     for name, options in VARIANTS.items():
         per_row, ms = measure(parts, options)
         print(f"  {name:40s} {per_row:6.2f} B per component-step  {ms:6.1f} ms per segment written")
+    start = time.perf_counter()
+    parts = [rounded(p) for p in parts]
+    round_ms = 1000 * (time.perf_counter() - start) / len(parts)
+    per_row, ms = measure(parts, dict(schema.PARQUET_WRITE_OPTIONS))
+    print(f"  {'current, estimates to ' + str(schema.SAMPLED_BITS) + ' bits (default)':40s} "
+          f"{per_row:6.2f} B per component-step  {ms:6.1f} ms per segment written "
+          f"(+{round_ms:.1f} ms rounding, here on Arrow columns)")
 
 
 if __name__ == "__main__":

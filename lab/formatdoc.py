@@ -19,7 +19,10 @@ MANIFEST_DOCS: dict[str, str] = {
     "model_class": "class name of the recorded model",
     "versions": "versions of python, torch and warninglight that wrote the latest incarnation",
     "config": "recorder settings (sample_size, sketch_size, flush_every_steps, flush_every_s, "
-              "heads, start_step, hooks_under_compile) and any extra keywords given to `watch`",
+              "heads, start_step, hooks_under_compile, replicas, significand_bits: the `health` "
+              "columns stored rounded and the significand bits kept of each, `{}` under "
+              "`full_precision=True`; absent in traces written before it) and any extra keywords "
+              "given to `watch`",
     "incarnations": "one entry per process that recorded into this directory (keys below)",
 }
 
@@ -89,6 +92,18 @@ _NOTES = """\
 - **Heads** (`role = head`): the components named in `watch(heads=[...])`, else the last
   parameter-owning component called in the first forward. Entropy and max probability are of
   the softmax over the last dimension of the sampled rows.
+- **Precision.** The columns marked "an estimate" are statistics of a subsample (`out_*`,
+  `pred_*`) or of a coordinate sketch (`update_*`). The recorder stores them rounded to nearest
+  (ties to even) to 10 significand bits after the leading one, so a stored value is within
+  2^-11 (0.05%) of the computed one (NaN, ±inf, ±0 and exact powers of two unchanged; a finite
+  value never rounds to infinity; a subnormal may round to 0). Their sampling error is 0.4% or
+  more (at most 65,536 values per subsample, 256 coordinates per sketch), and the engine's
+  robust scale is at least 2% of the median, so the low bits carried noise and no verdict:
+  stored whole they took ~18 of the ~24 bytes per component-step of the bench GPT, rounded ~9.6
+  of ~15.6 (`bench/trace_format.py`). Norms of whole tensors, counts, fractions and weight drift
+  keep every bit. `watch(..., full_precision=True)` stores every bit of every column; the
+  manifest's `config.significand_bits` says which a trace holds. Traces written before this are
+  read as they are.
 - **Nulls** mean "not applicable": parameter metrics for activations, saturation for unbounded
   components, prediction metrics for non-heads, update cosine and drift on an incarnation's
   first step, output metrics for a component not called in a step. NaN means the value itself
@@ -131,13 +146,18 @@ def _kind(c: schema.Column) -> str:
     return "" if not c.kind else c.kind + (", count" if c.count else "")
 
 
+def _meaning(c: schema.Column) -> str:
+    return _cell(c.doc) + (f" (an estimate: stored to {c.bits} significand bits, see Precision)"
+                           if c.bits is not None else "")
+
+
 def _table(columns: tuple[schema.Column, ...]) -> list[str]:
     if not any(c.kind for c in columns):
         lines = ["| column | type | unit | meaning |", "|---|---|---|---|"]
         return lines + [f"| `{c.name}` | {_type_name(c.type)} | {_cell(c.unit)} | {_cell(c.doc)} |"
                         for c in columns]
     lines = ["| column | type | unit | kind | meaning |", "|---|---|---|---|---|"]
-    return lines + [f"| `{c.name}` | {_type_name(c.type)} | {_cell(c.unit)} | {_kind(c)} | {_cell(c.doc)} |"
+    return lines + [f"| `{c.name}` | {_type_name(c.type)} | {_cell(c.unit)} | {_kind(c)} | {_meaning(c)} |"
                     for c in columns]
 
 

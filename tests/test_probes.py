@@ -31,7 +31,7 @@ def test_gradient_weight_and_update_metrics_match_direct_computation(tmp_path: P
     expected: dict[str, list[float]] = {"grad": [], "weight": [], "ratio": [], "cos": []}
     prev_update = None
     layer = model[2]
-    with watch(model, opt, tmp_path, flush_every_steps=7):
+    with watch(model, opt, tmp_path, flush_every_steps=7, full_precision=True):
         for _, (_, x, y) in zip(range(steps), zoo.batches(*zoo.teacher_classification(256), 32), strict=False):
             F.cross_entropy(model(x), y).backward()
             before = torch.cat([layer.weight.detach().flatten(), layer.bias.detach().flatten()])
@@ -174,7 +174,7 @@ def test_head_prediction_entropy_and_confidence(tmp_path: Path) -> None:
         model[6].weight.zero_()
         model[6].bias.zero_()  # uniform predictions over 10 classes
     opt = torch.optim.SGD(model.parameters(), lr=1e-9)
-    with watch(model, opt, tmp_path):
+    with watch(model, opt, tmp_path, full_precision=True):
         model(torch.randn(32, 32)).sum().backward()
         opt.step()
     assert health(tmp_path, "pred_entropy_nats")[(1, "6")] == pytest.approx(torch.log(torch.tensor(10.0)).item())
@@ -188,7 +188,7 @@ def test_activation_statistics_match_the_output(tmp_path: Path) -> None:
     x = torch.randn(16, 6)  # 16 rows = the 16 sampled rows: every value is in the sample
     with torch.no_grad():
         out = model(x)
-    with watch(model, path=tmp_path) as rec:
+    with watch(model, path=tmp_path, full_precision=True) as rec:
         model(x).sum().backward()
         rec.step()
     got = {m: health(tmp_path, m)[(1, "1")] for m in ("out_mean", "out_rms", "out_absmax", "out_zero_frac")}
@@ -220,7 +220,7 @@ def test_activation_statistics_match_the_output_at_every_step(tmp_path: Path) ->
         return hook
     for i, layer in enumerate(model):
         layer.register_forward_hook(record(str(i)))
-    with watch(model, opt, tmp_path, flush_every_steps=7):
+    with watch(model, opt, tmp_path, flush_every_steps=7, full_precision=True):
         for s in range(1, 21):
             step[0] = s
             x = torch.randn(16 if s <= 12 else 8, 6)
@@ -248,7 +248,7 @@ def test_an_output_written_in_place_after_its_hook_is_recorded_as_the_layer_left
     expected: dict[int, float] = {}
     step = [1]
     model[0].register_forward_hook(lambda m, a, out: expected.__setitem__(step[0], float(out.detach().mean())))
-    with watch(model, opt, tmp_path):
+    with watch(model, opt, tmp_path, full_precision=True):
         for s in range(1, 13):
             step[0] = s
             F.mse_loss(model(torch.randn(16, 6)), torch.zeros(16, 3)).backward()

@@ -72,7 +72,7 @@ class Recorder:
                  hooks_under_compile: str = "graph", replicas: bool | None = None,
                  alarms: Sequence[Any] | None = None,
                  on_alarm: Callable[[dict[str, Any]], Any] | None = None, alarm_config: Any = None,
-                 config: dict[str, Any] | None = None) -> None:
+                 full_precision: bool = False, config: dict[str, Any] | None = None) -> None:
         if sample_size < 1 or sketch_size < 1 or flush_every_steps < 1 or flush_every_s <= 0:
             raise ValueError("sample_size, sketch_size and flush_every_steps must be >= 1 and "
                              f"flush_every_s > 0; got {sample_size}, {sketch_size}, "
@@ -110,11 +110,14 @@ class Recorder:
         self._closed = False
         self._flushed = False
         self._last_step_time = self._last_flush = time.time()
+        # estimates are stored to the bits their sampling error leaves meaningful (schema.SAMPLED_BITS)
+        significand_bits = {} if full_precision else {
+            c.name: c.bits for c in schema.HEALTH_COLUMNS if c.bits is not None}
         cfg = {"sample_size": sample_size, "sketch_size": sketch_size,
                "flush_every_steps": flush_every_steps, "flush_every_s": flush_every_s,
                "heads": heads, "start_step": start_step,
                "hooks_under_compile": hooks_under_compile, "replicas": self.replicas is not None,
-               **(config or {})}
+               "significand_bits": significand_bits, **(config or {})}
         self._monitor = None
         if alarms or on_alarm is not None:  # live mode: the engine is imported only here
             # built first: a bad sink is a SinkError before anything is written
@@ -122,7 +125,7 @@ class Recorder:
             self._monitor = LiveMonitor(list(alarms or []), on_alarm, self.rank, os.fspath(path),
                                         alarm_config)
         self.writer = TraceWriter(path, self.rank, self.world_size, run_id or uuid.uuid4().hex[:12],
-                                  type(model).__name__, cfg)
+                                  type(model).__name__, cfg, significand_bits=significand_bits)
         self.incarnation = self.writer.incarnation
         self._event("start", detail=json.dumps(cfg, default=str))
         if self.incarnation > 1:
@@ -599,7 +602,10 @@ def watch(model: nn.Module, optimizer: torch.optim.Optimizer | str | os.PathLike
     alarms: "jsonl:PATH", "webhook:URL" or "webhook:$ENV_VAR", "mlflow:TRACKING_URI",
     "tensorboard:LOGDIR", "wandb:offline", or objects with send(alarm)), on_alarm (called with
     each alarm on the training thread at the next step boundary), alarm_config (thresholds, as
-    for `analyze --config`); anything else is stored in the manifest's config.
+    for `analyze --config`), full_precision (store every bit of the columns that are estimates
+    from a subsample or a sketch, ~24 instead of ~16 bytes per component-step; by default they
+    keep 10 significand bits, within 0.05% of the computed value: docs/trace-format.md,
+    "Precision"); anything else is stored in the manifest's config.
 
     An optimizer-like wrapper (accelerate's AcceleratedOptimizer, Lightning's LightningOptimizer)
     is unwrapped to the torch optimizer it holds; one that holds none is recorded without, with a
@@ -614,7 +620,7 @@ def watch(model: nn.Module, optimizer: torch.optim.Optimizer | str | os.PathLike
         raise ValueError("watch() needs a trace directory, e.g. watch(model, optimizer, 'runs/exp1')")
     known = ("rank", "world_size", "heads", "sample_size", "sketch_size", "flush_every_steps",
              "flush_every_s", "start_step", "run_id", "hooks_under_compile", "replicas", "alarms",
-             "on_alarm", "alarm_config")
+             "on_alarm", "alarm_config", "full_precision")
     kwargs = {k: v for k, v in options.items() if k in known}
     config = {k: v for k, v in options.items() if k not in known}
     for key in config:  # a misspelt option would otherwise be stored silently as run config

@@ -67,9 +67,10 @@ METRIC_KINDS = (FORWARD, HEAD, GRADIENT, WEIGHTS)
 class Column:
     """One column of a trace table: its name, Arrow type, unit and meaning.
 
-    Health metrics also say what they measure (`kind`, one of METRIC_KINDS) and whether they
+    Health metrics also say what they measure (`kind`, one of METRIC_KINDS), whether they
     are a `count` of values (an integer that is 0 when all is well, e.g. non-finite values)
-    rather than a measured value.
+    rather than a measured value, and for an estimate from a subsample or a sketch, the
+    significand `bits` the recorder stores of it by default (see `SAMPLED_BITS`).
     """
 
     name: str
@@ -78,6 +79,7 @@ class Column:
     doc: str
     kind: str = ""
     count: bool = False
+    bits: int | None = None  # significand bits stored after the leading one; None: all of them
 
     @property
     def type(self) -> pa.DataType:
@@ -119,12 +121,25 @@ COMPONENT_COLUMNS: tuple[Column, ...] = (
     Column("param_group", I64, "", "index of the optimizer param group holding this component's parameters (the first that holds any); null if it owns none or the optimizer holds none of them"),
 )
 
+# Significand bits kept of an estimate (a statistic of a 16-row subsample of an output, or of a
+# 256-coordinate sketch of a parameter): rounded to nearest, a value moves by at most 2**-11 of
+# itself (0.05%), against a sampling error of 0.4% and more (a subsample holds at most 65,536
+# values: 1/sqrt(65536)) and a baseline scale of at least 2% (`forensics.baseline.REL_FLOOR`,
+# `LOG_SCALE_FLOOR`). The low bits of such a value are sampling noise, and noise does not
+# compress: stored whole, these 8 columns took ~18 of ~24 bytes per component-step on
+# the bench GPT, rounded ~9.6 of ~15.6 (`bench/trace_format.py`).
+# Exact values (norms of whole tensors, counts, fractions) keep every bit. (The update of a tensor
+# of at most 256 entries is its whole sketch, so exact, and rounded all the same: 0.05% is still
+# 40x under the smallest change the engine's scale resolves.) `watch(..., full_precision=True)`
+# stores every bit; a trace's manifest config says which it holds (`significand_bits`).
+SAMPLED_BITS = 10
+
 HEALTH_COLUMNS: tuple[Column, ...] = (
     Column("step", I64, "optimizer steps", "optimizer step, counted from 1"),
     Column("component", STR, "", "module path, a key of `components`"),
-    Column("out_mean", F32, "activation units", "mean of the forward output (finite values of the subsample)", FORWARD),
-    Column("out_rms", F32, "activation units", "root mean square of the forward output", FORWARD),
-    Column("out_absmax", F32, "activation units", "largest |value| of the forward output", FORWARD),
+    Column("out_mean", F32, "activation units", "mean of the forward output (finite values of the subsample)", FORWARD, bits=SAMPLED_BITS),
+    Column("out_rms", F32, "activation units", "root mean square of the forward output", FORWARD, bits=SAMPLED_BITS),
+    Column("out_absmax", F32, "activation units", "largest |value| of the forward output", FORWARD, bits=SAMPLED_BITS),
     Column("out_zero_frac", F32, "fraction", "share of output values exactly 0", FORWARD),
     Column("out_sat_frac", F32, "fraction", "share of outputs within 1% of a bounded activation's bounds; null if unbounded", FORWARD),
     Column("out_dead_frac", F32, "fraction", "share of output units (last dim; channels for conv) whose |output| <= 1e-6 for every sampled row", FORWARD),
@@ -132,12 +147,12 @@ HEALTH_COLUMNS: tuple[Column, ...] = (
     Column("grad_norm_l2", F32, "gradient units", "L2 norm of this module's own parameter gradients at optimizer.step (unscaled)", GRADIENT),
     Column("grad_nonfinite_count", I64, "values", "NaN/Inf values in this module's parameter gradients", GRADIENT, count=True),
     Column("weight_norm_l2", F32, "weight units", "L2 norm of this module's parameters after the step", WEIGHTS),
-    Column("update_norm_l2", F32, "weight units", "L2 norm of this step's parameter change, estimated from a fixed coordinate sketch (exact for small tensors)", WEIGHTS),
-    Column("update_ratio", F32, "ratio", "update_norm_l2 / weight_norm_l2", WEIGHTS),
-    Column("update_cos", F32, "cosine", "cosine between this step's and the previous step's update on the sketch, in [-1, 1]", WEIGHTS),
+    Column("update_norm_l2", F32, "weight units", "L2 norm of this step's parameter change, estimated from a fixed coordinate sketch (exact for small tensors)", WEIGHTS, bits=SAMPLED_BITS),
+    Column("update_ratio", F32, "ratio", "update_norm_l2 / weight_norm_l2", WEIGHTS, bits=SAMPLED_BITS),
+    Column("update_cos", F32, "cosine", "cosine between this step's and the previous step's update on the sketch, in [-1, 1]", WEIGHTS, bits=SAMPLED_BITS),
     Column("weight_drift_l2", F32, "weight units", "change of the weights between the end of the previous optimizer step and this step's first forward: non-zero means something other than the optimizer wrote them (from a fixed coordinate sketch every step; from exact norms when a version counter moved and every 8th step, so a write through `.data` outside the sketch shows only on those)", WEIGHTS),
-    Column("pred_entropy_nats", F32, "nats", "mean entropy of the softmax over the head's last dim (heads only)", HEAD),
-    Column("pred_maxprob", F32, "probability", "mean largest softmax probability (heads only)", HEAD),
+    Column("pred_entropy_nats", F32, "nats", "mean entropy of the softmax over the head's last dim (heads only)", HEAD, bits=SAMPLED_BITS),
+    Column("pred_maxprob", F32, "probability", "mean largest softmax probability (heads only)", HEAD, bits=SAMPLED_BITS),
 )
 
 STEP_COLUMNS: tuple[Column, ...] = (

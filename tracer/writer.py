@@ -45,6 +45,41 @@ class Segment:
     finish: Callable[[], None] | None = None
 
 
+def round_significand(values: np.ndarray, bits: int) -> np.ndarray:
+    """float32 `values` rounded to nearest, ties to even, to `bits` (0-22) significand bits after
+    the leading one: a normal number moves by at most 2**-(bits + 1) of itself. NaN, ±inf and ±0
+    are kept; a finite value never rounds to infinity (the largest ones are cut instead)."""
+    x = np.ascontiguousarray(values, dtype=np.float32)
+    drop = 23 - bits
+    if drop <= 0:
+        return x.copy()
+    u = x.view(np.uint32)
+    mask = np.uint32((0xFFFFFFFF << drop) & 0xFFFFFFFF)
+    # the bias rounds half to even: it carries exactly when the dropped bits exceed half, or
+    # equal it and the kept lowest bit is 1; a carry into the exponent is the correct result
+    r = u >> np.uint32(drop)
+    r &= np.uint32(1)
+    r += np.uint32((1 << (drop - 1)) - 1)
+    r += u  # NaN bit patterns may wrap around: restored below
+    r &= mask
+    out = r.view(np.float32)
+    odd = ~np.isfinite(out)  # a non-finite value, or a finite one rounded up to infinity
+    if odd.any():
+        was = x[odd]
+        out[odd] = np.where(np.isfinite(was), (u[odd] & mask).view(np.float32), was)
+    return out
+
+
+def round_estimates(seg: Segment, bits: dict[str, int]) -> None:
+    """Round `seg`'s health columns named in `bits` in place, as they will be stored (float32):
+    one pass per distinct bit count over all of its columns."""
+    for b in sorted(set(bits.values())):
+        cols = [schema.HEALTH_METRICS.index(name) for name, nb in bits.items() if nb == b]
+        with np.errstate(over="ignore"):  # beyond float32's range: inf, as the column stores it
+            block = seg.stats[:, :, cols].astype(np.float32)
+        seg.stats[:, :, cols] = round_significand(block, b)
+
+
 def health_table(seg: Segment) -> pa.Table:
     """The `health` rows of a segment: one per (step, component), metrics null where not valid."""
     n_steps, n_comp, _ = seg.stats.shape
@@ -114,8 +149,12 @@ class TraceWriter:
     """Owns one rank's part of a trace directory: its segments, commit records and manifest."""
 
     def __init__(self, root: str | os.PathLike[str], rank: int, world_size: int, run_id: str,
-                 model_class: str, config: dict[str, object], max_wait_s: float = 2.0) -> None:
+                 model_class: str, config: dict[str, object], max_wait_s: float = 2.0,
+                 significand_bits: dict[str, int] | None = None) -> None:
         self.root = Path(root)
+        # health columns stored rounded (schema.SAMPLED_BITS): before any reader sees the
+        # segment, so live alarms judge the values the trace keeps
+        self.significand_bits = dict(significand_bits or {})
         self.rank = rank
         self.incarnation = next_incarnation(self.root, rank)
         self.dropped_steps = 0
@@ -231,6 +270,8 @@ class TraceWriter:
     def _write_segment(self, seg: Segment) -> None:
         if seg.finish is not None:
             seg.finish()
+        if self.significand_bits:
+            round_estimates(seg, self.significand_bits)
         seq = self._seq
         self._seq += 1  # a failed segment's number is not reused: names stay unique
         span = (int(seg.steps[0]), int(seg.steps[-1])) if len(seg.steps) else None

@@ -175,7 +175,9 @@ def with_series_values(frame: pl.DataFrame, values: pl.DataFrame) -> pl.DataFram
 
 def _column(frame: pl.DataFrame, metric: str, lr: bool) -> quantiles.Column:
     """`quantiles.baseline`'s input for one metric of `frame`."""
-    values = frame[metric].cast(pl.Float64)
+    values = frame[metric]
+    if values.dtype not in (pl.Float32, pl.Float64):  # counts; float32 goes as it is stored
+        values = values.cast(pl.Float64)
     log = metric in LOG_METRICS
     missing = values.is_null().to_numpy() if values.null_count() else None
     return quantiles.Column(values.to_numpy(), missing, log, lr and metric in LR_SCALED,
@@ -212,8 +214,7 @@ def _own_baseline(frame: pl.DataFrame, starts: np.ndarray, metrics: list[str], c
         meds += [pl.Series(f"{m}__med", med, dtype=pl.Float64, nan_to_null=True),
                  pl.Series(f"{m}__scale", scale, dtype=pl.Float64)]
         zs.append(_with_nulls(f"{m}__z", z, z_valid))
-        # the heatmap's cell: a finite z with a baseline (fmax passes over the NaN of the others)
-        np.fmax(heat, np.where(z_valid & np.isfinite(z), np.abs(z), np.nan), out=heat)
+        quantiles.fold_heat(heat, z, z_valid)  # the heatmap's cell: a finite z with a baseline
     return kept.with_columns(meds + zs).with_columns(pl.Series(HEAT, heat, dtype=pl.Float64, nan_to_null=True))
 
 
@@ -221,9 +222,9 @@ def _with_nulls(name: str, values: np.ndarray, valid: np.ndarray) -> pl.Series:
     """A float64 Series of `values`, null where not `valid` (a NaN where valid stays a NaN)."""
     if valid.all():
         return pl.Series(name, values, dtype=pl.Float64)
-    if not np.isnan(values[valid]).any():
-        return pl.Series(name, np.where(valid, values, np.nan), dtype=pl.Float64, nan_to_null=True)
-    return pl.Series(name, values, dtype=pl.Float64).set(pl.Series(~valid), None)  # type: ignore[arg-type]
+    import pyarrow as pa  # loaded already: DuckDB hands its rows to Polars through Arrow
+
+    return pl.Series(name, pa.array(values, pa.float64(), mask=~valid))  # the values, not copied
 
 
 def reference_exprs(metric: str, lr: bool, suffix: str) -> list[pl.Expr]:

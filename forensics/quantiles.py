@@ -144,7 +144,7 @@ def _baseline(raw: np.ndarray, missing: np.ndarray, lr: np.ndarray, starts: np.n
     logged = scratch[n:2 * n]  # log(max(x, tiny)) of every row (log metrics): z reads it again
     q = scratch[2 * n:5 * n].reshape((3, n))
     for i in range(n):
-        x = raw[i]
+        x = np.float64(raw[i])  # float32 columns are read as they are stored: widening is exact
         v = x
         if log:
             v = logged[i] = _log_floored(x, tiny)
@@ -174,8 +174,20 @@ def _baseline(raw: np.ndarray, missing: np.ndarray, lr: np.ndarray, starts: np.n
         else:
             s = max((q75 - q25) * per_iqr, abs(q50) * rel_floor, floor)
             med[j], scale[j] = q50, s
-            z[j] = (raw[i] - q50) / s
+            z[j] = (np.float64(raw[i]) - q50) / s
             z_valid[j] = not missing[i]
+
+
+@numba.njit(cache=True, nogil=True)
+def fold_heat(heat: np.ndarray, z: np.ndarray, z_valid: np.ndarray) -> None:  # pragma: no cover - compiled
+    """heat = fmax(heat, |z|) where z is valid and finite, in place: the heatmap's cell, the
+    worst |z| of a row over its metrics (NaN where none has one yet)."""
+    for j in range(len(heat)):
+        v = z[j]
+        if z_valid[j] and math.isfinite(v):
+            a = abs(v)
+            if not heat[j] >= a:  # a NaN cell takes the first value
+                heat[j] = a
 
 
 def trailing(values: np.ndarray, starts: np.ndarray, window: int, lag: int, min_samples: int) -> np.ndarray:
@@ -192,8 +204,8 @@ def trailing(values: np.ndarray, starts: np.ndarray, window: int, lag: int, min_
 
 
 class Column(NamedTuple):
-    """One metric's baseline inputs for `baseline_many`: raw float64 values (NaN where null or
-    NaN), where they are null (None: nowhere), and how the metric is judged."""
+    """One metric's baseline inputs for `baseline_many`: raw float32 or float64 values (NaN
+    where null or NaN), where they are null (None: nowhere), and how the metric is judged."""
 
     raw: np.ndarray
     missing: np.ndarray | None
@@ -228,7 +240,8 @@ def baseline(col: Column, lr: np.ndarray | None, starts: np.ndarray, kept: np.nd
     n = len(col.raw)
     missing = col.missing if col.missing is not None else np.zeros(n, dtype=np.bool_)
     lr_values = lr if lr is not None else np.ones(n)
-    _baseline(np.ascontiguousarray(col.raw, dtype=np.float64), missing, lr_values,
+    raw = col.raw if col.raw.dtype == np.float32 else col.raw.astype(np.float64, copy=False)
+    _baseline(np.ascontiguousarray(raw), missing, lr_values,
               np.asarray(starts, dtype=np.int64), np.asarray(kept, dtype=np.int64), window, lag,
               min_samples, col.log, col.scaled and lr is not None, col.floor, scales.rel_floor,
               scales.log_floor, scales.tiny, scales.iqr_to_sigma, med, scale, z, z_valid, _scratch(5 * n))

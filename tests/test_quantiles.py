@@ -119,8 +119,8 @@ def test_baseline_columns_equal_the_polars_expressions_bit_for_bit(seed: int) ->
     window = int(rng.integers(8, 70))
     cfg = BaselineConfig(window=window, lag=int(rng.integers(0, 4)), min_samples=min(window, int(rng.integers(1, 40))))
     metrics = ["out_rms", "update_norm_l2", "out_mean", "out_zero_frac"]
-    for with_lr in (True, False):
-        rows = frame if with_lr else frame.drop("lr")
+    for with_lr, dtype in ((True, pl.Float64), (False, pl.Float64), (True, pl.Float32)):  # float32: as stored
+        rows = (frame if with_lr else frame.drop("lr")).with_columns(pl.col(metrics).cast(dtype))
         got = b.with_baseline(rows.lazy(), cfg, metrics).collect()
         for m in metrics:
             want = _polars_baseline(rows, m, starts, cfg.window, cfg.lag, cfg.min_samples)

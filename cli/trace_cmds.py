@@ -18,7 +18,7 @@ class Format(StrEnum):
 
 @app.command("info")
 def info_cmd(trace: TraceArg) -> None:
-    """Summarise a trace: run id, steps, incarnations, components, ranks, segments, size, dropped steps."""
+    """Summarise a trace: run id, steps, incarnations, components, ranks, segments, size, dropped steps, precision of the estimates."""
     from warninglight.forensics.store import info, open_trace
 
     with bad_input():
@@ -30,8 +30,10 @@ def info_cmd(trace: TraceArg) -> None:
     warn(t.warnings)
     if summary["dropped_steps"] is None:
         summary["dropped_steps"] = "unknown (a rank has no manifest)"
+    bits = summary["estimate_bits"]
+    summary["estimate_bits"] = "every bit" if bits is None else f"{bits} significand bits (docs/trace-format.md, Precision)"
     labels = {"run_id": "run", "size_bytes": "size (bytes)", "dropped_steps": "dropped steps",
-              "first_step": "first step", "last_step": "last step"}
+              "first_step": "first step", "last_step": "last step", "estimate_bits": "estimates stored to"}
     for key, value in summary.items():
         typer.echo(f"{labels.get(key, key)}: {'' if value is None else value}")
 

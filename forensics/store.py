@@ -246,7 +246,16 @@ def info(trace: Trace) -> dict[str, Any]:
         "segments": len(trace.segments),
         "size_bytes": sum(p.stat().st_size for p in trace.segments),
         "dropped_steps": dropped,
+        "estimate_bits": _estimate_bits(trace.manifests),
     }
+
+
+def _estimate_bits(manifests: list[dict[str, Any]]) -> int | None:
+    """The fewest significand bits any rank kept of the estimate columns (`config.significand_bits`);
+    None: every bit (full precision, or a trace written before estimates were rounded)."""
+    kept = [b for m in manifests for b in ((m.get("config") or {}).get("significand_bits") or {}).values()
+            if isinstance(b, int)]
+    return min(kept, default=None)
 
 
 COMPONENT_KEYS = ("rank", "component", "kind", "role", "bound", "parent_param", "forward_index")

@@ -19,6 +19,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from warninglight.forensics.analysis import analyze
+from warninglight.forensics.store import info, open_trace
 from warninglight.lab import zoo
 from warninglight.tracer import schema, watch
 from warninglight.tracer.writer import round_significand
@@ -91,6 +92,12 @@ def test_a_recorded_trace_stores_the_estimates_rounded_and_the_rest_whole(tmp_pa
     config = {name: json.loads(schema.manifest_path(tmp_path / name, 0).read_text())["config"]
               for name in ("default", "full")}
     assert config["default"]["significand_bits"] == ROUNDED and config["full"]["significand_bits"] == {}
+    for name, bits in (("default", schema.SAMPLED_BITS), ("full", None)):  # what `info` says of it
+        trace = open_trace(tmp_path / name)
+        try:
+            assert info(trace)["estimate_bits"] == bits
+        finally:
+            trace.close()
 
 
 def _rounded_copy(src: Path, dst: Path) -> None:
@@ -132,3 +139,4 @@ def test_the_engine_judges_a_sample_trace_the_same_with_its_estimates_rounded(tm
     before, after = analyze(SAMPLES / name).to_dict(), analyze(tmp_path / name).to_dict()
     _close(before, after)
     assert after["trace_info"]["size_bytes"] < before["trace_info"]["size_bytes"]
+    assert before["trace_info"]["estimate_bits"] is None  # recorded before estimates were rounded

@@ -4,6 +4,10 @@ Each trace is a real small training run (`warninglight.lab.rehearsal.rehearse`, 
 one fault drill or none, recorded by `watch`, with a checkpoint event every 100 steps (no
 checkpoint files are written: the events say where they would be) and the batch ids of each step.
 Runs are deterministic (fixed seeds, one CPU thread); only wall-clock columns differ between builds.
+The committed traces keep every bit of every column: they were recorded before the recorder
+stored its estimate columns to 10 significand bits (docs/trace-format.md, "Precision"). A rebuild
+writes what `watch` writes by default; tests/test_precision.py checks that the engine's answers
+on them do not move with that rounding.
 """
 
 from __future__ import annotations

@@ -26,6 +26,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 from warninglight.tracer import schema
+from warninglight.tracer.writer import rounded_table
 
 SEGMENT_STEPS = 100
 
@@ -74,19 +75,6 @@ def segments(trace: Path) -> list[pa.Table]:
     return out
 
 
-def rounded(part: pa.Table) -> pa.Table:
-    """`part` with its estimate columns rounded as the recorder stores them by default."""
-    from warninglight.tracer.writer import round_significand
-
-    for c in schema.HEALTH_COLUMNS:
-        if c.bits is not None:
-            col = part[c.name]
-            values = round_significand(col.to_numpy(zero_copy_only=False).astype("float32"), c.bits)
-            part = part.set_column(part.column_names.index(c.name), c.name, pa.array(
-                values, pa.float32(), mask=col.is_null().to_numpy(zero_copy_only=False)))
-    return part
-
-
 def measure(parts: list[pa.Table], options: dict[str, object], repeats: int = 3) -> tuple[float, float]:
     """(bytes per row, ms per segment) of writing `parts` with `options`; checks the read-back."""
     size, best = 0, float("inf")
@@ -105,6 +93,29 @@ def measure(parts: list[pa.Table], options: dict[str, object], repeats: int = 3)
     return size / rows, 1000 * best / len(parts)
 
 
+def column_bytes(parts: list[pa.Table], options: dict[str, object]) -> dict[str, float]:
+    """Compressed bytes per component-step of each column (the files' own metadata)."""
+    sizes: dict[str, int] = {}
+    for part in parts:
+        buf = io.BytesIO()
+        pq.write_table(part, buf, **options)
+        meta = pq.ParquetFile(io.BytesIO(buf.getvalue())).metadata
+        for g in range(meta.num_row_groups):
+            for c in range(meta.num_columns):
+                col = meta.row_group(g).column(c)
+                sizes[col.path_in_schema] = sizes.get(col.path_in_schema, 0) + col.total_compressed_size
+    rows = sum(p.num_rows for p in parts)
+    return {name: size / rows for name, size in sizes.items()}
+
+
+def print_estimates(label: str, parts: list[pa.Table]) -> None:
+    """The estimate columns' share of the bytes, each and in all."""
+    per = column_bytes(parts, dict(schema.PARQUET_WRITE_OPTIONS))
+    names = [c.name for c in schema.HEALTH_COLUMNS if c.bits is not None]
+    each = ", ".join(f"{n} {per[n]:.2f}" for n in sorted(names, key=lambda n: -per[n]))
+    print(f"    {label}: estimate columns {sum(per[n] for n in names):.2f} of {sum(per.values()):.2f} B ({each})")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=200)
@@ -119,13 +130,15 @@ def main() -> None:
     for name, options in VARIANTS.items():
         per_row, ms = measure(parts, options)
         print(f"  {name:40s} {per_row:6.2f} B per component-step  {ms:6.1f} ms per segment written")
+    print_estimates("every bit", parts)
     start = time.perf_counter()
-    parts = [rounded(p) for p in parts]
+    parts = [rounded_table(p) for p in parts]
     round_ms = 1000 * (time.perf_counter() - start) / len(parts)
     per_row, ms = measure(parts, dict(schema.PARQUET_WRITE_OPTIONS))
     print(f"  {'current, estimates to ' + str(schema.SAMPLED_BITS) + ' bits (default)':40s} "
           f"{per_row:6.2f} B per component-step  {ms:6.1f} ms per segment written "
           f"(+{round_ms:.1f} ms rounding, here on Arrow columns)")
+    print_estimates("rounded", parts)
 
 
 if __name__ == "__main__":

@@ -13,7 +13,6 @@ from pathlib import Path
 
 import duckdb
 import numpy as np
-import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
@@ -22,7 +21,7 @@ from warninglight.forensics.analysis import analyze
 from warninglight.forensics.store import info, open_trace
 from warninglight.lab import zoo
 from warninglight.tracer import schema, watch
-from warninglight.tracer.writer import round_significand
+from warninglight.tracer.writer import round_significand, rounded_table
 
 SAMPLES = Path(__file__).resolve().parents[1] / "sample_traces"
 ROUNDED = {c.name: c.bits for c in schema.HEALTH_COLUMNS if c.bits is not None}
@@ -104,13 +103,7 @@ def _rounded_copy(src: Path, dst: Path) -> None:
     """`src` with its estimate columns rounded as the recorder now stores them."""
     shutil.copytree(src, dst)
     for f in (dst / "health").rglob("*.parquet"):
-        table = pq.read_table(f)
-        for name, bits in ROUNDED.items():
-            col = table[name]
-            values = round_significand(col.to_numpy(zero_copy_only=False).astype(np.float32), bits)
-            table = table.set_column(table.column_names.index(name), name,
-                                     pa.array(values, pa.float32(), mask=col.is_null().to_numpy(zero_copy_only=False)))
-        pq.write_table(table, f, **schema.PARQUET_WRITE_OPTIONS)
+        pq.write_table(rounded_table(pq.read_table(f)), f, **schema.PARQUET_WRITE_OPTIONS)
 
 
 def _close(a: object, b: object, where: str = "") -> None:

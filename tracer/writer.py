@@ -80,6 +80,18 @@ def round_estimates(seg: Segment, bits: dict[str, int]) -> None:
         seg.stats[:, :, cols] = round_significand(block, b)
 
 
+def rounded_table(table: pa.Table) -> pa.Table:
+    """`health` rows already written (a Parquet table) with their estimate columns rounded as
+    the recorder stores them by default (`schema.Column.bits`); nulls stay null."""
+    for c in schema.HEALTH_COLUMNS:
+        if c.bits is not None and c.name in table.column_names:
+            col = table[c.name]
+            values = round_significand(col.to_numpy(zero_copy_only=False).astype(np.float32), c.bits)
+            table = table.set_column(table.column_names.index(c.name), c.name, pa.array(
+                values, pa.float32(), mask=col.is_null().to_numpy(zero_copy_only=False)))
+    return table
+
+
 def health_table(seg: Segment) -> pa.Table:
     """The `health` rows of a segment: one per (step, component), metrics null where not valid."""
     n_steps, n_comp, _ = seg.stats.shape

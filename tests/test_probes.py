@@ -167,6 +167,76 @@ def test_parameter_values_do_not_depend_on_how_many_steps_are_reduced_together(e
     assert drift[10, 2] > 0 and drift[9, 2] == 0  # the write shows at the step after it
 
 
+class _Awkward(nn.Module):
+    """Parameters whose norms are hard to take in float32, and gradients the compiled pass must
+    leave to the eager ops (non-contiguous, sparse)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.zero = nn.Parameter(torch.zeros(300))                # a sum of squares of exactly 0
+        self.huge = nn.Parameter(torch.full((50,), 1e20))         # squares beyond float32's range
+        self.tiny = nn.Parameter(torch.full((70,), 1e-25))        # squares below float32's range
+        self.plain = nn.Parameter(torch.randn(40, 30))            # strided sketch (1,200 > 256)
+        self.emb = nn.Embedding(10, 4, sparse=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        s = (self.zero.sum() + self.huge.sum() * 1e-20 + self.tiny.sum()) * x.sum()  # tiny gradients too
+        return s + (x @ self.plain).sum() + self.emb(torch.arange(3)).sum()
+
+
+@pytest.mark.parametrize("blas_from", [params.BLAS_FROM, 60])
+@pytest.mark.parametrize("grad_kind", ["dense", "non-contiguous", "non-finite"])
+def test_compiled_parameter_passes_equal_the_eager_ones(monkeypatch: pytest.MonkeyPatch, grad_kind: str,
+                                                        blas_from: int) -> None:
+    # the compiled norms and sketches (tracer/kernels.py) against the eager ops and against
+    # float64: per-tensor norms, the sketch, the finite verdicts, for each pass; with BLAS taking
+    # the tensors of 60 values or more (the zeros, the tiny ones and the matrix) too
+    assert kernels.available()
+    monkeypatch.setattr(params, "BLAS_FROM", blas_from)
+    rows, verdicts = {}, {}
+    for compiled in (True, False):
+        if not compiled:
+            monkeypatch.setattr(kernels, "available", lambda: False)
+        torch.manual_seed(0)
+        model = _Awkward()
+        probe = params.ParamProbe(components.discover(model), sketch_size=256)
+        assert probe._compiled == compiled and (probe._weight_addrs is not None) == compiled
+        probe.begin()
+        model(torch.randn(8, 40)).backward()
+        if grad_kind == "non-contiguous":
+            model.plain.grad = torch.randn(30, 40).t()  # same shape, strides of a transpose
+        elif grad_kind == "non-finite":
+            model.plain.grad[3, 4] = math.inf
+        verdicts[compiled] = (probe.grads_suspect(), )
+        probe.after_backward()
+        probe.grads()
+        verdicts[compiled] += (probe.grads_finite, )
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(p.grad.to_dense() if p.grad.is_sparse else p.grad, alpha=-1e-3)
+        probe.end(slot=0)
+        rows[compiled] = probe.rows[0].clone()
+        grads = [p.grad.to_dense().double() if p.grad.is_sparse else p.grad.double() for p in probe.params]
+        weights = [p.detach().double() for p in probe.params]
+    fast, eager = rows[True], rows[False]
+    k = probe._end_sketch.stop - probe._end_sketch.start
+    assert torch.equal(fast[:2 * k], eager[:2 * k])  # the sketches, bit for bit
+    assert verdicts[True] == verdicts[False] == ((True, False) if grad_kind == "non-finite" else (False, True))
+    n = len(probe.params)
+    exact = {"grad": torch.stack([g.norm() for g in grads]).float(),
+             "end": torch.stack([w.norm() for w in weights]).float()}
+    for name, sl in (("grad", probe._grad_n), ("end", probe._end_n)):
+        assert fast[sl].shape == (n,)
+        finite = exact[name].isfinite()
+        assert torch.equal(fast[sl].isfinite(), finite)
+        assert fast[sl][finite].tolist() == pytest.approx(exact[name][finite].tolist(), rel=2e-7), name
+        # the eager ops overflow on the 1e20 weights (float32 squares): equal wherever they do not
+        ok = eager[sl].isfinite() & finite
+        assert ok.sum() >= finite.sum() - 1 and eager[sl][ok].tolist() == pytest.approx(exact[name][ok].tolist(), rel=2e-7)
+    fwd = fast[probe._fwd_n]  # the weights as the step found them: zeros, 1e20s, 1e-25s exact
+    assert fwd[0] == 0 and fwd[1:3].tolist() == pytest.approx([1e20 * 50 ** 0.5, 1e-25 * 70 ** 0.5], rel=1e-6)
+
+
 def test_head_prediction_entropy_and_confidence(tmp_path: Path) -> None:
     torch.manual_seed(0)
     model = zoo.mlp()

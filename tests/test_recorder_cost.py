@@ -68,15 +68,22 @@ def test_on_an_accelerator_the_step_reads_nothing_back(host_reads: dict[str, int
     assert host_reads == dict.fromkeys(_READS, 0)
 
 
-@pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "eager"])
+@pytest.mark.parametrize("mode", ["compiled", "compiled-blas", "eager"])
 def test_on_cpu_the_step_reads_what_is_documented(host_reads: dict[str, int], tmp_path: Path,
-                                                  monkeypatch: pytest.MonkeyPatch, compiled: bool) -> None:
-    # docs/overhead.md: one read per step (is the total gradient norm finite?), one per extra
-    # micro-batch (are the gradients so far finite?) and one per pass of norms over the weights
-    # or gradients (is any float32 sum of squares out of range?). With the compiled forward pass
-    # each reduction of a batch of steps' sampled outputs (per row group; the GPT's samples all
-    # have 16 rows) takes one zero-copy numpy view of CPU memory; without it (no numba) it reads
-    # one verdict instead (is the sample finite?)
+                                                  monkeypatch: pytest.MonkeyPatch, mode: str) -> None:
+    # docs/overhead.md. With numba (compiled): the norm passes over weights and gradients are
+    # compiled and give their finite verdict to Python directly, so no tensor is read, except
+    # that where tensors are large enough for BLAS (`params.BLAS_FROM`; lowered here so that
+    # this small GPT has some), each pass reads one verdict on their float32 sums; the
+    # parameter rows get one zero-copy numpy view when the recorder is made, and each reduction
+    # of a batch of steps' sampled outputs (per row group; the GPT's samples all have 16 rows)
+    # takes one zero-copy numpy view of CPU memory. Without numba: one read per step (is the
+    # total gradient norm finite?), one per extra micro-batch (are the gradients so far finite?),
+    # one per pass of norms over the weights or gradients (is any float32 sum of squares out of
+    # range?) and one per reduction (is the sample finite?)
+    compiled = mode != "eager"
+    if mode == "compiled-blas":
+        monkeypatch.setattr(params, "BLAS_FROM", 8192)
     if compiled:
         assert kernels.available()
     else:
@@ -101,9 +108,14 @@ def test_on_cpu_the_step_reads_what_is_documented(host_reads: dict[str, int], tm
     # backward's end once the first step showed that the loop modifies them (clipping); the
     # weights at the first forward on the first step and every 8th (nothing else wrote them)
     assert len(passes) == steps * (micro + 2) - micro + 1 + (steps - 1) // params.EXACT_DRIFT_EVERY
-    assert host_reads == {**dict.fromkeys(_READS, 0),
-                          "__bool__": steps * micro + len(passes) + (0 if compiled else len(reductions)),
-                          "numpy": len(reductions) if compiled else 0}
+    if compiled:
+        # with BLAS tensors: a verdict per norm pass, and per extra micro-batch's finite check
+        blas = len(passes) + steps * (micro - 1) if mode == "compiled-blas" else 0
+        assert host_reads == {**dict.fromkeys(_READS, 0), "numpy": 1 + len(reductions),
+                              **({"__bool__": blas} if blas else {})}
+    else:
+        assert host_reads == {**dict.fromkeys(_READS, 0),
+                              "__bool__": steps * micro + len(passes) + len(reductions)}
 
 
 class _Experts(torch.nn.Module):

@@ -77,6 +77,46 @@ def _build() -> dict[str, Any]:
                     sums[6, s] += 1.0
                 absmax[s] = max(absmax[s], mx[jj])
 
+    from numba import types
+    from numba.extending import intrinsic
+
+    @intrinsic
+    def f32_at(typingctx: Any, addr: Any) -> Any:  # an integer address as a float32 pointer
+        sig = types.CPointer(types.float32)(types.int64)
+
+        def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+            return builder.inttoptr(args[0], context.get_value_type(types.CPointer(types.float32)))
+        return sig, codegen
+
+    # reassociation only (the sum vectorises); no assumption that values are finite
+    @numba.njit(nogil=True, fastmath={"reassoc", "contract"}, boundscheck=False)
+    def tensor_norms(addrs: np.ndarray, lens: np.ndarray, out: np.ndarray) -> bool:
+        all_finite = True
+        for i in range(addrs.shape[0]):
+            n = lens[i]
+            acc = 0.0
+            if n > 0:
+                a = numba.carray(f32_at(addrs[i]), (n,))
+                for j in range(n):
+                    x = np.float64(a[j])
+                    acc += x * x
+            v = np.float32(np.sqrt(acc))
+            out[i] = v
+            if not np.isfinite(v):
+                all_finite = False
+        return all_finite
+
+    @numba.njit(nogil=True, boundscheck=False)
+    def gather_sketch(addrs: np.ndarray, offsets: np.ndarray, strides: np.ndarray, ks: np.ndarray,
+                      out: np.ndarray) -> None:
+        o = 0
+        for i in range(addrs.shape[0]):
+            k, off, st = ks[i], offsets[i], strides[i]
+            a = numba.carray(f32_at(addrs[i]), (off + (k - 1) * st + 1,))
+            for j in range(k):
+                out[o + j] = a[off + j * st]
+            o += k
+
     # both layouts a sample matrix comes in (a whole buffer; a slice of a staging buffer's
     # columns), compiled now rather than in a training step
     x = np.arange(3, dtype=np.float32)
@@ -90,7 +130,18 @@ def _build() -> dict[str, Any]:
             raise RuntimeError("the compiled forward kernel gave a wrong value")
     if len(forward_sums.signatures) < 2:
         raise RuntimeError("the compiled forward kernel has one layout only")
-    return {"forward_sums": forward_sums}
+    # the parameter passes, on tensors read through their addresses (checked against torch)
+    t = [np.array([3.0, 4.0], np.float32), np.array([np.inf, 1.0], np.float32), np.zeros(0, np.float32)]
+    addrs, lens = np.array([a.ctypes.data for a in t]), np.array([a.size for a in t])
+    norms = np.zeros(3, np.float32)
+    if tensor_norms(addrs, lens, norms) or list(norms) != [5.0, np.inf, 0.0] \
+            or not tensor_norms(addrs[:1], lens[:1], norms[:1]):
+        raise RuntimeError("the compiled norm kernel gave a wrong value")
+    got = np.zeros(3, np.float32)
+    gather_sketch(addrs[:2], np.array([1, 0]), np.array([1, 1]), np.array([1, 2]), got)
+    if list(got) != [4.0, np.inf, 1.0]:
+        raise RuntimeError("the compiled sketch kernel gave a wrong value")
+    return {"forward_sums": forward_sums, "tensor_norms": tensor_norms, "gather_sketch": gather_sketch}
 
 
 def available() -> bool:
@@ -117,3 +168,20 @@ def forward_sums(m: np.ndarray, slots: np.ndarray, centre: np.ndarray, half: np.
     unused), and its max |x| into `absmax` (S,) float32. A non-finite value counts as 0 in all
     but the finite count."""
     _state["forward_sums"](m, slots, centre, half, bounded, dead_eps, sums, absmax)
+
+
+def tensor_norms(addrs: np.ndarray, lens: np.ndarray, out: np.ndarray) -> bool:
+    """The L2 norm of each of `len(addrs)` contiguous float32 CPU tensors, given as data
+    addresses (int64) and element counts, into `out` (float32, rounded from a float64 sum of
+    squares: no float32 overflow or underflow on the way). True if every norm is finite.
+
+    The caller keeps the tensors alive and guarantees what the addresses point at."""
+    return bool(_state["tensor_norms"](addrs, lens, out))
+
+
+def gather_sketch(addrs: np.ndarray, offsets: np.ndarray, strides: np.ndarray, ks: np.ndarray,
+                  out: np.ndarray) -> None:
+    """Coordinates `offsets[i] + j * strides[i]`, j < ks[i], of each contiguous float32 CPU
+    tensor at `addrs[i]`, one after the other into `out` (float32). The caller keeps the tensors
+    alive and guarantees each holds at least `offsets[i] + (ks[i] - 1) * strides[i] + 1` values."""
+    _state["gather_sketch"](addrs, offsets, strides, ks, out)

@@ -20,6 +20,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from . import kernels
 from .components import Component
 from .probes import FORWARD_BATCH_STEPS, PARAM_METRICS, to_device
 from .replicas import local_shard
@@ -27,6 +28,9 @@ from .replicas import local_shard
 _PM = {m: i for i, m in enumerate(PARAM_METRICS)}
 # a CPU dot product's norm below this may have lost entries to float32 underflow: taken exactly
 _DOT_SMALLEST = 1e-15
+# CPU: a tensor of at least this many values has its norm taken by a BLAS dot product (which
+# reads a large vector on all of torch's threads) rather than by the compiled pass (one thread)
+BLAS_FROM = 131_072
 # steps between exact weight-norm checks at the first forward when no version counter moved
 EXACT_DRIFT_EVERY = 8
 # where a step's pre-clip total gradient norm comes from
@@ -43,6 +47,12 @@ def _sketch_slice(p: torch.Tensor, k: int, gen: np.random.Generator) -> tuple[in
         stride -= 1
     offset = int(gen.integers(0, n - (k - 1) * stride))
     return offset, stride
+
+
+def _values(g: torch.Tensor) -> torch.Tensor:
+    """A gradient's values: a sparse one (`nn.Embedding(sparse=True)`) as its coalesced values,
+    which have its norm and its non-finite count; a dense one as it is."""
+    return g.coalesce().values() if g.is_sparse else g
 
 
 class _Row(NamedTuple):
@@ -92,11 +102,12 @@ class ParamProbe:
         self.device = device
         gen = np.random.default_rng(seed)  # own generator: the global RNGs are untouched
         self._sketch_spec: list[tuple[int, int, int] | None] = []  # (offset, stride, k); None: all
-        scales, coord_comp = [], []
+        scales, coord_comp, numels = [], [], []
         for comp, p in owned:
             local = local_shard(p)  # a sharded (FSDP2) parameter: this rank's shard
             k = min(local.numel(), sketch_size)
             self._sketch_spec.append(None if k == local.numel() else (*_sketch_slice(local, k, gen), k))
+            numels.append(local.numel())
             scales.append(np.full(k, local.numel() / k, dtype=np.float32))
             coord_comp.append(np.full(k, comp, dtype=np.int64))
         self.param_comp_np = np.array([c for c, _ in owned], dtype=np.int64)
@@ -114,8 +125,26 @@ class ParamProbe:
         self._norms = slice(2 * k, 2 * k + 4 * n_p)
         self._fwd_n, self._grad_n, self._end_n, self._pre_n = (
             slice(2 * k + i * n_p, 2 * k + (i + 1) * n_p) for i in range(4))
-        self.rows = torch.zeros(FORWARD_BATCH_STEPS, 2 * k + 4 * n_p, device=device)
+        self.rows = torch.zeros(FORWARD_BATCH_STEPS, 2 * k + 4 * n_p, device=device, dtype=torch.float32)
         self._row_views = self._views_of(self.rows)  # made once: a slice costs a few us a step
+        # CPU float32 parameters: norms and sketches in compiled passes over the tensors' memory
+        # (tracer/kernels.py), written through numpy views of the same rows
+        self._compiled = device.type == "cpu" and bool(self.params) and kernels.available()
+        self._numel = np.array(numels, dtype=np.int64)
+        self._sketch_at = np.array([(0, 1, n) if spec is None else spec
+                                    for spec, n in zip(self._sketch_spec, numels, strict=True)],
+                                   dtype=np.int64).reshape(-1, 3).T.copy()  # offsets, strides, counts
+        self._np_views = self._views_of(self.rows.numpy()) if self._compiled else []
+        self._grad_addrs = np.zeros(n_p, dtype=np.int64)
+        self._grad_lens = np.zeros(n_p, dtype=np.int64)
+        self._scratch = np.zeros(n_p, dtype=np.float32)
+        self._scratch_t = torch.from_numpy(self._scratch)
+        self._blas = self._numel >= BLAS_FROM
+        self._blas_list = np.flatnonzero(self._blas).tolist()
+        self._blas_idx = torch.tensor(self._blas_list, dtype=torch.long)
+        self._compiled_numel = np.where(self._blas, 0, self._numel)  # 0: not in the compiled pass
+        self._weight_addrs: np.ndarray | None = None  # set by refresh() when the weights qualify
+        self._finite: bool | None = None  # the compiled pass's verdict on the norms it just took
         self._sharded = any(callable(getattr(p, "to_local", None)) for p in self.params)
         self.pending: list[_Step] = []
         # `reduce`'s working rows, kept (fresh multi-MB temporaries every few steps cost page
@@ -150,6 +179,12 @@ class ParamProbe:
         self._flat = [local_shard(p) for p in self.params]
         self._dot["weights"] = self.device.type == "cpu" and all(
             p.dtype == torch.float32 and p.is_contiguous() and not p.is_sparse for p in self._flat)
+        # the compiled passes read the weights through addresses: `_flat` holds the tensors, so
+        # the memory stays theirs; a shape other than the one the sketch was laid out for is read
+        # by the eager ops (which then fail loudly, caught like any recorder fault)
+        self._weight_addrs = np.array([p.data_ptr() for p in self._flat], dtype=np.int64) \
+            if self._compiled and self._dot["weights"] and all(
+                p.numel() == n for p, n in zip(self._flat, self._numel, strict=True)) else None
         self._views: list[torch.Tensor] = []
         self._gathered: list[tuple[int, torch.Tensor]] = []  # non-contiguous: indexed each step
         for i, (p, spec) in enumerate(zip(self._flat, self._sketch_spec, strict=True)):
@@ -166,7 +201,7 @@ class ParamProbe:
                 self._views.append(p.reshape(-1)[idx])
                 self._gathered.append((i, idx))
 
-    def _views_of(self, rows: torch.Tensor) -> list[_Row]:
+    def _views_of(self, rows: torch.Tensor | np.ndarray) -> list[_Row]:
         return [_Row(*(r[sl] for sl in (self._fwd_sketch, self._end_sketch, self._fwd_n,
                                          self._grad_n, self._end_n, self._pre_n))) for r in rows]
 
@@ -176,9 +211,17 @@ class ParamProbe:
         if j >= self.rows.shape[0]:
             self.rows = torch.cat([self.rows, torch.zeros_like(self.rows)])
             self._row_views = self._views_of(self.rows)
+            if self._compiled:
+                self._np_views = self._views_of(self.rows.numpy())
         return self._row_views[j]
 
-    def _sketch_into(self, out: torch.Tensor) -> None:
+    def _sketch_into(self, field: str) -> None:
+        """The weights' sketch into `field` (fwd_sketch or end_sketch) of the step's row."""
+        out = getattr(self._row(), field)
+        if self._weight_addrs is not None:
+            kernels.gather_sketch(self._weight_addrs, *self._sketch_at,
+                                  getattr(self._np_views[len(self.pending)], field))
+            return
         parts = self._views
         if self._gathered:
             parts = list(parts)
@@ -186,17 +229,44 @@ class ParamProbe:
                 parts[i] = self._flat[i].reshape(-1)[idx]
         torch.cat(parts, out=out)  # float32 whatever the parameters' dtype
 
-    def _norms_into(self, out: torch.Tensor, tensors: list[torch.Tensor], kind: str) -> None:
-        """Per-tensor L2 norms of `tensors` ("weights" or "grads") into `out`: one pass over their memory.
+    def _grad_addresses(self, grads: list[torch.Tensor]) -> bool:
+        """Addresses and lengths of `grads` into `_grad_addrs`/`_grad_lens`; False if one of them
+        is not a dense contiguous tensor (then the eager ops take this pass)."""
+        addrs, lens = self._grad_addrs, self._grad_lens
+        try:
+            for i, g in enumerate(grads):
+                if g.dtype is not torch.float32 or not g.is_contiguous():
+                    return False
+                addrs[i], lens[i] = g.data_ptr(), g.numel()
+        except (RuntimeError, NotImplementedError):  # sparse gradients have no contiguity
+            return False
+        return True
 
-        On an accelerator, one fused `torch._foreach_norm`. On the CPU that op is a loop of norm
-        kernels that accumulate in double; float32 tensors go through BLAS dot products instead
-        (float32 sums of squares, half the time, the same value for the same memory every time,
-        which weight drift relies on), and a tensor whose sum of squares overflowed or underflowed
-        float32 (an entry beyond ~1e19 or all entries below ~1e-19; an all-zero tensor looks the
-        same) is taken again by the exact kernel: on the host, reading that verdict (one read per
-        pass) costs nothing. Weights take one path for the whole run (drift compares two of their
-        norms), decided when their views are taken."""
+    def _norms_into(self, field: str, tensors: list[torch.Tensor], kind: str) -> None:
+        """Per-tensor L2 norms of `tensors` ("weights" or "grads") into `field` (fwd_norms,
+        grad_norms, end_norms or pre_norms) of the step's row: one pass over their memory.
+
+        On an accelerator, one fused `torch._foreach_norm`. On the CPU, float32 tensors go
+        through one compiled pass over all of them (float64 sums of squares: no float32 range
+        to leave; the same value for the same memory every time, which weight drift relies on),
+        which also says whether every norm is finite (`_finite`). Without numba that pass is a
+        BLAS dot product per tensor (float32 sums of squares), and a tensor whose sum of squares
+        overflowed or underflowed float32 (an entry beyond ~1e19 or all entries below ~1e-19; an
+        all-zero tensor looks the same) is taken again by the exact kernel: on the host, reading
+        that verdict (one read per pass) costs nothing. Weights take one path for the whole run
+        (drift compares two of their norms), decided when their views are taken."""
+        out = getattr(self._row(), field)
+        self._finite = None
+        if self._compiled and self._dot[kind]:
+            if kind == "weights" and self._weight_addrs is not None:
+                self._finite = self._compiled_norms(tensors, self._weight_addrs, self._compiled_numel,
+                                                    getattr(self._np_views[len(self.pending)], field), out)
+                return
+            if kind == "grads" and self._grad_addresses(tensors):
+                self._grad_lens[self._blas] = 0
+                self._finite = self._compiled_norms(tensors, self._grad_addrs, self._grad_lens,
+                                                    getattr(self._np_views[len(self.pending)], field), out)
+                return
         if not self._dot[kind]:
             torch.stack(torch._foreach_norm(tensors), out=out)
             return
@@ -209,6 +279,23 @@ class ParamProbe:
         suspect = (out < _DOT_SMALLEST) | (out == math.inf)
         if bool(suspect.any()):  # rare (a zero tensor, a huge entry): all again, exactly
             torch.where(suspect, torch.stack(torch._foreach_norm(tensors)), out, out=out)
+
+    def _compiled_norms(self, tensors: list[torch.Tensor], addrs: np.ndarray, lens: np.ndarray,
+                        out_np: np.ndarray, out: torch.Tensor) -> bool:
+        """The compiled pass over the tensors `lens` counts (0: not these), BLAS dot products for
+        the large ones (`BLAS_FROM`: taken exactly again if a float32 sum of squares may have
+        left its range); whether every norm is finite."""
+        finite = kernels.tensor_norms(addrs, lens, out_np)
+        if not self._blas_list:
+            return finite
+        large = [tensors[i] for i in self._blas_list]
+        vals = torch.stack([torch.dot(v, v) for v in (t.view(-1) for t in large)]).sqrt_()
+        if not bool(((vals >= _DOT_SMALLEST) & (vals < math.inf)).all()):  # rare: one read a pass
+            suspect = (vals < _DOT_SMALLEST) | (vals == math.inf)
+            vals = torch.where(suspect, torch.stack(torch._foreach_norm(large)), vals)
+            finite = finite and bool(torch.isfinite(vals).all())
+        out.index_copy_(0, self._blas_idx, vals)
+        return finite
 
     def _weight_versions(self) -> list[int]:
         """The parameters' version counters (every in-place write PyTorch sees moves one)."""
@@ -228,29 +315,33 @@ class ParamProbe:
                 self.params, self._flat, strict=True))
             if swapped:
                 self.refresh()
-            row = self._row()
-            self._sketch_into(row.fwd_sketch)
+            self._sketch_into("fwd_sketch")
             self._exact_fwd = (swapped or self._end_versions is None or self._ends % EXACT_DRIFT_EVERY == 0
                                or self._weight_versions() != self._end_versions)
             if self._exact_fwd:
-                self._norms_into(row.fwd_norms, self._flat, "weights")
+                self._norms_into("fwd_norms", self._flat, "weights")
         self.begun = True
 
     def grads_suspect(self) -> bool:
         """True unless the gradients accumulated so far exist and are all finite (CPU: cheap)."""
-        grads = [local_shard(p.grad) for p in self.params if p.grad is not None]
-        if not grads:
+        if all(p.grad is None for p in self.params):
             return True
+        if self._compiled and self._grad_addresses(everything := self._grads()):
+            self._grad_lens[self._blas] = 0
+            return not self._compiled_norms(everything, self._grad_addrs, self._grad_lens, self._scratch,
+                                            self._scratch_t)
+        grads = [_values(local_shard(p.grad)) for p in self.params if p.grad is not None]
         return not bool(torch.isfinite(torch.stack(torch._foreach_norm(grads)).sum()))
 
     def _grads(self) -> list[torch.Tensor]:
         # a parameter without a gradient stands in as an empty tensor (norm 0): the list, and so
         # the per-tensor -> component index, is the same every step whatever has a gradient
         if self._sharded:
-            return [z if p.grad is None else local_shard(p.grad)
+            return [z if p.grad is None else _values(local_shard(p.grad))
                     for p, z in zip(self.params, self._no_grad, strict=True)]
         # plain tensors are read as they are (no detach: this runs under no_grad)
-        return [z if (g := p.grad) is None else g for p, z in zip(self.params, self._no_grad, strict=True)]
+        return [z if (g := p.grad) is None else (_values(g) if g.is_sparse else g)
+                for p, z in zip(self.params, self._no_grad, strict=True)]
 
     def _versions(self) -> list[int]:
         """Which gradient tensor each parameter holds and its version counter, as flat ints (a
@@ -266,7 +357,7 @@ class ParamProbe:
         """End of a backward pass: note the gradients' versions (and norms, if the loop modifies them)."""
         taken = self.modified_after_backward and bool(self.params)
         if taken:
-            self._norms_into(self._row().pre_norms, self._grads(), "grads")
+            self._norms_into("pre_norms", self._grads(), "grads")
         self._at_backward = (self._versions(), taken)
 
     @torch.no_grad()
@@ -283,11 +374,10 @@ class ParamProbe:
         self.has_grad = np.zeros(self.n, dtype=bool)
         self.has_grad[self.param_comp_np[has]] = True
         grads = self._grads()
-        row = self._row()
         # always a pass of its own, even when no version counter moved since the backward-end
         # pass: some writes move none (GradScaler's unscale), so copying those norms could be
         # off by the scale
-        self._norms_into(row.grad_norms, grads, "grads")
+        self._norms_into("grad_norms", grads, "grads")
         unchanged = at_bw is not None and at_bw[0] == self._versions()
         if unchanged:
             self._preclip = _SAME_AS_TOTAL
@@ -297,7 +387,8 @@ class ParamProbe:
                 self._preclip = _AT_BACKWARD
         # on CPU reading the verdict is free, so the per-tensor counts run only when needed (the
         # total norm is finite exactly when every per-tensor norm is)
-        self.grads_finite = self.device.type != "cpu" or bool(torch.isfinite(row.grad_norms).all())
+        self.grads_finite = self.device.type != "cpu" or (
+            self._finite if self._finite is not None else bool(torch.isfinite(self._row().grad_norms).all()))
         if not self.grads_finite or self.device.type != "cpu":
             counts = torch.stack([g.numel() - torch.isfinite(g).sum() for g in grads])
             self._bad = torch.zeros(self.n, dtype=torch.long, device=self.device).index_add_(
@@ -312,9 +403,8 @@ class ParamProbe:
             return np.zeros((self.n, len(PARAM_METRICS)), dtype=bool), False, False
         if not self.begun:
             self.begin()
-        row = self._row()
-        self._sketch_into(row.end_sketch)
-        self._norms_into(row.end_norms, self._flat, "weights")
+        self._sketch_into("end_sketch")
+        self._norms_into("end_norms", self._flat, "weights")
         self._end_versions = self._weight_versions()
         valid = self._valid[min(self._ends, 1)].copy()
         has_total = self.has_grad is not None

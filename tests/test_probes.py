@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import warnings
 from pathlib import Path
 
 import duckdb
@@ -235,6 +236,39 @@ def test_compiled_parameter_passes_equal_the_eager_ones(monkeypatch: pytest.Monk
         assert ok.sum() >= finite.sum() - 1 and eager[sl][ok].tolist() == pytest.approx(exact[name][ok].tolist(), rel=2e-7)
     fwd = fast[probe._fwd_n]  # the weights as the step found them: zeros, 1e20s, 1e-25s exact
     assert fwd[0] == 0 and fwd[1:3].tolist() == pytest.approx([1e20 * 50 ** 0.5, 1e-25 * 70 ** 0.5], rel=1e-6)
+
+
+def test_compiled_passes_never_read_memory_a_parameter_gave_up(monkeypatch: pytest.MonkeyPatch) -> None:
+    # sharding wrappers free a parameter's storage in place between uses: the compiled passes,
+    # which read through addresses, must notice and leave it to the eager ops (which fail loudly,
+    # caught by the recorder) instead of reading freed memory; a large frozen parameter (no
+    # gradient, BLAS-sized) costs no exact re-check
+    monkeypatch.setattr(params, "BLAS_FROM", 1500)
+    model = nn.Sequential(nn.Linear(40, 30), nn.Linear(30, 2))
+    model[1].requires_grad_(False)
+    model[1].weight.requires_grad_(True)
+    frozen = nn.Linear(50, 40)  # 2,000 weights: BLAS-sized, never a gradient
+    frozen.requires_grad_(False)
+    model.insert(0, frozen)
+    probe = params.ParamProbe(components.discover(model), sketch_size=64)
+    assert probe._weight_addrs is not None and probe._blas_list == [0]
+    exact_calls = []
+    real_exact = torch._foreach_norm
+    monkeypatch.setattr(torch, "_foreach_norm", lambda ts: exact_calls.append(1) or real_exact(ts))
+    probe.begin()
+    model(torch.randn(4, 50)).sum().backward()
+    probe.grads()
+    assert probe.rows[0, probe._grad_n][:2].tolist() == [0.0, 0.0] and exact_calls == []
+    w = model[1].weight
+    nbytes = w.untyped_storage().nbytes()
+    w.untyped_storage().resize_(0)
+    with pytest.raises(RuntimeError), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the eager sketch's complaint about the freed weights
+        probe.end(slot=0)
+    assert probe._weight_addrs is None  # the eager ops read the weights now
+    w.untyped_storage().resize_(nbytes)
+    probe.refresh()  # as the recorder does at each flush
+    assert probe._weight_addrs is not None  # memory back: compiled again
 
 
 def test_head_prediction_entropy_and_confidence(tmp_path: Path) -> None:

@@ -144,6 +144,7 @@ class ParamProbe:
         self._blas_idx = torch.tensor(self._blas_list, dtype=torch.long)
         self._compiled_numel = np.where(self._blas, 0, self._numel)  # 0: not in the compiled pass
         self._weight_addrs: np.ndarray | None = None  # set by refresh() when the weights qualify
+        self._weight_ptrs: list[int] = []                # the same addresses, to compare with
         self._finite: bool | None = None  # the compiled pass's verdict on the norms it just took
         self._sharded = any(callable(getattr(p, "to_local", None)) for p in self.params)
         self.pending: list[_Step] = []
@@ -180,11 +181,16 @@ class ParamProbe:
         self._dot["weights"] = self.device.type == "cpu" and all(
             p.dtype == torch.float32 and p.is_contiguous() and not p.is_sparse for p in self._flat)
         # the compiled passes read the weights through addresses: `_flat` holds the tensors, so
-        # the memory stays theirs; a shape other than the one the sketch was laid out for is read
-        # by the eager ops (which then fail loudly, caught like any recorder fault)
-        self._weight_addrs = np.array([p.data_ptr() for p in self._flat], dtype=np.int64) \
-            if self._compiled and self._dot["weights"] and all(
-                p.numel() == n for p, n in zip(self._flat, self._numel, strict=True)) else None
+        # the memory stays theirs while their storage keeps it (checked at each pass: a storage
+        # freed in place, as sharding wrappers do, moves the address). Sharded parameters, and
+        # a shape other than the one the sketch was laid out for, are read by the eager ops
+        # (which then fail loudly, caught like any recorder fault)
+        self._weight_ptrs = [p.data_ptr() for p in self._flat]
+        usable = self._compiled and self._dot["weights"] and not self._sharded and all(
+            p.numel() == n and ptr != 0 and p.untyped_storage().nbytes() >= (p.storage_offset() + n) * 4
+            for p, n, ptr in zip(self._flat, self._numel, self._weight_ptrs, strict=True))
+        self._weight_addrs = np.array(self._weight_ptrs, dtype=np.int64) if usable else None
+
         self._views: list[torch.Tensor] = []
         self._gathered: list[tuple[int, torch.Tensor]] = []  # non-contiguous: indexed each step
         for i, (p, spec) in enumerate(zip(self._flat, self._sketch_spec, strict=True)):
@@ -200,6 +206,13 @@ class ParamProbe:
                 idx = torch.arange(off, off + (k - 1) * stride + 1, stride, device=p.device)
                 self._views.append(p.reshape(-1)[idx])
                 self._gathered.append((i, idx))
+
+    def _weight_memory(self) -> np.ndarray | None:
+        """The weights' addresses for the compiled passes, if they still hold their memory
+        (else the views are taken again; None: the eager ops read them)."""
+        if self._weight_addrs is not None and [p.data_ptr() for p in self._flat] != self._weight_ptrs:
+            self.refresh()
+        return self._weight_addrs
 
     def _views_of(self, rows: torch.Tensor | np.ndarray) -> list[_Row]:
         return [_Row(*(r[sl] for sl in (self._fwd_sketch, self._end_sketch, self._fwd_n,
@@ -218,8 +231,8 @@ class ParamProbe:
     def _sketch_into(self, field: str) -> None:
         """The weights' sketch into `field` (fwd_sketch or end_sketch) of the step's row."""
         out = getattr(self._row(), field)
-        if self._weight_addrs is not None:
-            kernels.gather_sketch(self._weight_addrs, *self._sketch_at,
+        if (addrs := self._weight_memory()) is not None:
+            kernels.gather_sketch(addrs, *self._sketch_at,
                                   getattr(self._np_views[len(self.pending)], field))
             return
         parts = self._views
@@ -258,8 +271,8 @@ class ParamProbe:
         out = getattr(self._row(), field)
         self._finite = None
         if self._compiled and self._dot[kind]:
-            if kind == "weights" and self._weight_addrs is not None:
-                self._finite = self._compiled_norms(tensors, self._weight_addrs, self._compiled_numel,
+            if kind == "weights" and (addrs := self._weight_memory()) is not None:
+                self._finite = self._compiled_norms(self._flat, addrs, self._compiled_numel,
                                                     getattr(self._np_views[len(self.pending)], field), out)
                 return
             if kind == "grads" and self._grad_addresses(tensors):
@@ -288,13 +301,19 @@ class ParamProbe:
         finite = kernels.tensor_norms(addrs, lens, out_np)
         if not self._blas_list:
             return finite
-        large = [tensors[i] for i in self._blas_list]
+        where, idx = self._blas_list, self._blas_idx
+        large = [tensors[i] for i in where]
+        if not all(t.numel() for t in large):  # a large parameter without a gradient: norm 0 above
+            where = [i for i, t in zip(where, large, strict=True) if t.numel()]
+            if not where:
+                return finite
+            large, idx = [tensors[i] for i in where], torch.tensor(where, dtype=torch.long)
         vals = torch.stack([torch.dot(v, v) for v in (t.view(-1) for t in large)]).sqrt_()
         if not bool(((vals >= _DOT_SMALLEST) & (vals < math.inf)).all()):  # rare: one read a pass
             suspect = (vals < _DOT_SMALLEST) | (vals == math.inf)
             vals = torch.where(suspect, torch.stack(torch._foreach_norm(large)), vals)
             finite = finite and bool(torch.isfinite(vals).all())
-        out.index_copy_(0, self._blas_idx, vals)
+        out.index_copy_(0, idx, vals)
         return finite
 
     def _weight_versions(self) -> list[int]:

@@ -306,8 +306,17 @@ def _pool() -> ThreadPoolExecutor:
 
 
 def warm() -> None:
-    """Compile the kernel (or load it from numba's cache): ~2 s the first time, ~0.3 s after."""
-    trailing(np.zeros(2), np.array([0, 2]), 1, 0, 1)
+    """Compile the kernels the classifier runs, for both widths its metric columns come in (or
+    load them from numba's cache): ~5 s the first time on a machine, well under 1 s after. A live
+    monitor calls it before the first segment arrives, so that segment is not the one to wait."""
+    starts, kept, lr = np.array([0, 2]), np.array([0, 1]), np.ones(2)
+    for dtype in (np.float32, np.float64):
+        for readonly in (False, True):  # columns read from Arrow without a copy are read-only
+            raw = np.ones(2, dtype=dtype)
+            raw.setflags(write=not readonly)
+            baseline(Column(raw, None, True, True, 0.0), lr, starts, kept, 1, 0, 1,
+                     Scales(0.1, 0.1, 1e-12, 1.349))
+    fold_heat(np.zeros(2), np.zeros(2), np.ones(2, dtype=np.bool_))
 
 
 def trailing_many(columns: list[np.ndarray], starts: np.ndarray, window: int, lag: int,

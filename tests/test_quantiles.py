@@ -159,3 +159,28 @@ def test_baseline_runs_in_a_forked_child_after_the_parent_used_its_workers() -> 
 def _zs_in_child(columns: list[quantiles.Column], starts: np.ndarray, kept: np.ndarray) -> list[np.ndarray]:
     from warninglight.forensics import baseline as b
     return [z for _, _, z, _ in quantiles.baseline_many(columns, None, starts, kept, 16, 2, 8, b._SCALES)]
+
+
+def test_warm_compiles_every_kernel_the_classifier_runs() -> None:
+    # a live monitor calls warm() before the first segment: after it, analysing real traces
+    # (float32 and float64 metric columns, read-only when Arrow hands them over without a copy)
+    # must not compile anything more. In a fresh process,
+    # so that nothing this test session ran has compiled them already.
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    samples = Path(__file__).resolve().parents[1] / "sample_traces"
+    code = f"""
+from warninglight.forensics import analysis, quantiles
+kernels = (quantiles._baseline, quantiles.fold_heat)
+assert all(len(k.signatures) == 0 for k in kernels)
+quantiles.warm()
+warmed = [list(k.signatures) for k in kernels]
+assert len(warmed[0]) == 4 and len(warmed[1]) == 1, warmed
+for name in ("gpt_nan", "cnn_dying_layer"):
+    analysis.analyze({str(samples)!r} + "/" + name)
+assert [list(k.signatures) for k in kernels] == warmed, [list(k.signatures) for k in kernels]
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]

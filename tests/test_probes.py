@@ -269,6 +269,41 @@ def test_compiled_passes_never_read_memory_a_parameter_gave_up(monkeypatch: pyte
     w.untyped_storage().resize_(nbytes)
     probe.refresh()  # as the recorder does at each flush
     assert probe._weight_addrs is not None  # memory back: compiled again
+    # a gradient whose storage was freed in place: a loud error (the recorder catches it), no read
+    probe.pending.clear()
+    probe.begin()
+    model(torch.randn(4, 50)).sum().backward()
+    g = model[2].weight.grad
+    g.untyped_storage().resize_(0)
+    with pytest.raises(RuntimeError, match="lost its storage"):
+        probe.grads()
+
+
+def test_compiled_passes_stay_on_for_gradients_after_one_of_another_layout(monkeypatch: pytest.MonkeyPatch) -> None:
+    # a non-contiguous gradient sends that pass to the eager ops, and only that pass; a model
+    # with a parameter off the CPU never reads by address at all
+    model = nn.Sequential(nn.Linear(8, 6), nn.Linear(6, 2))
+    probe = params.ParamProbe(components.discover(model), sketch_size=16)
+    calls = []
+    real = kernels.tensor_norms
+    monkeypatch.setattr(kernels, "tensor_norms", lambda *a: calls.append(1) or real(*a))
+    for step in range(3):
+        probe.begin()
+        model(torch.randn(4, 8)).sum().backward()
+        if step == 1:
+            model[0].weight.grad = torch.randn(8, 6).t()  # same shape, transposed strides
+        before = len(calls)
+        probe.grads()
+        assert (len(calls) > before) == (step != 1), step
+        exact = torch.stack([p.grad.norm() for p in model.parameters()])
+        assert probe._row().grad_norms.tolist() == pytest.approx(exact.tolist(), rel=1e-6)
+        probe.end(slot=step)
+        probe.reduce()
+        model.zero_grad()
+    mixed = nn.Sequential(nn.Linear(8, 6), nn.Linear(6, 2, device="meta"))
+    assert not params.ParamProbe(components.discover(mixed), sketch_size=16)._compiled
+
+
 
 
 def test_head_prediction_entropy_and_confidence(tmp_path: Path) -> None:

@@ -129,7 +129,8 @@ class ParamProbe:
         self._row_views = self._views_of(self.rows)  # made once: a slice costs a few us a step
         # CPU float32 parameters: norms and sketches in compiled passes over the tensors' memory
         # (tracer/kernels.py), written through numpy views of the same rows
-        self._compiled = device.type == "cpu" and bool(self.params) and kernels.available()
+        self._compiled = bool(self.params) and all(p.device.type == "cpu" for p in self.params) \
+            and kernels.available()
         self._numel = np.array(numels, dtype=np.int64)
         self._sketch_at = np.array([(0, 1, n) if spec is None else spec
                                     for spec, n in zip(self._sketch_spec, numels, strict=True)],
@@ -167,6 +168,7 @@ class ParamProbe:
         # per kind of tensor: are its norms dot products (CPU float32)? weights: set by refresh()
         self._dot = {"weights": False, "grads": device.type == "cpu" and all(
             p.dtype == torch.float32 for p in self.params)}
+        self._compiled_grads = self._compiled and self._dot["grads"]  # else never tried
         self.has_grad: np.ndarray | None = None  # this step's components with a gradient
         self.grads_finite = True        # CPU only: the host verdict on the gradient norms
         self._preclip = _NO_PRECLIP
@@ -187,7 +189,8 @@ class ParamProbe:
         # (which then fail loudly, caught like any recorder fault)
         self._weight_ptrs = [p.data_ptr() for p in self._flat]
         usable = self._compiled and self._dot["weights"] and not self._sharded and all(
-            p.numel() == n and ptr != 0 and p.untyped_storage().nbytes() >= (p.storage_offset() + n) * 4
+            type(p) is torch.Tensor and p.device.type == "cpu" and p.numel() == n and ptr != 0
+            and p.untyped_storage().nbytes() >= (p.storage_offset() + n) * 4
             for p, n, ptr in zip(self._flat, self._numel, self._weight_ptrs, strict=True))
         self._weight_addrs = np.array(self._weight_ptrs, dtype=np.int64) if usable else None
 
@@ -244,15 +247,25 @@ class ParamProbe:
 
     def _grad_addresses(self, grads: list[torch.Tensor]) -> bool:
         """Addresses and lengths of `grads` into `_grad_addrs`/`_grad_lens`; False if one of them
-        is not a dense contiguous tensor (then the eager ops take this pass)."""
-        addrs, lens = self._grad_addrs, self._grad_lens
+        is not a plain, contiguous float32 CPU tensor (then the eager ops take this pass).
+        Raises if a gradient's storage does not hold its values (freed in place): reading it
+        would read freed memory, by address or by the eager ops alike."""
+        ptrs, ns = [], []
+        f32, plain = torch.float32, torch.Tensor
         try:
-            for i, g in enumerate(grads):
-                if g.dtype is not torch.float32 or not g.is_contiguous():
+            for g in grads:
+                if type(g) is not plain or g.dtype is not f32 or not g.is_cpu or not g.is_contiguous():
                     return False
-                addrs[i], lens[i] = g.data_ptr(), g.numel()
-        except (RuntimeError, NotImplementedError):  # sparse gradients have no contiguity
+                n, ptr = g.numel(), g.data_ptr()
+                if n and (ptr == 0 or g.untyped_storage().nbytes() < (g.storage_offset() + n) * 4):
+                    raise RuntimeError(f"the gradient of parameter {len(ns)} has lost its storage "
+                                       "(freed in place?): its norms are not taken this step")
+                ptrs.append(ptr)
+                ns.append(n)
+        except (NotImplementedError, TypeError):  # sparse gradients have no contiguity
             return False
+        self._grad_addrs[:len(ptrs)] = ptrs
+        self._grad_lens[:len(ns)] = ns
         return True
 
     def _norms_into(self, field: str, tensors: list[torch.Tensor], kind: str) -> None:
@@ -266,16 +279,18 @@ class ParamProbe:
         BLAS dot product per tensor (float32 sums of squares), and a tensor whose sum of squares
         overflowed or underflowed float32 (an entry beyond ~1e19 or all entries below ~1e-19; an
         all-zero tensor looks the same) is taken again by the exact kernel: on the host, reading
-        that verdict (one read per pass) costs nothing. Weights take one path for the whole run
-        (drift compares two of their norms), decided when their views are taken."""
+        that verdict (one read per pass) costs nothing. Weights take one path for as long as
+        their memory stays where it was when their views were taken (drift compares two of
+        their norms)."""
         out = getattr(self._row(), field)
         self._finite = None
-        if self._compiled and self._dot[kind]:
+        if self._compiled and (kind == "grads" or self._dot[kind]):
+            # gradients: each pass (one of another layout takes the eager ops for that pass only)
             if kind == "weights" and (addrs := self._weight_memory()) is not None:
                 self._finite = self._compiled_norms(self._flat, addrs, self._compiled_numel,
                                                     getattr(self._np_views[len(self.pending)], field), out)
                 return
-            if kind == "grads" and self._grad_addresses(tensors):
+            if kind == "grads" and self._compiled_grads and self._grad_addresses(tensors):
                 self._grad_lens[self._blas] = 0
                 self._finite = self._compiled_norms(tensors, self._grad_addrs, self._grad_lens,
                                                     getattr(self._np_views[len(self.pending)], field), out)
@@ -345,7 +360,7 @@ class ParamProbe:
         """True unless the gradients accumulated so far exist and are all finite (CPU: cheap)."""
         if all(p.grad is None for p in self.params):
             return True
-        if self._compiled and self._grad_addresses(everything := self._grads()):
+        if self._compiled_grads and self._grad_addresses(everything := self._grads()):
             self._grad_lens[self._blas] = 0
             return not self._compiled_norms(everything, self._grad_addrs, self._grad_lens, self._scratch,
                                             self._scratch_t)

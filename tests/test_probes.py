@@ -238,12 +238,16 @@ def test_compiled_parameter_passes_equal_the_eager_ones(monkeypatch: pytest.Monk
     assert fwd[0] == 0 and fwd[1:3].tolist() == pytest.approx([1e20 * 50 ** 0.5, 1e-25 * 70 ** 0.5], rel=1e-6)
 
 
-def test_compiled_passes_never_read_memory_a_parameter_gave_up(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "eager"])
+def test_compiled_passes_never_read_memory_a_parameter_gave_up(monkeypatch: pytest.MonkeyPatch,
+                                                               compiled: bool) -> None:
     # sharding wrappers free a parameter's storage in place between uses: the compiled passes,
     # which read through addresses, must notice and leave it to the eager ops (which fail loudly,
     # caught by the recorder) instead of reading freed memory; a large frozen parameter (no
     # gradient, BLAS-sized) costs no exact re-check
     monkeypatch.setattr(params, "BLAS_FROM", 1500)
+    if not compiled:  # without numba the eager ops must not read a freed gradient either
+        monkeypatch.setattr(kernels, "available", lambda: False)
     model = nn.Sequential(nn.Linear(40, 30), nn.Linear(30, 2))
     model[1].requires_grad_(False)
     model[1].weight.requires_grad_(True)
@@ -251,6 +255,13 @@ def test_compiled_passes_never_read_memory_a_parameter_gave_up(monkeypatch: pyte
     frozen.requires_grad_(False)
     model.insert(0, frozen)
     probe = params.ParamProbe(components.discover(model), sketch_size=64)
+    if not compiled:
+        probe.begin()
+        model(torch.randn(4, 50)).sum().backward()
+        model[2].weight.grad.untyped_storage().resize_(0)
+        with pytest.raises(RuntimeError, match="lost its storage"):
+            probe.grads()
+        return
     assert probe._weight_addrs is not None and probe._blas_list == [0]
     exact_calls = []
     real_exact = torch._foreach_norm

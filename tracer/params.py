@@ -49,6 +49,15 @@ def _sketch_slice(p: torch.Tensor, k: int, gen: np.random.Generator) -> tuple[in
     return offset, stride
 
 
+def _lost_storage(t: torch.Tensor) -> bool:
+    """True if a CPU tensor's storage no longer holds its values (freed in place, as sharding
+    wrappers do): reading it, by address or by an eager op, would read freed memory."""
+    if t.numel() == 0:
+        return False
+    end = t.storage_offset() + 1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride(), strict=True))
+    return t.data_ptr() == 0 or t.untyped_storage().nbytes() < end * t.element_size()
+
+
 def _values(g: torch.Tensor) -> torch.Tensor:
     """A gradient's values: a sparse one (`nn.Embedding(sparse=True)`) as its coalesced values,
     which have its norm and its non-finite count; a dense one as it is."""
@@ -295,6 +304,11 @@ class ParamProbe:
                 self._finite = self._compiled_norms(tensors, self._grad_addrs, self._grad_lens,
                                                     getattr(self._np_views[len(self.pending)], field), out)
                 return
+        if kind == "grads" and self.device.type == "cpu":
+            for i, t in enumerate(tensors):
+                if type(t) is torch.Tensor and t.is_cpu and _lost_storage(t):
+                    raise RuntimeError(f"the gradient of parameter {i} has lost its storage (freed in "
+                                       "place?): its norms are not taken this step")
         if not self._dot[kind]:
             torch.stack(torch._foreach_norm(tensors), out=out)
             return
@@ -365,6 +379,9 @@ class ParamProbe:
             return not self._compiled_norms(everything, self._grad_addrs, self._grad_lens, self._scratch,
                                             self._scratch_t)
         grads = [_values(local_shard(p.grad)) for p in self.params if p.grad is not None]
+        if self.device.type == "cpu" and any(type(g) is torch.Tensor and g.is_cpu and _lost_storage(g)
+                                             for g in grads):
+            raise RuntimeError("a gradient has lost its storage (freed in place?)")
         return not bool(torch.isfinite(torch.stack(torch._foreach_norm(grads)).sum()))
 
     def _grads(self) -> list[torch.Tensor]:

@@ -96,9 +96,9 @@ def test_on_cpu_the_step_reads_what_is_documented(host_reads: dict[str, int], tm
         reductions.extend({s.key for s in self.pending})  # one key = one row group here
         return real(self)
 
-    def norms_into(self: params.ParamProbe, *args: object) -> None:
+    def norms_into(self: params.ParamProbe, *args: object) -> bool | None:
         passes.append(1)
-        real_norms(self, *args)
+        return real_norms(self, *args)
     monkeypatch.setattr(probes.ForwardProbe, "compute", compute)
     monkeypatch.setattr(params.ParamProbe, "_norms_into", norms_into)
     steps, micro = 16, 2

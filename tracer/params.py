@@ -50,12 +50,21 @@ def _sketch_slice(p: torch.Tensor, k: int, gen: np.random.Generator) -> tuple[in
 
 
 def _lost_storage(t: torch.Tensor) -> bool:
-    """True if a CPU tensor's storage no longer holds its values (freed in place, as sharding
-    wrappers do): reading it, by address or by an eager op, would read freed memory."""
-    if t.numel() == 0:
+    """True if a plain CPU tensor's storage no longer holds its values (freed in place, as
+    sharding wrappers do): reading it, by address or by an eager op, would read freed memory.
+    (`ParamProbe._grad_addresses` inlines the contiguous case on the step's path.)"""
+    if type(t) is not torch.Tensor or not t.is_cpu or t.numel() == 0:
         return False
     end = t.storage_offset() + 1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride(), strict=True))
     return t.data_ptr() == 0 or t.untyped_storage().nbytes() < end * t.element_size()
+
+
+def _refuse_lost(grads: list[torch.Tensor]) -> None:
+    """Raise (a probe failure, caught by the recorder) if a gradient lost its storage."""
+    for i, g in enumerate(grads):
+        if _lost_storage(g):
+            raise RuntimeError(f"the gradient of parameter {i} has lost its storage (freed in place?): "
+                               "its norms are not taken this step")
 
 
 def _values(g: torch.Tensor) -> torch.Tensor:
@@ -147,7 +156,7 @@ class ParamProbe:
         self._np_views = self._views_of(self.rows.numpy()) if self._compiled else []
         self._grad_addrs = np.zeros(n_p, dtype=np.int64)
         self._grad_lens = np.zeros(n_p, dtype=np.int64)
-        self._scratch = np.zeros(n_p, dtype=np.float32)
+        self._scratch = np.zeros(n_p, dtype=np.float32)  # grads_suspect's norms (and a tensor view)
         self._scratch_t = torch.from_numpy(self._scratch)
         self._blas = self._numel >= BLAS_FROM
         self._blas_list = np.flatnonzero(self._blas).tolist()
@@ -155,7 +164,6 @@ class ParamProbe:
         self._compiled_numel = np.where(self._blas, 0, self._numel)  # 0: not in the compiled pass
         self._weight_addrs: np.ndarray | None = None  # set by refresh() when the weights qualify
         self._weight_ptrs: list[int] = []                # the same addresses, to compare with
-        self._finite: bool | None = None  # the compiled pass's verdict on the norms it just took
         self._sharded = any(callable(getattr(p, "to_local", None)) for p in self.params)
         self.pending: list[_Step] = []
         # `reduce`'s working rows, kept (fresh multi-MB temporaries every few steps cost page
@@ -198,9 +206,8 @@ class ParamProbe:
         # (which then fail loudly, caught like any recorder fault)
         self._weight_ptrs = [p.data_ptr() for p in self._flat]
         usable = self._compiled and self._dot["weights"] and not self._sharded and all(
-            type(p) is torch.Tensor and p.device.type == "cpu" and p.numel() == n and ptr != 0
-            and p.untyped_storage().nbytes() >= (p.storage_offset() + n) * 4
-            for p, n, ptr in zip(self._flat, self._numel, self._weight_ptrs, strict=True))
+            type(p) is torch.Tensor and p.numel() == n and n > 0 and not _lost_storage(p)
+            for p, n in zip(self._flat, self._numel, strict=True))
         self._weight_addrs = np.array(self._weight_ptrs, dtype=np.int64) if usable else None
 
         self._views: list[torch.Tensor] = []
@@ -230,7 +237,7 @@ class ParamProbe:
         return [_Row(*(r[sl] for sl in (self._fwd_sketch, self._end_sketch, self._fwd_n,
                                          self._grad_n, self._end_n, self._pre_n))) for r in rows]
 
-    def _row(self) -> _Row:
+    def _row_index(self) -> int:
         """The row of the step in progress (the buffer grows if `reduce` was not called in time)."""
         j = len(self.pending)
         if j >= self.rows.shape[0]:
@@ -238,15 +245,18 @@ class ParamProbe:
             self._row_views = self._views_of(self.rows)
             if self._compiled:
                 self._np_views = self._views_of(self.rows.numpy())
-        return self._row_views[j]
+        return j
+
+    def _row(self) -> _Row:
+        return self._row_views[self._row_index()]
 
     def _sketch_into(self, field: str) -> None:
         """The weights' sketch into `field` (fwd_sketch or end_sketch) of the step's row."""
-        out = getattr(self._row(), field)
+        j = self._row_index()
         if (addrs := self._weight_memory()) is not None:
-            kernels.gather_sketch(addrs, *self._sketch_at,
-                                  getattr(self._np_views[len(self.pending)], field))
+            kernels.gather_sketch(addrs, *self._sketch_at, getattr(self._np_views[j], field))
             return
+        out = getattr(self._row_views[j], field)
         parts = self._views
         if self._gathered:
             parts = list(parts)
@@ -255,10 +265,10 @@ class ParamProbe:
         torch.cat(parts, out=out)  # float32 whatever the parameters' dtype
 
     def _grad_addresses(self, grads: list[torch.Tensor]) -> bool:
-        """Addresses and lengths of `grads` into `_grad_addrs`/`_grad_lens`; False if one of them
-        is not a plain, contiguous float32 CPU tensor (then the eager ops take this pass).
-        Raises if a gradient's storage does not hold its values (freed in place): reading it
-        would read freed memory, by address or by the eager ops alike."""
+        """Addresses and lengths of `grads` (one per parameter) into `_grad_addrs`/`_grad_lens`,
+        the BLAS-sized ones' lengths 0 (not in the compiled pass); False if one of them is not a
+        plain, contiguous float32 CPU tensor (then the eager ops take this pass). Raises if a
+        gradient's storage does not hold its values (`_lost_storage`, its contiguous case inlined)."""
         ptrs, ns = [], []
         f32, plain = torch.float32, torch.Tensor
         try:
@@ -267,60 +277,55 @@ class ParamProbe:
                     return False
                 n, ptr = g.numel(), g.data_ptr()
                 if n and (ptr == 0 or g.untyped_storage().nbytes() < (g.storage_offset() + n) * 4):
-                    raise RuntimeError(f"the gradient of parameter {len(ns)} has lost its storage "
-                                       "(freed in place?): its norms are not taken this step")
+                    _refuse_lost(grads)
                 ptrs.append(ptr)
                 ns.append(n)
         except (NotImplementedError, TypeError):  # sparse gradients have no contiguity
             return False
-        self._grad_addrs[:len(ptrs)] = ptrs
-        self._grad_lens[:len(ns)] = ns
+        self._grad_addrs[:] = ptrs
+        self._grad_lens[:] = ns
+        self._grad_lens[self._blas] = 0
         return True
 
-    def _norms_into(self, field: str, tensors: list[torch.Tensor], kind: str) -> None:
+    def _norms_into(self, field: str, tensors: list[torch.Tensor], kind: str) -> bool | None:
         """Per-tensor L2 norms of `tensors` ("weights" or "grads") into `field` (fwd_norms,
         grad_norms, end_norms or pre_norms) of the step's row: one pass over their memory.
 
         On an accelerator, one fused `torch._foreach_norm`. On the CPU, float32 tensors go
         through one compiled pass over all of them (float64 sums of squares: no float32 range
         to leave; the same value for the same memory every time, which weight drift relies on),
-        which also says whether every norm is finite (`_finite`). Without numba that pass is a
+        which also says whether every norm is finite (returned; None: not known). Without numba that pass is a
         BLAS dot product per tensor (float32 sums of squares), and a tensor whose sum of squares
         overflowed or underflowed float32 (an entry beyond ~1e19 or all entries below ~1e-19; an
         all-zero tensor looks the same) is taken again by the exact kernel: on the host, reading
         that verdict (one read per pass) costs nothing. Weights take one path for as long as
         their memory stays where it was when their views were taken (drift compares two of
         their norms)."""
-        out = getattr(self._row(), field)
-        self._finite = None
-        if self._compiled and (kind == "grads" or self._dot[kind]):
-            # gradients: each pass (one of another layout takes the eager ops for that pass only)
-            if kind == "weights" and (addrs := self._weight_memory()) is not None:
-                self._finite = self._compiled_norms(self._flat, addrs, self._compiled_numel,
-                                                    getattr(self._np_views[len(self.pending)], field), out)
-                return
-            if kind == "grads" and self._compiled_grads and self._grad_addresses(tensors):
-                self._grad_lens[self._blas] = 0
-                self._finite = self._compiled_norms(tensors, self._grad_addrs, self._grad_lens,
-                                                    getattr(self._np_views[len(self.pending)], field), out)
-                return
+        j = self._row_index()
+        out = getattr(self._row_views[j], field)
+        # the compiled pass: weights while their memory stays put, gradients each pass (one of
+        # another layout takes the eager ops for that pass only)
+        if kind == "weights" and (addrs := self._weight_memory()) is not None:
+            return self._compiled_norms(self._flat, addrs, self._compiled_numel,
+                                        getattr(self._np_views[j], field), out)
+        if kind == "grads" and self._compiled_grads and self._grad_addresses(tensors):
+            return self._compiled_norms(tensors, self._grad_addrs, self._grad_lens,
+                                        getattr(self._np_views[j], field), out)
         if kind == "grads" and self.device.type == "cpu":
-            for i, t in enumerate(tensors):
-                if type(t) is torch.Tensor and t.is_cpu and _lost_storage(t):
-                    raise RuntimeError(f"the gradient of parameter {i} has lost its storage (freed in "
-                                       "place?): its norms are not taken this step")
+            _refuse_lost(tensors)
         if not self._dot[kind]:
             torch.stack(torch._foreach_norm(tensors), out=out)
-            return
+            return None
         try:
             torch.stack([torch.dot(v, v) for v in (t.view(-1) for t in tensors)], out=out).sqrt_()
         except RuntimeError:  # a non-contiguous or sparse gradient: the exact kernel from now on
             self._dot[kind] = False
             torch.stack(torch._foreach_norm(tensors), out=out)
-            return
+            return None
         suspect = (out < _DOT_SMALLEST) | (out == math.inf)
         if bool(suspect.any()):  # rare (a zero tensor, a huge entry): all again, exactly
             torch.where(suspect, torch.stack(torch._foreach_norm(tensors)), out, out=out)
+        return None
 
     def _compiled_norms(self, tensors: list[torch.Tensor], addrs: np.ndarray, lens: np.ndarray,
                         out_np: np.ndarray, out: torch.Tensor) -> bool:
@@ -375,13 +380,11 @@ class ParamProbe:
         if all(p.grad is None for p in self.params):
             return True
         if self._compiled_grads and self._grad_addresses(everything := self._grads()):
-            self._grad_lens[self._blas] = 0
             return not self._compiled_norms(everything, self._grad_addrs, self._grad_lens, self._scratch,
                                             self._scratch_t)
         grads = [_values(local_shard(p.grad)) for p in self.params if p.grad is not None]
-        if self.device.type == "cpu" and any(type(g) is torch.Tensor and g.is_cpu and _lost_storage(g)
-                                             for g in grads):
-            raise RuntimeError("a gradient has lost its storage (freed in place?)")
+        if self.device.type == "cpu":
+            _refuse_lost(grads)
         return not bool(torch.isfinite(torch.stack(torch._foreach_norm(grads)).sum()))
 
     def _grads(self) -> list[torch.Tensor]:
@@ -428,7 +431,7 @@ class ParamProbe:
         # always a pass of its own, even when no version counter moved since the backward-end
         # pass: some writes move none (GradScaler's unscale), so copying those norms could be
         # off by the scale
-        self._norms_into("grad_norms", grads, "grads")
+        finite = self._norms_into("grad_norms", grads, "grads")
         unchanged = at_bw is not None and at_bw[0] == self._versions()
         if unchanged:
             self._preclip = _SAME_AS_TOTAL
@@ -439,7 +442,7 @@ class ParamProbe:
         # on CPU reading the verdict is free, so the per-tensor counts run only when needed (the
         # total norm is finite exactly when every per-tensor norm is)
         self.grads_finite = self.device.type != "cpu" or (
-            self._finite if self._finite is not None else bool(torch.isfinite(self._row().grad_norms).all()))
+            finite if finite is not None else bool(torch.isfinite(self._row().grad_norms).all()))
         if not self.grads_finite or self.device.type != "cpu":
             counts = torch.stack([g.numel() - torch.isfinite(g).sum() for g in grads])
             self._bad = torch.zeros(self.n, dtype=torch.long, device=self.device).index_add_(

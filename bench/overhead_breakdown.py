@@ -6,6 +6,11 @@ prints milliseconds and minor page faults per step for each part (nested parts a
 indented under their caller, and counted in it too), their total, and the process's minor page
 faults per step each way (getrusage). Run:
 `python bench/overhead_breakdown.py [--steps N] [--threads T] [--model bench|small] [--plain-first]`.
+
+`--norms-ab [--blas-from N]` instead times the parameter probe's three entry points in one
+watched run whose steps alternate the CPU norm and sketch passes between the compiled path
+(tracer/kernels.py; tensors of `--blas-from` values or more as BLAS dot products, default
+`params.BLAS_FROM`) and the eager ops, and prints ms per step of each, both ways.
 """
 
 from __future__ import annotations
@@ -62,9 +67,20 @@ def main() -> None:
     ap.add_argument("--plain-first", action="store_true",
                     help="time the pass without the recorder first (its page faults then owe nothing "
                          "to the allocator state the watched pass leaves)")
+    ap.add_argument("--norms-ab", action="store_true",
+                    help="time the parameter probe with compiled and eager norm passes, steps alternated")
+    ap.add_argument("--blas-from", type=int, default=None,
+                    help="with --norms-ab: tensors of this many values or more through BLAS")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.norms_ab:
+        if args.blas_from is not None:
+            params.BLAS_FROM = args.blas_from
+        torch.manual_seed(0)
+        batch, n_embd, block = MODELS[args.model]
+        norms_ab(*gpt_case(batch, n_layer=4, n_embd=n_embd, block=block), args.steps)
+        return
     totals: dict[str, float] = collections.defaultdict(float)
     part_faults: dict[str, float] = collections.defaultdict(float)
     for cls, name, _ in PARTS:
@@ -101,11 +117,59 @@ def main() -> None:
           f"({'before' if args.plain_first else 'after'} the watched pass), {faults[True]:.0f} with the recorder "
           "(of which inside its entry points, below: the nested ones are counted in their callers too)")
     lines = [(f"{cls.__name__}.{name}", indent) for cls, name, indent in PARTS]
+    _print_parts(lines, totals, part_faults, args.steps)
+
+
+def _print_parts(lines: list[tuple[str, int]], totals: dict[str, float], part_faults: dict[str, float],
+                 steps: int) -> None:
     for key, indent in lines:
-        print(f"{'    ' * indent}{key:<28s} {totals[key] / args.steps * 1e3:6.2f} ms/step "
-              f"{part_faults[key] / args.steps:7.0f} faults/step")
+        print(f"{'    ' * indent}{key:<28s} {totals[key] / steps * 1e3:6.2f} ms/step "
+              f"{part_faults[key] / steps:7.0f} faults/step")
     outermost = sum(totals[key] for key, indent in lines if indent == 0)
-    print(f"{'in all (the unindented lines)':<28s} {outermost / args.steps * 1e3:6.2f} ms/step")
+    print(f"{'in all (the unindented lines)':<28s} {outermost / steps * 1e3:6.2f} ms/step")
+
+
+def norms_ab(model: torch.nn.Module, loss_fn: Callable[[], torch.Tensor], steps: int) -> None:
+    """The probe's entry points, steps alternating the compiled and the eager norm passes."""
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    totals: dict[tuple[str, bool], float] = collections.defaultdict(float)
+    compiled = [True]
+    names = ("begin", "grads", "end")
+    for name in names:
+        real = getattr(params.ParamProbe, name)
+
+        def timed(self: params.ParamProbe, *a: Any, _real: Any = real, _name: str = name) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return _real(self, *a)
+            finally:
+                totals[(_name, compiled[0])] += time.perf_counter() - t0
+        setattr(params.ParamProbe, name, timed)
+    with tempfile.TemporaryDirectory() as tmp:
+        rec = watch(model, opt, tmp)
+        probe = rec.params
+        assert probe._compiled, "no compiled passes here (numba missing, or WARNINGLIGHT_EAGER set)"
+        run_block(loss_fn, opt, 11, rec)
+        totals.clear()
+        for step in range(2 * steps):
+            # alternate, the order flipped every 8 steps: the exact first-forward pass of every
+            # 8th step (params.EXACT_DRIFT_EVERY) then falls to each side in turn
+            compiled[0] = (step + step // params.EXACT_DRIFT_EVERY) % 2 == 0
+            probe._compiled_grads = compiled[0]
+            if compiled[0]:
+                probe.refresh()  # takes the weights' addresses again
+            else:
+                probe._weight_addrs = None  # the eager ops read the weights
+            run_block(loss_fn, opt, 1, rec)
+        rec.close()
+    print(f"parameter probe, ms per step, compiled / eager ({steps} steps each way, alternated; "
+          f"BLAS from {params.BLAS_FROM:,} values, {sum(n >= params.BLAS_FROM for n in probe._numel)} "
+          f"of {len(probe._numel)} tensors):")
+    for name in names:
+        print(f"  ParamProbe.{name:<6s} {totals[(name, True)] / steps * 1e3:6.3f} / "
+              f"{totals[(name, False)] / steps * 1e3:6.3f}")
+    both = [sum(totals[(n, c)] for n in names) / steps * 1e3 for c in (True, False)]
+    print(f"  in all           {both[0]:6.3f} / {both[1]:6.3f}")
 
 
 if __name__ == "__main__":

@@ -315,7 +315,7 @@ def warm() -> None:
             raw = np.ones(2, dtype=dtype)
             raw.setflags(write=not readonly)
             baseline(Column(raw, None, True, True, 0.0), lr, starts, kept, 1, 0, 1,
-                     Scales(0.1, 0.1, 1e-12, 1.349))
+                     Scales(0.1, 0.1, 1e-12, 1.349))  # any values: only the types compile
     fold_heat(np.zeros(2), np.zeros(2), np.ones(2, dtype=np.bool_))
 
 

@@ -48,6 +48,16 @@ def _rank(buf: np.ndarray, x: float) -> int:  # pragma: no cover - compiled
     return count
 
 
+@numba.njit(nogil=True, inline="always")
+def _rank2(buf: np.ndarray, a: float, b: float) -> tuple[int, int]:  # pragma: no cover - compiled
+    """`_rank` of two values in one pass over the ring."""
+    count_a = count_b = 0
+    for v in buf:
+        count_a += v < a
+        count_b += v < b
+    return count_a, count_b
+
+
 @numba.njit(cache=True, nogil=True)
 def _trailing(values: np.ndarray, starts: np.ndarray, window: int, lag: int, min_samples: int,
               out: np.ndarray) -> None:  # pragma: no cover - compiled
@@ -57,7 +67,9 @@ def _trailing(values: np.ndarray, starts: np.ndarray, window: int, lag: int, min
     values on whichever side of it is shorter: a series that trends (every new value the
     largest, the oldest the smallest: norms over training) moves almost nothing, where a flat
     array moved the whole window each row. When a value leaves and another enters, the values
-    between the two places move instead if that is fewer.
+    between the two places move instead if that is fewer. A value that leaves as an equal one
+    enters changes nothing: the row takes the statistics of the row before (a series that holds
+    still, as counts of non-finite values and many learning rates do, costs a comparison a row).
 
     Helpers are inlined at compile time: one cached function to load when a command starts."""
     cap = 1
@@ -69,15 +81,24 @@ def _trailing(values: np.ndarray, starts: np.ndarray, window: int, lag: int, min
         first, end = starts[g], starts[g + 1]
         n, head = 0, 0
         buf[:] = np.inf
+        signed_zero = False  # has a -0.0 entered (then an equal value may be a zero of the other sign)
         for i in range(first, end):
             x_in = values[i - lag] if i - lag >= first else np.nan
             x_out = values[i - lag - window] if i - lag - window >= first else np.nan
             entering, leaving = not math.isnan(x_in), not math.isnan(x_out)
-            at = 0
-            if entering:
+            if entering and x_in == 0.0 and math.copysign(1.0, x_in) < 0:
+                signed_zero = True
+            if entering and leaving and x_in == x_out and (x_in != 0.0 or not signed_zero):
+                out[0, i], out[1, i], out[2, i] = out[0, i - 1], out[1, i - 1], out[2, i - 1]
+                continue  # the same values (and i > first: one left)
+            at = lo = 0
+            if entering and leaving:
+                at, lo = _rank2(buf, x_in, x_out)  # lo: the leaving value's place (the first holding it)
+            elif entering:
                 at = _rank(buf, x_in)
+            elif leaving:
+                lo = _rank(buf, x_out)
             if leaving:
-                lo = _rank(buf, x_out)  # the leaving value's place (the first holding it)
                 if entering:
                     if at > lo:
                         at -= 1  # its place once the leaving value is gone
@@ -156,20 +177,26 @@ def _baseline(raw: np.ndarray, missing: np.ndarray, lr: np.ndarray, starts: np.n
         else:
             values[i] = np.nan
     _trailing(values, starts, window, lag, min_samples, q)
+    last_q50, last_m, last_log_m = np.nan, np.nan, np.nan  # a log median's exp and log, kept while it holds
     for j in range(len(kept)):
         i = kept[j]
         q25, q50, q75 = q[0, i], q[1, i], q[2, i]
         if math.isnan(q50):  # no baseline yet: the scale is its floor, the rest null
             med[j], scale[j], z[j], z_valid[j] = np.nan, log_floor if log else floor, np.nan, False
         elif log:
-            m = math.exp(q50)
             if scaled:
                 f = lr[i]
-                m = m * (f if math.isfinite(f) and f > 0 else 1.0)
+                m = math.exp(q50) * (f if math.isfinite(f) and f > 0 else 1.0)
+                log_m = _log_floored(m, tiny)
+            else:
+                if q50 != last_q50:
+                    last_q50, last_m = q50, math.exp(q50)
+                    last_log_m = _log_floored(last_m, tiny)
+                m, log_m = last_m, last_log_m
             s = max((q75 - q25) * per_iqr, log_floor)
             med[j], scale[j] = m, s
             # a NaN is floored like any other value (far below its baseline); a null has no z
-            z[j] = (logged[i] - _log_floored(m, tiny)) / s
+            z[j] = (logged[i] - log_m) / s
             z_valid[j] = not missing[i]
         else:
             s = max((q75 - q25) * per_iqr, abs(q50) * rel_floor, floor)

@@ -56,6 +56,26 @@ def test_trailing_equals_polars_rolling_on_trending_series(shape: str) -> None:
         assert np.array_equal(got, want, equal_nan=True), (window, lag, min_samples)
 
 
+def test_trailing_equals_polars_rolling_on_series_that_hold_still() -> None:
+    # counts of non-finite values (zero but for a burst) and a stepped learning rate: a value
+    # leaves as an equal one enters on most rows, and the kernel keeps the row before's statistics
+    rng = np.random.default_rng(7)
+    n = 1200
+    counts = np.zeros(n)
+    counts[500:520] = rng.integers(1, 4, size=20)
+    lr = np.repeat([1e-3, 5e-4, 5e-4, 1e-4], n // 4)
+    signs = np.where(rng.random(n) < 0.5, -0.0, 0.0)  # zeros of both signs: never taken as alike
+    lengths = np.array([400, 3, 797])
+    series = np.repeat(np.arange(3), lengths)
+    starts = np.concatenate([[0], np.cumsum(lengths)])
+    for values in (counts, lr, signs + (rng.random(n) < 0.02)):
+        valid = rng.random(n) > 0.02
+        for window, lag, min_samples in ((64, 3, 64), (7, 0, 1), (33, 2, 10)):
+            got = quantiles.trailing(np.where(valid, values, np.nan), starts, window, lag, min_samples)
+            want = _polars(values, valid, series, window, lag, min_samples)
+            assert np.array_equal(got, want, equal_nan=True), (window, lag, min_samples)
+
+
 def test_trailing_many_spreads_columns_and_keeps_their_order() -> None:
     rng = np.random.default_rng(7)
     columns = [rng.normal(size=500) * (k + 1) for k in range(5)]

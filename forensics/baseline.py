@@ -16,6 +16,8 @@ not turn float noise into huge z-scores.
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import polars as pl
 from warninglight.tracer import schema
@@ -208,7 +210,7 @@ def _own_baseline(frame: pl.DataFrame, starts: np.ndarray, metrics: list[str], c
     meds: list[pl.Series] = []
     zs: list[pl.Series] = []
     heat = np.full(len(rows), np.nan)
-    stats = quantiles.baseline_many([_column(frame, m, lr) for m in metrics], lr_values, starts, rows,
+    stats = quantiles.baseline_many([functools.partial(_column, frame, m, lr) for m in metrics], lr_values, starts, rows,
                                     cfg.window, cfg.lag, cfg.min_samples, _SCALES)
     for m, (med, scale, z, z_valid) in zip(metrics, stats, strict=True):
         meds += [pl.Series(f"{m}__med", med, dtype=pl.Float64, nan_to_null=True),

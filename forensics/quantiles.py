@@ -25,7 +25,7 @@ import collections
 import math
 import os
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -288,16 +288,19 @@ def _scratch(size: int) -> np.ndarray:
     return buf
 
 
-def baseline_many(columns: list[Column], lr: np.ndarray | None, starts: np.ndarray, kept: np.ndarray,
-                  window: int, lag: int, min_samples: int,
+def baseline_many(columns: Sequence[Column | Callable[[], Column]], lr: np.ndarray | None, starts: np.ndarray,
+                  kept: np.ndarray, window: int, lag: int, min_samples: int,
                   scales: Scales) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]]:
     """`baseline` of each column, in order, computed on all the machine's cores (no GIL held).
+    A column may be given as a function that makes it: it is then made on the worker too (the
+    caller does not make every column before the first starts).
 
     At most two columns per core are computed ahead of the one the caller takes, so the arrays
     held stay bounded however many metrics there are, and a slow column does not leave the
     other cores idle (as batches of one column per core did)."""
-    def one(col: Column) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        return baseline(col, lr, starts, kept, window, lag, min_samples, scales)
+    def one(col: Column | Callable[[], Column]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        return baseline(col if isinstance(col, Column) else col(), lr, starts, kept, window, lag,
+                        min_samples, scales)
     workers = min(len(columns), WORKERS)
     if workers <= 1:
         yield from (one(c) for c in columns)

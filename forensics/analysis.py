@@ -12,6 +12,8 @@ rules scan the same windows), and localisation reads back only the alarmed compo
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
@@ -330,13 +332,30 @@ def classify_trace(trace: Trace, config: Config, components: pl.DataFrame, heat_
     chunk = chunk_steps or max(config.baseline.history(config.conditions), CHUNK_ROWS // max(1, len(components)))
     clf = Classifier(config, components, heat_width, since=judge_from, reference=reference)
     lr = component_lr(trace)  # the lr each component saw: update metrics are judged relative to it
-    for start in range(read_from, last + 1, chunk):
-        rows = health_window(trace, start, min(start + chunk - 1, last))
-        rows = join_lr(rows.lazy(), lr).collect()
+
+    def read(start: int) -> pl.DataFrame:
+        return join_lr(health_window(trace, start, min(start + chunk - 1, last)).lazy(), lr).collect()
+    for rows in _read_ahead(read, list(range(read_from, last + 1, chunk))):
         clf.feed(rows)
         if static is not None:
             static.feed(rows.filter(pl.col("step") >= judge_from))
     return clf
+
+
+def _read_ahead(read: Callable[[int], pl.DataFrame], starts: list[int]) -> Iterator[pl.DataFrame]:
+    """`read(start)` for each start, in order, the next one read on a thread of its own while the
+    caller works on this one (the reads wait on DuckDB and Polars, which hold no GIL: a core the
+    classifier leaves idle does them). Only that thread touches the trace's connection until the
+    last window is handed over; one window is read ahead, no more."""
+    if not starts:
+        return
+    with ThreadPoolExecutor(1, thread_name_prefix="warninglight-read") as pool:
+        ahead = pool.submit(read, starts[0])
+        for start in starts[1:]:
+            rows = ahead.result()
+            ahead = pool.submit(read, start)
+            yield rows
+        yield ahead.result()
 
 
 def locate_alarms(trace: Trace, alarms: pl.DataFrame, components: pl.DataFrame, config: Config,

@@ -162,3 +162,32 @@ def test_a_warm_restart_back_to_the_run_peak_is_no_surge_however_it_is_fed() -> 
         for first in range(1, 401, chunk):
             clf.feed(frame.filter(pl.col("step").is_between(first, first + chunk - 1)))
         assert clf.alarms().equals(whole), chunk
+
+
+def test_windows_are_read_one_ahead_in_order_and_a_failed_read_fails_where_it_was() -> None:
+    import threading
+    import time
+
+    from warninglight.forensics.analysis import _read_ahead
+
+    started: list[int] = []
+    caller = threading.get_ident()
+    readers: set[int] = set()
+
+    def read(start: int) -> pl.DataFrame:
+        started.append(start)
+        readers.add(threading.get_ident())
+        time.sleep(0.01)
+        if start == 30:
+            raise ValueError("segment 30 unreadable")
+        return pl.DataFrame({"start": [start]})
+
+    got = []
+    with pytest.raises(ValueError, match="segment 30"):
+        for rows in _read_ahead(read, [0, 10, 20, 30, 40]):
+            got.append(rows["start"].item())
+            assert len(started) <= len(got) + 1  # never more than one window ahead
+    assert got == [0, 10, 20]  # every window before the bad one, in order; the failure where it was
+    assert started == [0, 10, 20, 30]  # nothing read past it
+    assert caller not in readers  # the reads ran on the reader thread, not the caller's
+    assert list(_read_ahead(read, [])) == []

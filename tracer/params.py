@@ -228,7 +228,8 @@ class ParamProbe:
 
     def _weight_memory(self) -> np.ndarray | None:
         """The weights' addresses for the compiled passes, if they still hold their memory
-        (else the views are taken again; None: the eager ops read them)."""
+        (else the views are taken again; None: the eager ops read them). Checked once per hook:
+        its sketch and norms read the same answer."""
         if self._weight_addrs is not None and [p.data_ptr() for p in self._flat] != self._weight_ptrs:
             self.refresh()
         return self._weight_addrs
@@ -250,10 +251,11 @@ class ParamProbe:
     def _row(self) -> _Row:
         return self._row_views[self._row_index()]
 
-    def _sketch_into(self, field: str) -> None:
-        """The weights' sketch into `field` (fwd_sketch or end_sketch) of the step's row."""
+    def _sketch_into(self, field: str, addrs: np.ndarray | None) -> None:
+        """The weights' sketch into `field` (fwd_sketch or end_sketch) of the step's row, through
+        their addresses `addrs` (`_weight_memory`) if given, else by the eager ops."""
         j = self._row_index()
-        if (addrs := self._weight_memory()) is not None:
+        if addrs is not None:
             kernels.gather_sketch(addrs, *self._sketch_at, getattr(self._np_views[j], field))
             return
         out = getattr(self._row_views[j], field)
@@ -287,7 +289,8 @@ class ParamProbe:
         self._grad_lens[self._blas] = 0
         return True
 
-    def _norms_into(self, field: str, tensors: list[torch.Tensor], kind: str) -> bool | None:
+    def _norms_into(self, field: str, tensors: list[torch.Tensor], kind: str,
+                    weight_addrs: np.ndarray | None = None) -> bool | None:
         """Per-tensor L2 norms of `tensors` ("weights" or "grads") into `field` (fwd_norms,
         grad_norms, end_norms or pre_norms) of the step's row: one pass over their memory.
 
@@ -300,13 +303,13 @@ class ParamProbe:
         all-zero tensor looks the same) is taken again by the exact kernel: on the host, reading
         that verdict (one read per pass) costs nothing. Weights take one path for as long as
         their memory stays where it was when their views were taken (drift compares two of
-        their norms)."""
+        their norms): `weight_addrs`, from `_weight_memory`, None for the eager ops."""
         j = self._row_index()
         out = getattr(self._row_views[j], field)
         # the compiled pass: weights while their memory stays put, gradients each pass (one of
         # another layout takes the eager ops for that pass only)
-        if kind == "weights" and (addrs := self._weight_memory()) is not None:
-            return self._compiled_norms(self._flat, addrs, self._compiled_numel,
+        if kind == "weights" and weight_addrs is not None:
+            return self._compiled_norms(self._flat, weight_addrs, self._compiled_numel,
                                         getattr(self._np_views[j], field), out)
         if kind == "grads" and self._compiled_grads and self._grad_addresses(tensors):
             return self._compiled_norms(tensors, self._grad_addrs, self._grad_lens,
@@ -368,11 +371,12 @@ class ParamProbe:
                 self.params, self._flat, strict=True))
             if swapped:
                 self.refresh()
-            self._sketch_into("fwd_sketch")
+            addrs = self._weight_memory()
+            self._sketch_into("fwd_sketch", addrs)
             self._exact_fwd = (swapped or self._end_versions is None or self._ends % EXACT_DRIFT_EVERY == 0
                                or self._weight_versions() != self._end_versions)
             if self._exact_fwd:
-                self._norms_into("fwd_norms", self._flat, "weights")
+                self._norms_into("fwd_norms", self._flat, "weights", addrs)
         self.begun = True
 
     def grads_suspect(self) -> bool:
@@ -457,8 +461,9 @@ class ParamProbe:
             return np.zeros((self.n, len(PARAM_METRICS)), dtype=bool), False, False
         if not self.begun:
             self.begin()
-        self._sketch_into("end_sketch")
-        self._norms_into("end_norms", self._flat, "weights")
+        addrs = self._weight_memory()
+        self._sketch_into("end_sketch", addrs)
+        self._norms_into("end_norms", self._flat, "weights", addrs)
         self._end_versions = self._weight_versions()
         valid = self._valid[min(self._ends, 1)].copy()
         has_total = self.has_grad is not None

@@ -315,8 +315,6 @@ def test_compiled_passes_stay_on_for_gradients_after_one_of_another_layout(monke
     assert not params.ParamProbe(components.discover(mixed), sketch_size=16)._compiled
 
 
-
-
 def test_head_prediction_entropy_and_confidence(tmp_path: Path) -> None:
     torch.manual_seed(0)
     model = zoo.mlp()

@@ -3,7 +3,7 @@
 Runs one whole-trace analysis in this process with timers around the engine's parts (nested
 parts are counted in their callers too), then, on one step window of the same run (the third
 the classifier judged), the baseline kernel's nanoseconds per row for each metric (one thread:
-the window's order statistics, then median, scale and z) and the window's sort by names against `sort_series`. The trace is a GPT sample trace grown to
+the window's order statistics, then median, scale and z) and their sum, and the window's sort by names against `sort_series`; last, opening the trace (best of 5). The trace is a GPT sample trace grown to
 `--size` component-steps (bench/grow.py, the faulty one) unless `--trace` names one. Run:
 `python bench/engine_breakdown.py [--size 1e7 | --trace DIR]`.
 """
@@ -26,11 +26,13 @@ import polars as pl
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import grow  # noqa: E402
 from warninglight.forensics import analysis, baseline, quantiles, static_rules, stream  # noqa: E402
+from warninglight.forensics.store import open_trace  # noqa: E402
 
 PARTS = ((stream.Classifier, "feed", 0), (stream, "sort_series", 1), (stream, "score", 1),
          (baseline, "_own_baseline", 2), (quantiles, "baseline", 3), (stream, "heat_of", 1),
          (stream, "hits", 1), (stream.Classifier, "_carry", 1), (analysis, "health_window", 0),
-         (static_rules.StaticScan, "feed", 0))
+         (analysis, "join_lr", 0), (static_rules.StaticScan, "feed", 0))
+READER = {"health_window", "join_lr"}  # run on the reader thread, beside the classifier
 WINDOW = 3  # the window whose unit costs are timed (the first ones are shorter: no history yet)
 
 
@@ -87,11 +89,13 @@ def main() -> None:
         t0 = time.perf_counter()
         result = analysis.analyze(trace)
         total = time.perf_counter() - t0
+        opened = _best_s(lambda: open_trace(trace).close(), repeat=5)
     print(f"analyze {trace.name}: {total:.1f} s in all, {len(own)} step windows; "
           f"root {result.root.attributed_to if result.root else None}")
     for owner, name, indent in PARTS:
         key = _label(owner, name)
-        threads = "  (summed over the threads running it)" if (owner, name) == (quantiles, "baseline") else ""
+        threads = "  (summed over the threads running it)" if (owner, name) == (quantiles, "baseline") else (
+            "  (on the reader thread, beside the classifier)" if name in READER else "")
         print(f"{'    ' * indent}{key:<28s} {totals[key]:7.2f} s{threads}")
     window = sorts[min(WINDOW, len(sorts)) - 1][0]
     frame, starts, metrics, cfg, lr = own[min(WINDOW, len(own)) - 1][:5]
@@ -100,11 +104,15 @@ def main() -> None:
           f"{_best_s(lambda: baseline.sort_series(window)) * 1e3:.0f} ms")
     lr_values = frame["lr"].cast(pl.Float64).to_numpy() if lr else None
     rows = np.arange(frame.height)
+    total = 0.0
     for m in metrics:
         col = baseline._column(frame, m, lr)
         s = _best_s(lambda col=col: quantiles.baseline(col, lr_values, starts, rows, cfg.window, cfg.lag,
                                                        cfg.min_samples, baseline._SCALES))
+        total += s
         print(f"    baseline kernel {m:<22s} {s / frame.height * 1e9:6.1f} ns/row")
+    print(f"    baseline kernel, all {len(metrics)} metrics  {total / frame.height * 1e9:6.1f} ns/row")
+    print(f"open_trace: {opened * 1e3:.1f} ms (best of 5)")
 
 
 if __name__ == "__main__":

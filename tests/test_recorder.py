@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -99,6 +100,56 @@ def test_nan_and_inf_inside_the_model_are_counted_not_raised(tmp_path: Path) -> 
     assert rows[(2, "0")][0] == expected == 2 * 64  # each bad input spoils a whole output row
     assert rows[(2, "0")][1] > 0 and rows[(2, "6")][0] > 0  # NaN reached the gradients and the head
     assert read(tmp_path, "steps", "select micro_batches from t") == [(1,), (1,)]
+
+
+class _MaskedOverflow(torch.nn.Module):
+    """A mask keeps an infinite `lin` output out of the model's output, and exp's backward
+    (gradient x result: 0 x inf) turns the gradients to NaN."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin, self.head = torch.nn.Linear(4, 4), torch.nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        e = torch.exp(self.lin(x))
+        return self.head(torch.where(torch.isfinite(e), e, torch.zeros_like(e)))
+
+
+@pytest.mark.parametrize("compiled", [True, False])
+def test_a_non_finite_output_that_reaches_only_the_gradients_is_counted_or_null_never_zero(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, compiled: bool) -> None:
+    # on the CPU the outputs of a forward pass whose own output is finite are let go at its end
+    # (compiled check): a NaN/inf inside that reaches only the gradients then has no count, and
+    # the step says so (null) instead of claiming zero; without numba they are held to the step
+    from warninglight.tracer import kernels
+
+    if not compiled:
+        monkeypatch.setattr(kernels, "available", lambda: False)
+    torch.manual_seed(0)
+    model = _MaskedOverflow()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    x = torch.randn(8, 4)
+    with watch(model, opt, tmp_path, flush_every_steps=2):
+        for step in (1, 2, 3):
+            if step == 2:
+                with torch.no_grad():
+                    model.lin.bias[0] = math.inf  # lin's first unit is infinite in all 8 rows
+            out = model(x)
+            assert torch.isfinite(out).all()
+            out.sum().backward()
+            assert torch.isfinite(model.lin.weight.grad).all() == (step != 2)
+            opt.step()
+            opt.zero_grad()
+            with torch.no_grad():
+                model.lin.weight.zero_()  # the NaN step left NaN weights: start clean again
+                model.lin.bias.zero_()
+    rows = dict(((s, c), (o, g)) for s, c, o, g in read(
+        tmp_path, "health", "select step, component, out_nonfinite_count, grad_nonfinite_count from t"))
+    assert rows[(2, "lin")][1] == 5 and rows[(2, "head")][1] == 0  # NaN reached lin's gradients only
+    # without numba: lin's 8 infinities counted; compiled: unknown, in every component of the step
+    assert [rows[(2, c)][0] for c in ("lin", "head")] == ([None, None] if compiled else [8, 0])
+    # steps whose forward and gradients are finite: zeros both ways
+    assert [rows[(s, c)][0] for s in (1, 3) for c in ("lin", "head")] == [0, 0, 0, 0]
 
 
 def test_gradient_accumulation_and_eval_passes(tmp_path: Path) -> None:

@@ -52,6 +52,7 @@ def _runs(metrics: tuple[str, ...]) -> list[tuple[slice, slice]]:
 
 _FORWARD_RUNS, _PARAM_RUNS = _runs(FORWARD_METRICS), _runs(PARAM_METRICS)
 _FORWARD_POS = [_METRIC_POS[m] for m in FORWARD_METRICS]
+_OUT_NONFINITE = _METRIC_POS["out_nonfinite_count"]
 _PARAM_POS = [_METRIC_POS[m] for m in PARAM_METRICS]
 assert sorted(_FORWARD_POS + _PARAM_POS) == list(range(len(schema.HEALTH_METRICS)))
 _MAX_WARNING_EVENTS = 20
@@ -264,11 +265,12 @@ class Recorder:
         of the backward pass through this output (pre-clip norms)."""
         if torch.compiler.is_compiling() or not self._recording(module):
             return
+        t = first_tensor(out)
         try:
             self.fwd.copy_deferred()
+            self.fwd.release_if_finite(t)
         except Exception as exc:
             self._probe_failed(exc)
-        t = first_tensor(out)
         if t is not None and t.requires_grad:
             t.register_hook(self._on_output_grad)
 
@@ -320,7 +322,7 @@ class Recorder:
             self.params.grads()
             # forward outputs held on CPU are counted only if the gradients say something was
             # not finite; a non-finite output that never reaches the gradients goes uncounted
-            if self.fwd.held:
+            if self.fwd.held or self.fwd.released:
                 self.fwd.settle(self.params.has_grad is None or not self.params.grads_finite)
         except Exception as exc:
             self._probe_failed(exc)
@@ -371,6 +373,8 @@ class Recorder:
         pvalid, has_total, has_preclip = self.params.end(slot)
         valid = self._static_valid.copy()
         valid[:, _FORWARD_POS] &= self.fwd.sampled[:, None]
+        if self.fwd.unknown:  # outputs let go uncounted, and the gradients are not finite
+            valid[:, _OUT_NONFINITE] = False
         valid[:, _PARAM_POS] = pvalid
         lr = self.optimizer.param_groups[0].get("lr") if self.optimizer else None
         lr_host = None

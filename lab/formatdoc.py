@@ -76,10 +76,16 @@ _NOTES = """\
   are the last dimension, or the channel dimension for convolution/batch-norm outputs and 4-D
   or 5-D outputs (of which at most 8 images are sampled). Very wide outputs get fewer rows: at
   most 65536 values per component, never fewer than 4 rows.
-- **Non-finite counts** cover the whole output of every micro-batch. On CPU the outputs are
-  held until `optimizer.step()` and counted only if the gradients are not all finite (a full
-  pass over every output costs more than the rest of the recorder); a non-finite output that
-  never reaches the gradients is not counted there. On an accelerator every output is counted.
+- **Non-finite counts** cover the whole output of every micro-batch. On an accelerator every
+  output is counted. On CPU (a full pass over every output costs more than the rest of the
+  recorder) a forward pass whose own output (the model's first output tensor) is finite lets
+  its components' outputs go uncounted at its end; otherwise they are held until
+  `optimizer.step()` and counted if the gradients are not all finite. So a NaN/Inf that
+  reaches the model's output is counted exactly in every component; one that reaches neither
+  the model's output nor the gradients is not counted; and one that reaches only the gradients
+  (an overflow masked out of the output, whose backward makes NaN) leaves the step's
+  `out_nonfinite_count` **null** in every component — unknown, never a false 0. Without numba,
+  or for an output that is not a contiguous float32 tensor, they are held to the step.
 - **Gradients** are read in `optimizer.step()`'s pre-hook, after `GradScaler.step` unscaled
   them, and summed over micro-batches as PyTorch accumulates them.
 - **Sketch.** Update norm, ratio and cosine use a fixed random set of up to `sketch_size`

@@ -79,13 +79,16 @@ _NOTES = """\
 - **Non-finite counts** cover the whole output of every micro-batch. On an accelerator every
   output is counted. On CPU (a full pass over every output costs more than the rest of the
   recorder) a forward pass whose own output (the model's first output tensor) is finite lets
-  its components' outputs go uncounted at its end; otherwise they are held until
-  `optimizer.step()` and counted if the gradients are not all finite. So a NaN/Inf that
-  reaches the model's output is counted exactly in every component; one that reaches neither
-  the model's output nor the gradients is not counted; and one that reaches only the gradients
-  (an overflow masked out of the output, whose backward makes NaN) leaves the step's
-  `out_nonfinite_count` **null** in every component — unknown, never a false 0. Without numba,
-  or for an output that is not a contiguous float32 tensor, they are held to the step.
+  its components' outputs go uncounted at its end; once one of a step's forward passes has a
+  non-finite output, its outputs and those of the step's later micro-batches are held until
+  the gradients exist and counted if they are not all finite. So a NaN/Inf that reaches the
+  model's output and the gradients is counted exactly in every component; one that reaches
+  neither the gradients nor the model's output is not counted; and when the gradients are not
+  finite while a forward pass of the step let its outputs go (a NaN that starts in the loss or
+  the backward pass, or an overflow masked out of the output whose backward makes NaN), the
+  step's `out_nonfinite_count` is **null** in every component — unknown, never a false or
+  partial count. Without numba, or for an output that is not a contiguous float32 tensor, the
+  outputs are held to the step.
 - **Gradients** are read in `optimizer.step()`'s pre-hook, after `GradScaler.step` unscaled
   them, and summed over micro-batches as PyTorch accumulates them.
 - **Sketch.** Update norm, ratio and cosine use a fixed random set of up to `sketch_size`

@@ -152,6 +152,53 @@ def test_a_non_finite_output_that_reaches_only_the_gradients_is_counted_or_null_
     assert [rows[(s, c)][0] for s in (1, 3) for c in ("lin", "head")] == [0, 0, 0, 0]
 
 
+def _poison(model: _MaskedOverflow, kind: str | None) -> None:
+    """Set up a micro-batch: "hidden" (lin's first unit infinite, masked out of the output; NaN
+    gradients), "output" (a NaN head bias: the model's output is NaN) or clean (None)."""
+    with torch.no_grad():
+        for p in model.parameters():
+            p.nan_to_num_(0.0, 0.0, 0.0)  # what an earlier NaN step left
+        model.lin.bias[0] = math.inf if kind == "hidden" else 0.0
+        model.head.bias[0] = math.nan if kind == "output" else 0.0
+
+
+@pytest.mark.parametrize("micro", [("hidden", "output"), ("output", "hidden"), (None, None)])
+def test_micro_batches_let_go_uncounted_never_give_a_partial_count(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, micro: tuple[str | None, ...]) -> None:
+    # the count covers every micro-batch: with one let go (finite output) whose gradients are
+    # not finite, the step's count is unknown, not the other micro-batches' count alone; once a
+    # micro-batch's output is not finite, the rest of the step is held and counted exactly
+    from warninglight.tracer import kernels
+
+    counts = {}
+    for compiled in (True, False):
+        if not compiled:
+            monkeypatch.setattr(kernels, "available", lambda: False)
+        torch.manual_seed(0)
+        model = _MaskedOverflow()
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        trace = tmp_path / str(compiled)
+        with watch(model, opt, trace, flush_every_steps=2):
+            for kind in micro:
+                _poison(model, kind)
+                model(torch.randn(8, 4)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+            _poison(model, None)
+            model(torch.randn(8, 4))  # a step without a backward pass: nothing to judge, counted as 0
+            opt.step()
+        counts[compiled] = dict(((s, c), o) for s, c, o in read(
+            trace, "health", "select step, component, out_nonfinite_count from t"))
+    exact = counts[False]
+    if micro == (None, None):
+        assert set(exact.values()) == {0}
+    else:
+        # the hidden infinities counted; a NaN output counted once the gradients are not finite
+        assert exact[(1, "lin")] == 8 and exact[(1, "head")] == (8 if micro[0] == "hidden" else 0)
+    expected = {**exact, (1, "lin"): None, (1, "head"): None} if micro[0] == "hidden" else exact
+    assert counts[True] == expected
+
+
 def test_gradient_accumulation_and_eval_passes(tmp_path: Path) -> None:
     torch.manual_seed(0)
     model = zoo.mlp()

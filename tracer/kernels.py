@@ -153,9 +153,16 @@ def _build() -> dict[str, Any]:
     gather_sketch(addrs[:2], np.array([1, 0]), np.array([1, 1]), np.array([1, 2]), got)
     if list(got) != [4.0, np.inf, 1.0]:
         raise RuntimeError("the compiled sketch kernel gave a wrong value")
+    # short and vectorised lengths, the odd value first, inside and last
     odd = np.array([1.0, -0.0, 3e38, np.nan, -np.inf, np.inf], np.float32)
-    if any_nonfinite(odd.ctypes.data, 3) or not all(
-            any_nonfinite(odd[i:].ctypes.data, 1) for i in (3, 4, 5)):
+    long = np.full(1027, 3e38, np.float32)
+    wrong = any_nonfinite(odd.ctypes.data, 3) or any_nonfinite(long.ctypes.data, long.size) or not all(
+        any_nonfinite(odd[i:].ctypes.data, 1) for i in (3, 4, 5))
+    for at, bad in ((0, np.nan), (517, np.inf), (1026, -np.inf)):
+        long[at] = bad
+        wrong = wrong or not any_nonfinite(long.ctypes.data, long.size)
+        long[at] = 1.0
+    if wrong:
         raise RuntimeError("the compiled non-finite check gave a wrong answer")
     return {"forward_sums": forward_sums, "tensor_norms": tensor_norms, "gather_sketch": gather_sketch,
             "any_nonfinite": any_nonfinite}

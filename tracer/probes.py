@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -257,12 +258,13 @@ class ForwardProbe:
         self.samples: list[tuple[int, torch.Tensor]] = []  # this step's (component, sample)
         self.bad: torch.Tensor | None = None                 # this step's non-finite counts
         self.held: list[tuple[int, torch.Tensor]] = []       # CPU outputs awaiting the verdict
-        # CPU: outputs were let go at the end of a forward pass whose output was finite (so a
-        # non-finite value in them that reached only the gradients is not counted); and this
-        # step's counts are unknown (null) because the gradients turned out not finite with
-        # nothing counted to explain it
+        # CPU: outputs of a forward pass whose output was finite were let go uncounted (judged
+        # by the gradients later: not finite, and the step's counts are unknown, i.e. null);
+        # a forward pass of this step had a non-finite output (the rest of the step's outputs
+        # are held and counted, as are its own)
         self.released = False
         self.unknown = False
+        self.tainted = False
         self.sampled = np.zeros(self.n, dtype=bool)
         self.pending: list[_StepSamples] = []                # finished steps not yet reduced
         # (component, sample, non-finite count) appended by compiled graphs, absorbed at step end
@@ -286,7 +288,7 @@ class ForwardProbe:
         On an accelerator the count is a few sync-free ops over the whole output. On CPU a full
         pass over every output (cold memory) measured ~7% of a small GPT's step, so the output
         is held instead: let go at the end of the forward pass if the model's output is finite
-        (`release_if_finite`), else until the gradients exist (`settle` counts it if they are
+        (`end_forward`), else until the gradients exist (`settle` counts it if they are
         not finite).
         """
         t = first_tensor(out)
@@ -385,31 +387,42 @@ class ForwardProbe:
             self.bad = torch.zeros(self.n, dtype=torch.float64, device=self.device)
         return self.bad
 
-    def release_if_finite(self, out: torch.Tensor | None) -> None:
+    def end_forward(self, out: torch.Tensor | None, grads_finite: Callable[[], bool | None]) -> None:
         """End of a forward pass on CPU: let the held outputs go now if the model's output `out`
         is finite (one compiled pass over it, no tensor read). Held until the optimizer step,
         they kept memory that the backward pass would have freed, and freeing it all at once
         after the step made the allocator hand pages back and fault them in again in the next
         step's ops (the recorder's largest cost on a CPU GPT). A NaN or infinity reaches the
-        model's output in nearly every fault; the case where it does not but reaches the
-        gradients leaves the step's counts null (`settle`), not zero."""
-        if (self.held and self._compiled and type(out) is torch.Tensor and out.is_cpu
-                and out.dtype is torch.float32 and out.is_contiguous() and out.numel()
-                and not kernels.any_nonfinite(out.data_ptr(), out.numel())):
+        model's output in nearly every fault: then this pass's outputs, and those of the step's
+        later micro-batches, stay held and are counted as before; outputs let go by its earlier
+        micro-batches are judged at once by the gradients they left (`grads_finite()`: None if
+        there are none), a pass over them that only a broken step pays. A value that reaches
+        the gradients but not the model's output leaves the step's counts unknown (`settle`)."""
+        if not self.held or not self._compiled or self.tainted:
+            return
+        if not (type(out) is torch.Tensor and out.is_cpu and out.dtype is torch.float32
+                and out.is_contiguous() and out.numel()):
+            return  # not judged here: held to the step
+        if not kernels.any_nonfinite(out.data_ptr(), out.numel()):
             self.held.clear()
             self.released = True
+            return
+        self.tainted = True
+        if self.released:
+            self.unknown = self.unknown or grads_finite() is False
+            self.released = False
 
-    def settle(self, suspect: bool) -> None:
-        """Count non-finite values in the held outputs if `suspect`, then let them go. If
-        outputs were let go uncounted and `suspect` finds nothing to explain it, the step's
-        counts are unknown."""
+    def settle(self, suspect: bool, grads_bad: bool) -> None:
+        """Count non-finite values in the held outputs if `suspect` (the gradients are not
+        finite, or there are none), then let them go. Outputs let go uncounted earlier make the
+        step's counts unknown if `grads_bad` (gradients exist and are not all finite)."""
         if suspect:
             for idx, t in self.held:
                 t = t.detach()
                 if not math.isfinite(float(t.sum())):  # one pass; the exact count only if needed
                     self._bad_counts()[idx] += t.numel() - int(torch.isfinite(t).sum())
         if self.released:
-            self.unknown = self.unknown or (suspect and self.bad is None)
+            self.unknown = self.unknown or grads_bad
             self.released = False
         self.held.clear()
 
@@ -436,7 +449,7 @@ class ForwardProbe:
         self.samples, self.bad, self._deferred, self._unverified = [], None, [], []
         self.from_graph.clear()
         self.held.clear()
-        self.released = self.unknown = False
+        self.released = self.unknown = self.tainted = False
         self.sampled[:] = False
 
     def compute(self) -> list[tuple[int, torch.Tensor]]:

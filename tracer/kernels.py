@@ -106,18 +106,6 @@ def _build() -> dict[str, Any]:
                 all_finite = False
         return all_finite
 
-    @numba.njit(nogil=True, fastmath={"reassoc"}, boundscheck=False)
-    def any_nonfinite(addr: int, n: int) -> bool:
-        # x - x is +0 for a finite x and NaN for NaN and +-inf, so the sum is NaN exactly when a
-        # value is not finite (no assumption that values are finite: nothing folds x - x away);
-        # a sum vectorises, a count of comparisons runs at half its speed
-        a = numba.carray(f32_at(addr), (n,))
-        s = np.float32(0.0)
-        for j in range(n):
-            x = a[j]
-            s += x - x
-        return s != 0.0
-
     @numba.njit(nogil=True, boundscheck=False)
     def gather_sketch(addrs: np.ndarray, offsets: np.ndarray, strides: np.ndarray, ks: np.ndarray,
                       out: np.ndarray) -> None:
@@ -153,19 +141,7 @@ def _build() -> dict[str, Any]:
     gather_sketch(addrs[:2], np.array([1, 0]), np.array([1, 1]), np.array([1, 2]), got)
     if list(got) != [4.0, np.inf, 1.0]:
         raise RuntimeError("the compiled sketch kernel gave a wrong value")
-    # short and vectorised lengths, the odd value first, inside and last
-    odd = np.array([1.0, -0.0, 3e38, np.nan, -np.inf, np.inf], np.float32)
-    long = np.full(1027, 3e38, np.float32)
-    wrong = any_nonfinite(odd.ctypes.data, 3) or any_nonfinite(long.ctypes.data, long.size) or not all(
-        any_nonfinite(odd[i:].ctypes.data, 1) for i in (3, 4, 5))
-    for at, bad in ((0, np.nan), (517, np.inf), (1026, -np.inf)):
-        long[at] = bad
-        wrong = wrong or not any_nonfinite(long.ctypes.data, long.size)
-        long[at] = 1.0
-    if wrong:
-        raise RuntimeError("the compiled non-finite check gave a wrong answer")
-    return {"forward_sums": forward_sums, "tensor_norms": tensor_norms, "gather_sketch": gather_sketch,
-            "any_nonfinite": any_nonfinite}
+    return {"forward_sums": forward_sums, "tensor_norms": tensor_norms, "gather_sketch": gather_sketch}
 
 
 def available() -> bool:
@@ -209,9 +185,3 @@ def gather_sketch(addrs: np.ndarray, offsets: np.ndarray, strides: np.ndarray, k
     tensor at `addrs[i]`, one after the other into `out` (float32). The caller keeps the tensors
     alive and guarantees each holds at least `offsets[i] + (ks[i] - 1) * strides[i] + 1` values."""
     _state["gather_sketch"](addrs, offsets, strides, ks, out)
-
-
-def any_nonfinite(addr: int, n: int) -> bool:
-    """Whether any of the `n` float32 values at address `addr` (a contiguous CPU tensor's data,
-    which the caller keeps alive) is NaN or infinite."""
-    return bool(_state["any_nonfinite"](addr, n))

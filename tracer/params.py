@@ -156,7 +156,7 @@ class ParamProbe:
         self._np_views = self._views_of(self.rows.numpy()) if self._compiled else []
         self._grad_addrs = np.zeros(n_p, dtype=np.int64)
         self._grad_lens = np.zeros(n_p, dtype=np.int64)
-        self._scratch = np.zeros(n_p, dtype=np.float32)  # grads_suspect's norms (and a tensor view)
+        self._scratch = np.zeros(n_p, dtype=np.float32)  # grads_so_far_finite's norms (and a tensor view)
         self._scratch_t = torch.from_numpy(self._scratch)
         self._blas = self._numel >= BLAS_FROM
         self._blas_list = np.flatnonzero(self._blas).tolist()
@@ -379,17 +379,18 @@ class ParamProbe:
                 self._norms_into("fwd_norms", self._flat, "weights", addrs)
         self.begun = True
 
-    def grads_suspect(self) -> bool:
-        """True unless the gradients accumulated so far exist and are all finite (CPU: cheap)."""
+    def grads_so_far_finite(self) -> bool | None:
+        """Are the gradients accumulated so far all finite? None if there are none. A pass over
+        them (CPU: cheap)."""
         if all(p.grad is None for p in self.params):
-            return True
+            return None
         if self._compiled_grads and self._grad_addresses(everything := self._grads()):
-            return not self._compiled_norms(everything, self._grad_addrs, self._grad_lens, self._scratch,
-                                            self._scratch_t)
+            return self._compiled_norms(everything, self._grad_addrs, self._grad_lens, self._scratch,
+                                        self._scratch_t)
         grads = [_values(local_shard(p.grad)) for p in self.params if p.grad is not None]
         if self.device.type == "cpu":
             _refuse_lost(grads)
-        return not bool(torch.isfinite(torch.stack(torch._foreach_norm(grads)).sum()))
+        return bool(torch.isfinite(torch.stack(torch._foreach_norm(grads)).sum()))
 
     def _grads(self) -> list[torch.Tensor]:
         # a parameter without a gradient stands in as an empty tensor (norm 0): the list, and so

@@ -265,6 +265,8 @@ class ForwardProbe:
         self.released = False
         self.unknown = False
         self.tainted = False
+        # the model output's address and length, and its norm: `end_forward`'s compiled check
+        self._check = (np.zeros(1, np.int64), np.zeros(1, np.int64), np.zeros(1, np.float32))
         self.sampled = np.zeros(self.n, dtype=bool)
         self.pending: list[_StepSamples] = []                # finished steps not yet reduced
         # (component, sample, non-finite count) appended by compiled graphs, absorbed at step end
@@ -389,21 +391,26 @@ class ForwardProbe:
 
     def end_forward(self, out: torch.Tensor | None, grads_finite: Callable[[], bool | None]) -> None:
         """End of a forward pass on CPU: let the held outputs go now if the model's output `out`
-        is finite (one compiled pass over it, no tensor read). Held until the optimizer step,
-        they kept memory that the backward pass would have freed, and freeing it all at once
-        after the step made the allocator hand pages back and fault them in again in the next
-        step's ops (the recorder's largest cost on a CPU GPT). A NaN or infinity reaches the
-        model's output in nearly every fault: then this pass's outputs, and those of the step's
-        later micro-batches, stay held and are counted as before; outputs let go by its earlier
-        micro-batches are judged at once by the gradients they left (`grads_finite()`: None if
-        there are none), a pass over them that only a broken step pays. A value that reaches
-        the gradients but not the model's output leaves the step's counts unknown (`settle`)."""
+        is finite, judged by the parameters' compiled norm pass (`kernels.tensor_norms`: its
+        float64 sum of squares is finite exactly when every value is; a norm past float32's
+        range reads as not finite, which only keeps the outputs held). No tensor is read.
+
+        Held until the optimizer step, the outputs kept memory that the backward pass would
+        have freed, and freeing it all at once after the step made the allocator hand pages
+        back and fault them in again in the next step's ops (the recorder's largest cost on a
+        CPU GPT). A NaN or infinity reaches the model's output in nearly every fault: then this
+        pass's outputs, and those of the step's later micro-batches, stay held and are counted
+        as before, and outputs let go by its earlier micro-batches are judged at once by the
+        gradients they left (`grads_finite()`: None if there are none; a pass over them that
+        only a broken step pays). A value that reaches the gradients but not the model's output
+        leaves the step's counts unknown (`settle`)."""
         if not self.held or not self._compiled or self.tainted:
             return
         if not (type(out) is torch.Tensor and out.is_cpu and out.dtype is torch.float32
                 and out.is_contiguous() and out.numel()):
             return  # not judged here: held to the step
-        if not kernels.any_nonfinite(out.data_ptr(), out.numel()):
+        self._check[0][0], self._check[1][0] = out.data_ptr(), out.numel()
+        if kernels.tensor_norms(*self._check):
             self.held.clear()
             self.released = True
             return
@@ -412,17 +419,17 @@ class ForwardProbe:
             self.unknown = self.unknown or grads_finite() is False
             self.released = False
 
-    def settle(self, suspect: bool, grads_bad: bool) -> None:
-        """Count non-finite values in the held outputs if `suspect` (the gradients are not
-        finite, or there are none), then let them go. Outputs let go uncounted earlier make the
-        step's counts unknown if `grads_bad` (gradients exist and are not all finite)."""
-        if suspect:
+    def settle(self, grads_finite: bool | None) -> None:
+        """Count non-finite values in the held outputs unless the gradients are all finite
+        (`grads_finite`; None: there are none), then let them go. Outputs let go uncounted
+        earlier make the step's counts unknown if gradients exist and are not all finite."""
+        if grads_finite is not True:
             for idx, t in self.held:
                 t = t.detach()
                 if not math.isfinite(float(t.sum())):  # one pass; the exact count only if needed
                     self._bad_counts()[idx] += t.numel() - int(torch.isfinite(t).sum())
         if self.released:
-            self.unknown = self.unknown or grads_bad
+            self.unknown = self.unknown or grads_finite is False
             self.released = False
         self.held.clear()
 

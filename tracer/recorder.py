@@ -256,8 +256,7 @@ class Recorder:
         try:
             self._begin_step()
             if self.fwd.held:  # another micro-batch: judge the previous one by its gradients
-                finite = self._grads_finite_so_far()
-                self.fwd.settle(finite is not True, finite is False)
+                self.fwd.settle(self.params.grads_so_far_finite())
         except Exception as exc:
             self._probe_failed(exc)
 
@@ -269,7 +268,7 @@ class Recorder:
         t = first_tensor(out)
         try:
             self.fwd.copy_deferred()
-            self.fwd.end_forward(t, self._grads_finite_so_far)
+            self.fwd.end_forward(t, self.params.grads_so_far_finite)
         except Exception as exc:
             self._probe_failed(exc)
         if t is not None and t.requires_grad:
@@ -309,12 +308,6 @@ class Recorder:
         # "eager": dynamo calls the hook outside the graph (a graph break per component)
         return torch.compiler.disable(hook) if self._eager_under_compile else hook
 
-    def _grads_finite_so_far(self) -> bool | None:
-        """Are the gradients accumulated so far finite (None: there are none)? A pass over them."""
-        if all(p.grad is None for p in self.params.params):
-            return None
-        return not self.params.grads_suspect()
-
     def _begin_step(self) -> None:
         if not self._in_step:
             self._in_step = True
@@ -330,8 +323,7 @@ class Recorder:
             # forward outputs held on CPU are counted only if the gradients say something was
             # not finite; a non-finite output that never reaches the gradients goes uncounted
             if self.fwd.held or self.fwd.released:
-                none = self.params.has_grad is None
-                self.fwd.settle(none or not self.params.grads_finite, not none and not self.params.grads_finite)
+                self.fwd.settle(None if self.params.has_grad is None else self.params.grads_finite)
         except Exception as exc:
             self._probe_failed(exc)
 
@@ -377,7 +369,7 @@ class Recorder:
     def _step_record(self, now: float) -> None:
         """Record this step (its values reach the buffer at `_reduce_pending`); queue its samples."""
         slot = self.buffer.next_slot()
-        self.fwd.settle(True, False)  # outputs still held: no gradients were seen this step
+        self.fwd.settle(None)  # outputs still held: no gradients were seen this step
         pvalid, has_total, has_preclip = self.params.end(slot)
         valid = self._static_valid.copy()
         valid[:, _FORWARD_POS] &= self.fwd.sampled[:, None]

@@ -29,7 +29,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 from warninglight.lab import zoo
-from warninglight.tracer import Recorder, watch
+from warninglight.tracer import Recorder, probes, watch
 
 
 def gpt_case(batch: int, n_layer: int, n_embd: int, block: int) -> tuple[torch.nn.Module, Callable[[], torch.Tensor]]:
@@ -247,7 +247,12 @@ def main() -> None:
                     help="instead of blocks: N steps each way alternated step by step (the GPTs only)")
     ap.add_argument("--skip-replicas", action="store_true",
                     help="skip the per-rank evidence figure (bench/replica_overhead.py)")
+    ap.add_argument("--hold-outputs", action="store_true",
+                    help="for comparison: the watched copy holds every forward output until the "
+                         "optimizer step (as when the model's output is not judged at the forward's end)")
     args = ap.parse_args()
+    if args.hold_outputs:
+        probes.ForwardProbe.end_forward = lambda *_: None  # type: ignore[method-assign]
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(0)

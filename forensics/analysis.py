@@ -330,7 +330,7 @@ def classify_trace(trace: Trace, config: Config, components: pl.DataFrame, heat_
     `Classifier`, and to `static`, one step window at a time."""
     read_from, judge_from, last = judged_steps(trace, config, steps)
     chunk = chunk_steps or max(config.baseline.history(config.conditions), CHUNK_ROWS // max(1, len(components)))
-    clf = Classifier(config, components, heat_width, since=judge_from, reference=reference)
+    clf = Classifier(config, components, heat_width, since=judge_from, reference=reference, keep_scored=False)
     lr = component_lr(trace)  # the lr each component saw: update metrics are judged relative to it
 
     def read(start: int) -> pl.DataFrame:

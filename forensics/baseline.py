@@ -17,6 +17,7 @@ not turn float noise into huge z-scores.
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import numpy as np
 import polars as pl
@@ -237,6 +238,31 @@ def reference_exprs(metric: str, lr: bool, suffix: str) -> list[pl.Expr]:
     return [med.alias(f"{metric}__med"), pl.col(f"{metric}__scale{suffix}").alias(f"{metric}__scale")]
 
 
+class Prepared(NamedTuple):
+    """Health rows made ready for their baseline (`prepare`)."""
+
+    rows: pl.DataFrame  # sorted by rank, component and step, with `lr_surge` where there is an lr
+    starts: np.ndarray  # `series_starts` of `rows`
+    keep: np.ndarray | None  # `history_cut`: the rows worth a baseline (None: all)
+    lr: bool  # whether the rows carry the lr (update metrics are then judged relative to it)
+
+
+def prepare(rows: pl.DataFrame, judged: str | None = None, lead: int = 0) -> Prepared:
+    """`rows` sorted by series (eager: quick when they come sorted), with the lr surge derived
+    from the lr (against the `LR_PEAK` a window's series came with), and, given the boolean
+    column `judged` (rows each reading at most `lead` rows before it), the rows worth a baseline."""
+    if not _sorted_by_key(rows):
+        rows = rows.sort([*KEYS, "step"])
+    starts = series_starts(rows)
+    lr = "lr" in rows.columns
+    if lr:
+        before = rows[LR_PEAK].fill_null(np.nan).to_numpy() if LR_PEAK in rows.columns else None
+        rows = rows.with_columns(lr_surge(rows["lr"], starts, before))
+    rows = rows.drop(LR_PEAK, strict=False)
+    keep = history_cut(rows, starts, judged, lead) if judged is not None else None
+    return Prepared(rows, starts, keep, lr)
+
+
 def with_baseline(frame: pl.LazyFrame | pl.DataFrame, cfg: BaselineConfig, metrics: list[str] | None = None,
                   reference: pl.DataFrame | None = None, suffix: str = "__ref",
                   judged: str | None = None, lead: int = 0) -> pl.LazyFrame:
@@ -253,19 +279,10 @@ def with_baseline(frame: pl.LazyFrame | pl.DataFrame, cfg: BaselineConfig, metri
     if reference is not None:  # joined first: a join does not keep the row order rolling windows need
         given = {m for m in metrics_in(frame) if f"{m}__med{suffix}" in reference.columns}
         frame = frame.lazy().join(reference.lazy(), on=["component", "step"], how="left")
-    rows = frame.lazy().collect()
-    if not _sorted_by_key(rows):  # eager: quick when the rows come sorted
-        rows = rows.sort([*KEYS, "step"])
-    starts = series_starts(rows)
-    lr = "lr" in rows.columns
-    if lr:
-        before = rows[LR_PEAK].fill_null(np.nan).to_numpy() if LR_PEAK in rows.columns else None
-        rows = rows.with_columns(lr_surge(rows["lr"], starts, before))
-    rows = rows.drop(LR_PEAK, strict=False)
+    rows, starts, keep, lr = prepare(frame.lazy().collect(), judged, lead)
     metrics = metrics if metrics is not None else metrics_in(rows)
     given &= set(metrics)
     own = [m for m in metrics if m not in given]
-    keep = history_cut(rows, starts, judged, lead) if judged is not None else None
     rows = _own_baseline(rows, starts, own, cfg, lr, keep)  # z and heatmap cells of its own metrics
     if not given:
         return rows.lazy()

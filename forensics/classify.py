@@ -87,6 +87,11 @@ def _rules(config: Config) -> list[tuple[Condition, Rule, str]]:
     return [(c, r, f"hit__{c.name}__{i}") for c in config.conditions for i, r in enumerate(c.rules)]
 
 
+def lead(config: Config) -> int:
+    """Rows before a judged one whose rule verdicts it reads (the longest persistence, less one)."""
+    return max(c.persistence_of(r) for c in config.conditions for r in c.rules) - 1
+
+
 def score(frame: pl.LazyFrame, config: Config, reference: pl.DataFrame | None = None,
           judged: str | None = None) -> pl.LazyFrame:
     """Health rows with baseline columns and one boolean column per (condition, rule).
@@ -95,8 +100,7 @@ def score(frame: pl.LazyFrame, config: Config, reference: pl.DataFrame | None = 
     `judged`: a boolean column marking the rows that will be judged: only those are scored
     exactly (with the rows their persistence reads); the frame keeps fewer of the others.
     """
-    lead = max(c.persistence_of(r) for c in config.conditions for r in c.rules) - 1
-    scored = with_baseline(frame, config.baseline, reference=reference, judged=judged, lead=lead)
+    scored = with_baseline(frame, config.baseline, reference=reference, judged=judged, lead=lead(config))
     present = set(metrics_in(scored))  # with the metrics the baseline derives (lr_surge)
     peers = {r.metric for c in config.conditions for r in c.rules if r.peers_fold is not None} & present
     scored = scored.with_columns([  # the median component's value/baseline at each step
@@ -126,9 +130,15 @@ def hits(scored: pl.LazyFrame, config: Config) -> pl.DataFrame:
             "rank", "component", "step", pl.lit(c.name).alias("condition"),
             pl.lit(r.metric).alias("metric"), pl.col(r.metric).cast(pl.Float64).alias("value"),
             med.cast(pl.Float64).alias("median"), _magnitude(r).cast(pl.Float64).alias("magnitude")))
-    if not parts:
+    return finish_hits(pl.concat(pl.collect_all(parts)) if parts else None)
+
+
+def finish_hits(found: pl.DataFrame | None) -> pl.DataFrame:
+    """`hits`' frame from the rows of every rule that fired (`HIT_COLUMNS`, rules in the
+    config's order): an unclassified hit only where no named condition fired on the row, sorted."""
+    if found is None:
         return pl.DataFrame(schema={k: ALARM_SCHEMA[k] for k in HIT_COLUMNS})
-    found = pl.concat(pl.collect_all(parts)).with_columns(pl.col("rank").cast(pl.Int64))
+    found = found.with_columns(pl.col("rank").cast(pl.Int64))
     named = found.filter(pl.col("condition") != UNCLASSIFIED)
     other = found.filter(pl.col("condition") == UNCLASSIFIED).join(
         named.select("rank", "component", "step").unique(), on=["rank", "component", "step"], how="anti")

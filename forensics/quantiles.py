@@ -22,19 +22,21 @@ the median, robust scale and z the baseline reports (`baseline.py` owns their de
 from __future__ import annotations
 
 import collections
+import functools
 import math
 import os
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import NamedTuple, TypeVar
 
 import numba
 import numpy as np
 
 QUANTILES = (0.25, 0.5, 0.75)  # columns of `trailing`'s result
 WORKERS = os.cpu_count() or 1  # columns computed at once by `trailing_many`
+T = TypeVar("T")
 
 
 @numba.njit(nogil=True, inline="always")
@@ -293,28 +295,34 @@ def baseline_many(columns: Sequence[Column | Callable[[], Column]], lr: np.ndarr
                   scales: Scales) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]]:
     """`baseline` of each column, in order, computed on all the machine's cores (no GIL held).
     A column may be given as a function that makes it: it is then made on the worker too (the
-    caller does not make every column before the first starts).
-
-    At most two columns per core are computed ahead of the one the caller takes, so the arrays
-    held stay bounded however many metrics there are, and a slow column does not leave the
-    other cores idle (as batches of one column per core did)."""
+    caller does not make every column before the first starts)."""
     def one(col: Column | Callable[[], Column]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         return baseline(col if isinstance(col, Column) else col(), lr, starts, kept, window, lag,
                         min_samples, scales)
-    workers = min(len(columns), WORKERS)
+    return in_order([functools.partial(one, c) for c in columns])
+
+
+def in_order(tasks: Sequence[Callable[[], T]]) -> Iterator[T]:
+    """Each task's result, in order, the tasks run on all the machine's cores (compiled loops
+    hold no GIL).
+
+    At most two tasks per core are computed ahead of the one the caller takes, so the arrays
+    held stay bounded however many tasks there are, and a slow task does not leave the other
+    cores idle (as batches of one task per core did)."""
+    workers = min(len(tasks), WORKERS)
     if workers <= 1:
-        yield from (one(c) for c in columns)
+        yield from (task() for task in tasks)
         return
     pool = _pool()
-    ahead: collections.deque[Future[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]]] = collections.deque()
+    ahead: collections.deque[Future[T]] = collections.deque()
     try:
-        for col in columns:
-            ahead.append(pool.submit(one, col))
+        for task in tasks:
+            ahead.append(pool.submit(task))
             if len(ahead) >= 2 * workers:
                 yield ahead.popleft().result()
         while ahead:
             yield ahead.popleft().result()
-    finally:  # a caller that stops early (or fails) leaves no column running
+    finally:  # a caller that stops early (or fails) leaves no task running
         for future in ahead:
             future.cancel()
         wait(ahead)

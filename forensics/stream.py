@@ -29,8 +29,9 @@ from .baseline import (
     sort_series,
     with_series_values,
 )
-from .classify import ALARM_SCHEMA, alarms, hits, score
+from .classify import ALARM_SCHEMA, alarms, hits, lead, score
 from .conditions import Config
+from .judge import judge
 
 GROUP = ["rank", "component", "condition"]
 HEAT_SCHEMA = {"component": pl.String, "step": pl.Int64, "score": pl.Float64}
@@ -48,8 +49,10 @@ class Classifier:
 
     def __init__(self, config: Config, components: pl.DataFrame | None = None,
                  heat_width: int | None = None, since: int | None = None,
-                 reference: pl.DataFrame | None = None) -> None:
+                 reference: pl.DataFrame | None = None, keep_scored: bool = True) -> None:
         self.config = config
+        # without the scored rows (`scored` is then None), the rules run compiled (`judge`)
+        self._compiled = reference is None and not keep_scored
         self.reference = reference  # a reference run's baseline (forensics.reference), or None
         self.history = config.baseline.history(config.conditions)
         self._components = components
@@ -76,13 +79,19 @@ class Classifier:
             window = with_series_values(window, self._lr_peak)
         judged = pl.col(_NEW) if self.since is None else pl.col(_NEW) & (pl.col("step") >= self.since)
         window = window.with_columns(judged.alias(_JUDGED))
-        # the judged rows, never copied out of the scored frame: each reader takes its columns of them
-        judged_rows = (score(window.lazy(), self.config, self.reference, judged=_JUDGED)
-                       .drop(SERIES_KEY).collect().lazy().filter(pl.col(_JUDGED)).drop(_JUDGED))
-        self._judged, self._scored = judged_rows, None
-        if self.heat_width is not None:
-            self._heat.append(heat_of(judged_rows, self.heat_width))
-        new = self._episode_alarms(hits(judged_rows, self.config))
+        if self._compiled:
+            found, heat = judge(window, self.config, _JUDGED, lead(self.config), self.heat_width)
+            if heat is not None:
+                self._heat.append(heat)
+        else:
+            # the judged rows, never copied out of the scored frame: each reader takes its columns of them
+            judged_rows = (score(window.lazy(), self.config, self.reference, judged=_JUDGED)
+                           .drop(SERIES_KEY).collect().lazy().filter(pl.col(_JUDGED)).drop(_JUDGED))
+            self._judged, self._scored = judged_rows, None
+            if self.heat_width is not None:
+                self._heat.append(heat_of(judged_rows, self.heat_width))
+            found = hits(judged_rows, self.config)
+        new = self._episode_alarms(found)
         self._tail = self._carry(window.drop(_JUDGED))  # with its key: series_starts reads it
         return new
 

@@ -1,0 +1,288 @@
+"""The classifier's rules in one compiled pass per metric: what `analyze` and `replay` run.
+
+`classify.score` writes every metric's median, scale and z as columns of a Polars frame, then a
+boolean column per rule, then filters the rows where any fired: on a large run's step window
+that is ~55 float columns and ~30 boolean ones made and read again for a handful of hits. Here
+the rules of a metric are judged on the worker that computed its baseline, straight from the
+kernel's arrays (`quantiles.baseline`), with their persistence, and only the rows that fired
+leave it. The heatmap's cells are binned from the same arrays. No column is made.
+
+The two are one classifier: the rules here read `conditions.Rule` exactly as `classify._rule_expr`
+does, with Polars' arithmetic (a division by a constant is a product with its inverse) and
+comparisons (a NaN is above every number), and null where a Polars column would be null. Tests
+hold the hits, alarms and heatmap of both to each other, row for row, on every sample trace and on
+frames with NaN, ±inf, nulls, roles and peers. `classify.score` stays the reference, and what a
+caller that wants the scored rows (a live monitor localising) or a reference run's baseline uses.
+
+The one rule input that is not per component, the peers' median (the median component's
+value/baseline at a step), is taken only at the steps where a rule that reads it held otherwise,
+by the Polars expression `classify.score` uses.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import NamedTuple
+
+import numba
+import numpy as np
+import polars as pl
+from warninglight.tracer.schema import COUNT_METRICS
+
+from . import quantiles
+from .baseline import _SCALES, KEYS, _column, metrics_in, prepare
+from .classify import finish_hits
+from .conditions import DOWN, EITHER, NONFINITE, UP, Condition, Config, Rule
+
+_DIRECTIONS = {UP: 0, DOWN: 1, EITHER: 2, NONFINITE: 3}
+# `_hits`'s rule table, one row per rule: these columns, NaN where a threshold is unset
+_DIR, _Z, _FOLD, _INV_FOLD, _DELTA, _LEVEL, _COUNT, _PERSIST, _ROLE, _PEERS = range(10)
+
+
+@numba.njit(nogil=True, inline="always")
+def _ge(a: float, b: float) -> bool:  # pragma: no cover - compiled
+    """a >= b in Polars' order of floats: a NaN is above every number and equal to a NaN."""
+    if math.isnan(a):
+        return True
+    if math.isnan(b):
+        return False
+    return a >= b
+
+
+@numba.njit(cache=True, nogil=True)
+def _hits(raw: np.ndarray, missing: np.ndarray, med: np.ndarray, z: np.ndarray, z_valid: np.ndarray,
+          kept: np.ndarray, starts: np.ndarray, judged: np.ndarray, rules: np.ndarray, roles: np.ndarray,
+          out: np.ndarray) -> None:  # pragma: no cover - compiled
+    """`out[r, j]` = 1 where rule r of one metric fired at kept row j: the rule held on this and
+    the rows before it its persistence asks (in the row's series: `starts`, over kept rows) and
+    the row is judged; for a rule that reads the peers' median, 1 wherever the rest of it held
+    (the peers and persistence come after, `_persist`). `raw`, `missing`: the metric's values
+    and nulls on every row; `med` (NaN: null), `z`, `z_valid`: its baseline on the kept rows."""
+    n_rules = rules.shape[0]
+    run = np.zeros(n_rules, dtype=np.int64)
+    for g in range(len(starts) - 1):
+        run[:] = 0
+        for j in range(starts[g], starts[g + 1]):
+            i = kept[j]
+            null = missing[i]
+            v = np.float64(raw[i])
+            for r in range(n_rules):
+                rule = rules[r]
+                direction = int(rule[_DIR])
+                if direction == 3:  # non-finite: a count above 0, or a value that is NaN or ±inf
+                    hit = not null and (_ge(v, 0.0) and v != 0.0 if rule[_COUNT] > 0 else not math.isfinite(v))
+                elif null or not math.isfinite(v):
+                    hit = False
+                else:
+                    m, zj = med[j], z[j]
+                    ok = True
+                    if not math.isnan(rule[_Z]) and not z_valid[j]:
+                        ok = False  # z is null: no baseline yet
+                    if (not math.isnan(rule[_FOLD]) or not math.isnan(rule[_DELTA])) and math.isnan(m):
+                        ok = False  # the median is null
+                    up = ok and direction != 1
+                    down = ok and direction != 0
+                    if not math.isnan(rule[_Z]):
+                        up = up and _ge(zj, rule[_Z])
+                        down = down and _ge(-rule[_Z], zj)
+                    if not math.isnan(rule[_FOLD]):
+                        up = up and m > 0 and _ge(v, m * rule[_FOLD])
+                        down = down and m > 0 and _ge(m * rule[_INV_FOLD], v)
+                    if not math.isnan(rule[_DELTA]):
+                        up = up and _ge(v - m, rule[_DELTA])
+                        down = down and _ge(m - v, rule[_DELTA])
+                    if not math.isnan(rule[_LEVEL]):
+                        up = up and _ge(v, rule[_LEVEL])
+                        down = down and _ge(rule[_LEVEL], v)
+                    hit = up or down
+                    role = int(rule[_ROLE])
+                    if hit and role >= 0:
+                        hit = roles[role, j]
+                if rule[_PEERS] > 0:
+                    out[r, j] = hit
+                    continue
+                run[r] = run[r] + 1 if hit else 0
+                out[r, j] = judged[j] and run[r] >= rule[_PERSIST]
+
+
+@numba.njit(cache=True, nogil=True)
+def _persist(held: np.ndarray, starts: np.ndarray, judged: np.ndarray, steps: int) -> None:  # pragma: no cover - compiled
+    """In place: `held[j]` = 1 where it held on this and the `steps - 1` rows before it in its
+    series and row j is judged."""
+    for g in range(len(starts) - 1):
+        run = 0
+        for j in range(starts[g], starts[g + 1]):
+            run = run + 1 if held[j] else 0
+            held[j] = judged[j] and run >= steps
+
+
+@numba.njit(cache=True, nogil=True)
+def _bins(heat: np.ndarray, step: np.ndarray, starts: np.ndarray, judged: np.ndarray, width: int,
+          series: np.ndarray, start: np.ndarray, worst: np.ndarray) -> int:  # pragma: no cover - compiled
+    """The worst `heat` (NaN: none) of each run of judged rows of one series in one bin of
+    `width` steps: its series, the bin's first step and the worst, written from 0; how many."""
+    k = 0
+    for g in range(len(starts) - 1):
+        open_ = False
+        for j in range(starts[g], starts[g + 1]):
+            if not judged[j]:
+                continue
+            b = step[j] if width == 1 else (step[j] - 1) // width * width + 1
+            if not open_ or b != start[k - 1]:
+                series[k], start[k], worst[k] = g, b, np.nan
+                k += 1
+                open_ = True
+            h = heat[j]
+            if not math.isnan(h) and not worst[k - 1] >= h:
+                worst[k - 1] = h
+    return k
+
+
+class _Fired(NamedTuple):
+    """Where one rule fired (kept rows, ascending), with the metric's median and z there."""
+
+    rows: np.ndarray
+    med: np.ndarray  # NaN: null
+    z: np.ndarray
+    z_valid: np.ndarray
+
+
+class _Judged(NamedTuple):
+    """What one metric's worker hands back."""
+
+    z: np.ndarray  # on every kept row: the heatmap folds it
+    z_valid: np.ndarray
+    fired: list[_Fired]  # per rule of the metric (a peers rule: where the rest of it held)
+    value: pl.Series | None  # the metric and its median on every kept row, where a peers rule held
+    med: pl.Series | None
+
+
+def _table(rules: list[tuple[Condition, Rule]], role_sets: list[tuple[str, ...]]) -> np.ndarray:
+    """`_hits`' rule table."""
+    nan = math.nan
+    table = np.full((len(rules), 10), nan)
+    for k, (c, rule) in enumerate(rules):
+        threshold = rule.direction != NONFINITE  # `classify._rule_expr` returns before roles and peers
+        table[k, _DIR] = _DIRECTIONS[rule.direction]
+        table[k, _Z] = nan if rule.z is None else rule.z
+        table[k, _FOLD] = nan if rule.fold is None else rule.fold
+        table[k, _INV_FOLD] = nan if rule.fold is None else 1.0 / rule.fold  # Polars' x / c is x * (1 / c)
+        table[k, _DELTA] = nan if rule.delta is None else rule.delta
+        table[k, _LEVEL] = nan if rule.level is None else rule.level
+        table[k, _COUNT] = rule.metric in COUNT_METRICS
+        table[k, _PERSIST] = c.persistence_of(rule)
+        table[k, _ROLE] = role_sets.index(rule.roles) if rule.roles and threshold else -1
+        table[k, _PEERS] = rule.peers_fold is not None and threshold
+    return table
+
+
+def judge(window: pl.DataFrame, config: Config, judged: str, lead: int,
+          heat_width: int | None = None) -> tuple[pl.DataFrame, pl.DataFrame | None]:
+    """(hits, heat) of the rows of `window` marked by the boolean column `judged`, each reading
+    at most `lead` rows before it: what `classify.hits(classify.score(window, config, judged=
+    judged))` and `stream.heat_of` of its judged rows give, without the scored frame."""
+    rows, starts, keep, lr = prepare(window, judged, lead)
+    kept = np.arange(rows.height) if keep is None else np.flatnonzero(keep)
+    kstarts = np.searchsorted(kept, starts).astype(np.int64)  # each series' first kept row
+    marked = rows[judged].to_numpy()[kept]
+    metrics = metrics_in(rows)
+    by_metric: dict[str, list[tuple[Condition, Rule]]] = {}
+    for c in config.conditions:
+        for r in c.rules:
+            if r.metric in metrics:
+                by_metric.setdefault(r.metric, []).append((c, r))
+    role_sets = sorted({r.roles for rules in by_metric.values() for _, r in rules
+                        if r.roles and r.direction != NONFINITE})
+    roles = np.zeros((max(1, len(role_sets)), len(kept)), dtype=np.bool_)
+    if role_sets:
+        role = rows["role"].gather(kept)  # a frame without it fails here, as `score` fails
+        for k, names in enumerate(role_sets):
+            roles[k] = role.is_in(list(names)).fill_null(False).to_numpy()
+    cfg = config.baseline
+    lr_values = rows["lr"].cast(pl.Float64).to_numpy() if lr else None
+
+    def one(metric: str) -> _Judged:
+        col = _column(rows, metric, lr)
+        med, _, z, z_valid = quantiles.baseline(col, lr_values, starts, kept, cfg.window, cfg.lag,
+                                                cfg.min_samples, _SCALES)
+        rules = by_metric.get(metric, [])
+        if not rules:
+            return _Judged(z, z_valid, [], None, None)
+        table = _table(rules, role_sets)
+        out = np.zeros((len(rules), len(kept)), dtype=np.uint8)
+        missing = col.missing if col.missing is not None else np.zeros(len(col.raw), dtype=np.bool_)
+        _hits(np.ascontiguousarray(col.raw), missing, med, z, z_valid, kept, kstarts, marked, table, roles, out)
+        fired = [_Fired(at, med[at], z[at], z_valid[at]) for at in (np.flatnonzero(row) for row in out)]
+        if not any(len(f.rows) for f, k in zip(fired, table[:, _PEERS], strict=True) if k > 0):
+            return _Judged(z, z_valid, fired, None, None)
+        value = rows[metric].cast(pl.Float64).gather(kept)
+        return _Judged(z, z_valid, fired, value, pl.Series(med, dtype=pl.Float64, nan_to_null=True))
+
+    heat = np.full(len(kept), np.nan)
+    found: list[tuple[int, pl.DataFrame]] = []
+    order = {id(r): k for k, r in enumerate(r for c in config.conditions for r in c.rules)}
+    work = quantiles.in_order([functools.partial(one, m) for m in metrics])
+    for metric, got in zip(metrics, work, strict=True):
+        quantiles.fold_heat(heat, got.z, got.z_valid)
+        for (c, r), fired in zip(by_metric.get(metric, []), got.fired, strict=True):
+            if r.peers_fold is not None and r.direction != NONFINITE and len(fired.rows):
+                fired = _with_peers(rows, kept, kstarts, marked, c, r, fired, got)
+            if len(fired.rows):
+                found.append((order[id(r)], _hit_rows(rows, kept, c, r, fired)))
+    parts = [frame for _, frame in sorted(found, key=lambda kv: kv[0])]
+    hits = finish_hits(pl.concat(parts) if parts else None)
+    return hits, None if heat_width is None else _heat(rows, kept, kstarts, marked, heat, heat_width)
+
+
+def _with_peers(rows: pl.DataFrame, kept: np.ndarray, kstarts: np.ndarray, marked: np.ndarray,
+                c: Condition, r: Rule, held: _Fired, got: _Judged) -> _Fired:
+    """Where a rule that reads the peers' median fired: `held` (where the rest of it held), at
+    the steps whose peers' median (`classify.score`'s expression, over the kept rows of those
+    steps) reaches the rule's `peers_fold`, held for its persistence."""
+    keys = rows.select("rank", "step")[kept]
+    wanted = keys[held.rows].unique()
+    at = np.flatnonzero(keys.with_columns(pl.lit(True).alias("__at")).join(
+        wanted.with_columns(pl.lit(True).alias("__w")), on=["rank", "step"], how="left",
+        maintain_order="left")["__w"].fill_null(False).to_numpy())
+    assert got.value is not None and got.med is not None
+    peers = keys[at].with_columns(got.value.gather(at).alias("v"), got.med.gather(at).alias("m")).select(
+        ((pl.col("v") / pl.col("m")).median().over(["rank", "step"]) >= r.peers_fold).fill_null(False)).to_series()
+    ok = np.zeros(len(kept), dtype=np.bool_)
+    ok[at] = peers.to_numpy()
+    now = np.zeros(len(kept), dtype=np.uint8)
+    now[held.rows] = ok[held.rows]
+    _persist(now, kstarts, marked, c.persistence_of(r))
+    fired = np.flatnonzero(now)
+    pick = np.searchsorted(held.rows, fired)
+    return _Fired(fired, held.med[pick], held.z[pick], held.z_valid[pick])
+
+
+def _hit_rows(rows: pl.DataFrame, kept: np.ndarray, c: Condition, r: Rule, fired: _Fired) -> pl.DataFrame:
+    """`classify.hits`' rows of one rule: where it fired, with the metric's value, median and z."""
+    where = rows.select(*KEYS, "step", pl.col(r.metric).cast(pl.Float64).alias("value"))[kept[fired.rows]]
+    if r.direction == NONFINITE:  # a count has baseline 0 and scale 1: its z is the count
+        median = pl.Series("median", [None] * where.height, dtype=pl.Float64)
+        magnitude = where["value"] if r.metric in COUNT_METRICS else median
+    else:
+        median = pl.Series("median", fired.med, dtype=pl.Float64, nan_to_null=True)
+        magnitude = pl.Series("magnitude", fired.z, dtype=pl.Float64)
+        if not fired.z_valid.all():
+            magnitude = magnitude.scatter(np.flatnonzero(~fired.z_valid), None)
+    return where.select(*KEYS, "step", pl.lit(c.name).alias("condition"), pl.lit(r.metric).alias("metric"),
+                        "value", median.alias("median"), magnitude.alias("magnitude"))
+
+
+def _heat(rows: pl.DataFrame, kept: np.ndarray, kstarts: np.ndarray, marked: np.ndarray, heat: np.ndarray,
+          width: int) -> pl.DataFrame:
+    """`stream.heat_of` of the judged rows: the worst |z| per (component, bin of `width` steps)."""
+    n = len(kept)
+    series, start, worst = np.empty(n, dtype=np.int64), np.empty(n, dtype=np.int64), np.empty(n)
+    step = rows["step"].cast(pl.Int64).to_numpy()[kept]
+    k = _bins(heat, step, kstarts, marked, width, series, start, worst)
+    # the names made afresh, one per series: a gather of the window's own would keep the
+    # window's string buffers alive in every heat frame kept (~30 MB a window on a large run)
+    names = pl.Series(rows["component"].gather(kept[np.minimum(kstarts[:-1], n - 1)]).to_list(), dtype=pl.String)
+    return (pl.DataFrame({"component": names.gather(series[:k]), "step": start[:k],
+                          "score": pl.Series(worst[:k], dtype=pl.Float64, nan_to_null=True)})
+            .group_by("component", "step").agg(pl.col("score").max()))

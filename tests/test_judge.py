@@ -1,0 +1,110 @@
+"""The compiled rules (`judge`) are the Polars classifier: the same hits, alarms and heatmap, row
+for row, on frames made to make every rule fire and to hit every edge of Polars' arithmetic."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+import polars as pl
+import pytest
+from warninglight.forensics.baseline import sort_series
+from warninglight.forensics.classify import hits, lead, score
+from warninglight.forensics.conditions import NONFINITE, Config
+from warninglight.forensics.judge import judge
+from warninglight.forensics.stream import Classifier, heat_of
+from warninglight.tracer import schema
+
+ROLES = ["param", "activation", "head", None, "param", "activation", "head"]
+JUDGED = "__judged"
+
+
+def _frame(seed: int, steps: int = 150, ranks: int = 2) -> pl.DataFrame:
+    """Health rows of `len(ROLES)` components on `ranks` ranks: noisy metrics with jumps,
+    collapses, NaN, ±inf, nulls, zeros of both signs and negative values; float32 columns as the
+    recorder stores them, counts as integers with nulls, and an lr that one component lacks (NaN)."""
+    rng = np.random.default_rng(seed)
+    n_comp = len(ROLES)
+    n = ranks * n_comp * steps
+    rank = np.repeat(np.arange(ranks), n_comp * steps)
+    comp = np.tile(np.repeat(np.arange(n_comp), steps), ranks)
+    step = np.tile(np.arange(1, steps + 1), ranks * n_comp)
+    cols: dict[str, pl.Series] = {}
+    for m in schema.HEALTH_METRICS:
+        level = np.exp(rng.normal(0, 2))
+        x = level * np.exp(rng.normal(0, rng.choice([0.01, 0.1, 0.5]), size=n))
+        if m in ("out_mean", "update_cos"):
+            x = x - level * rng.uniform(0.5, 1.5)  # negative values too
+        if m.endswith("_frac") or m in ("pred_maxprob",):
+            x = rng.uniform(0, 0.2, size=n) + (step > 120) * (comp == 1) * 0.6  # a jump to judge
+        if m == "update_cos":  # component 2 flips back and forth late in the run
+            x = np.where((comp == 2) & (step > 110), -0.8, rng.uniform(-0.3, 0.9, size=n))
+        jumps = rng.random(n) < 0.02
+        x = np.where(jumps, x * rng.choice([1e-3, 1e3, 30.0, 0.05], size=n), x)
+        x = np.where(rng.random(n) < 0.01, rng.choice([np.nan, np.inf, -np.inf, 0.0, -0.0], size=n), x)
+        if m in schema.COUNT_METRICS:
+            counts = (rng.random(n) < 0.02) * rng.integers(1, 5, size=n)
+            cols[m] = pl.Series(m, counts, dtype=pl.Int64).set(pl.Series(rng.random(n) < 0.03), None)
+            continue
+        if m == "update_norm_l2":  # component 4 stops learning while the others go on
+            x = np.where((comp == 4) & (step > 100), x * 1e-3, x)
+        if m == "grad_norm_l2":  # component 5's gradient vanishes
+            x = np.where((comp == 5) & (step > 115), x * 1e-3, x)
+        cols[m] = pl.Series(m, x.astype(np.float32)).set(pl.Series(rng.random(n) < 0.04), None)
+    lr = np.where(comp == 3, np.nan, 1e-3 * np.where(step > 90, 0.1, 1.0) * np.where(step == 130, 50.0, 1.0))
+    frame = pl.DataFrame({"rank": rank, "component": [f"c{c}" for c in comp], "step": step,
+                          "role": pl.Series([ROLES[c] for c in comp], dtype=pl.String), **cols, "lr": lr})
+    return frame.sample(fraction=1.0, shuffle=True, seed=seed)  # rows come in any order
+
+
+def _eager(config: Config, factor: float, persistence: int | None) -> Config:
+    """`config` with every threshold multiplied by `factor` (fold: its excess over 1), so that
+    every rule fires on the frames above; `persistence` for every condition when given."""
+    def rule(r):  # noqa: ANN001, ANN202
+        if r.direction == NONFINITE:
+            return r
+        return replace(r, z=None if r.z is None else r.z * factor,
+                       fold=None if r.fold is None else 1 + (r.fold - 1) * factor,
+                       delta=None if r.delta is None else r.delta * factor,
+                       peers_fold=None if r.peers_fold is None else r.peers_fold * factor)
+    conditions = tuple(replace(c, rules=tuple(rule(r) for r in c.rules),
+                               persistence=persistence or c.persistence) for c in config.conditions)
+    return Config(baseline=replace(config.baseline, window=16, min_samples=8, lag=2), conditions=conditions)
+
+
+def _polars(window: pl.DataFrame, config: Config, width: int) -> tuple[pl.DataFrame, pl.DataFrame]:
+    scored = score(window.lazy(), config, judged=JUDGED).collect().lazy().filter(pl.col(JUDGED))
+    return hits(scored, config), heat_of(scored, width)
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize(("factor", "persistence"), [(1.0, None), (0.3, 1), (0.15, 3)])
+def test_judge_gives_the_polars_classifiers_hits_and_heat(seed: int, factor: float, persistence: int | None) -> None:
+    config = _eager(Config(), factor, persistence)
+    window = sort_series(_frame(seed)).with_columns((pl.col("step") > 40).alias(JUDGED))
+    for width in (1, 7):
+        want_hits, want_heat = _polars(window, config, width)
+        got_hits, got_heat = judge(window, config, JUDGED, lead(config), width)
+        assert got_hits.equals(want_hits)
+        assert got_heat is not None and got_heat.sort("component", "step").equals(want_heat.sort("component", "step"))
+    if factor < 1:  # the frames make every condition fire, the peers' rule included
+        fired = set(want_hits.select("condition", "metric").unique().iter_rows())
+        assert {c.name for c in config.conditions} <= {condition for condition, _ in fired}
+        assert ("stagnant", "update_norm_l2") in fired
+        assert len(fired) >= 15, fired
+
+
+@pytest.mark.parametrize("chunk", [1, 9, 60, 1000])
+def test_the_compiled_classifier_raises_the_same_alarms_fed_in_any_chunks(chunk: int) -> None:
+    config = _eager(Config(), 0.3, None)
+    frame = _frame(7)
+    components = frame.select("rank", "component", "role").unique()
+    both = [Classifier(config, components.drop("rank").unique(), heat_width=5, keep_scored=keep) for keep in (True, False)]
+    for start in range(1, 151, chunk):
+        rows = frame.filter(pl.col("step").is_between(start, start + chunk - 1)).drop("role")
+        fed = [clf.feed(rows) for clf in both]
+        assert fed[0].equals(fed[1]), start
+    assert both[0].alarms().equals(both[1].alarms())
+    assert len(both[0].alarms()) > 20
+    assert both[0].heat().equals(both[1].heat())
+    assert both[1].scored is None  # the compiled classifier keeps no scored rows

@@ -83,10 +83,9 @@ def lr_surge(lr: pl.Series, starts: np.ndarray, before: np.ndarray | None = None
     prev, no_prev = np.roll(value, 1), np.roll(missing, 1)
     no_prev[starts[:-1]] = True  # nothing before a series' first step
     peak = np.where(no_prev, np.nan, prev)
-    for a, b in zip(starts[:-1], starts[1:], strict=True):  # the highest earlier lr, NaN passed over
-        np.fmax.accumulate(peak[a:b], out=peak[a:b])
-        if before is not None:
-            np.fmax(peak[a:b], before[a], out=peak[a:b])
+    # the highest earlier lr, NaN passed over (with the one its series came with)
+    quantiles.running_peak(peak, starts, before if before is not None else np.full(len(peak), np.nan),
+                           starts[1:], peak, True)
     above = ~missing & ~no_prev & ((value > peak) | (np.isnan(value) & ~np.isnan(peak)))
     with np.errstate(divide="ignore", invalid="ignore"):
         rise = np.where(above & ((prev > 0) | np.isnan(prev)), value / prev, 1.0)
@@ -100,8 +99,8 @@ def lr_peaks(frame: pl.DataFrame, starts: np.ndarray, kept_from: np.ndarray) -> 
     before = (frame[LR_PEAK].fill_null(np.nan).to_numpy() if LR_PEAK in frame.columns
               else np.full(frame.height, np.nan))
     first = starts[:-1]
-    peaks = np.array([np.fmax.reduce(value[a:k], initial=before[a]) if k > a else before[a]
-                      for a, k in zip(first, kept_from, strict=True)])
+    peaks = np.empty(len(first))
+    quantiles.running_peak(value, starts, before, np.asarray(kept_from, dtype=np.int64), peaks, False)
     return frame[first].select(*KEYS).with_columns(pl.Series(LR_PEAK, peaks, dtype=pl.Float64))
 
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import functools
 import math
+import threading
 from typing import NamedTuple
 
 import numba
@@ -59,51 +60,63 @@ def _hits(raw: np.ndarray, missing: np.ndarray, med: np.ndarray, z: np.ndarray, 
     the row is judged; for a rule that reads the peers' median, 1 wherever the rest of it held
     (the peers and persistence come after, `_persist`). `raw`, `missing`: the metric's values
     and nulls on every row; `med` (NaN: null), `z`, `z_valid`: its baseline on the kept rows."""
-    n_rules = rules.shape[0]
-    run = np.zeros(n_rules, dtype=np.int64)
-    for g in range(len(starts) - 1):
-        run[:] = 0
-        for j in range(starts[g], starts[g + 1]):
-            i = kept[j]
-            null = missing[i]
-            v = np.float64(raw[i])
-            for r in range(n_rules):
-                rule = rules[r]
-                direction = int(rule[_DIR])
+    for r in range(rules.shape[0]):
+        direction = int(rules[r, _DIR])
+        rz, fold, inv_fold = rules[r, _Z], rules[r, _FOLD], rules[r, _INV_FOLD]
+        delta, level = rules[r, _DELTA], rules[r, _LEVEL]
+        has_z, has_fold, has_delta, has_level = (not math.isnan(rz), not math.isnan(fold),
+                                                 not math.isnan(delta), not math.isnan(level))
+        count, peers, persist, role = rules[r, _COUNT] > 0, rules[r, _PEERS] > 0, rules[r, _PERSIST], int(rules[r, _ROLE])
+        can_up, can_down = direction == 0 or direction == 2, direction == 1 or direction == 2
+        for g in range(len(starts) - 1):
+            run = 0
+            for j in range(starts[g], starts[g + 1]):
+                if has_z and direction != 3:  # most rows: |z| below the threshold, or no z
+                    zj = z[j]
+                    if not z_valid[j] or not ((can_up and _ge(zj, rz)) or (can_down and _ge(-rz, zj))):
+                        run = 0
+                        out[r, j] = 0
+                        continue
+                i = kept[j]
+                v = np.float64(raw[i])
                 if direction == 3:  # non-finite: a count above 0, or a value that is NaN or ±inf
-                    hit = not null and (_ge(v, 0.0) and v != 0.0 if rule[_COUNT] > 0 else not math.isfinite(v))
-                elif null or not math.isfinite(v):
-                    hit = False
+                    hit = not missing[i] and (_ge(v, 0.0) and v != 0.0 if count else not math.isfinite(v))
+                elif missing[i] or not math.isfinite(v) or (has_z and not z_valid[j]) \
+                        or ((has_fold or has_delta) and math.isnan(med[j])):
+                    hit = False  # a null operand: the Polars expression is null, then false
                 else:
                     m, zj = med[j], z[j]
-                    ok = True
-                    if not math.isnan(rule[_Z]) and not z_valid[j]:
-                        ok = False  # z is null: no baseline yet
-                    if (not math.isnan(rule[_FOLD]) or not math.isnan(rule[_DELTA])) and math.isnan(m):
-                        ok = False  # the median is null
-                    up = ok and direction != 1
-                    down = ok and direction != 0
-                    if not math.isnan(rule[_Z]):
-                        up = up and _ge(zj, rule[_Z])
-                        down = down and _ge(-rule[_Z], zj)
-                    if not math.isnan(rule[_FOLD]):
-                        up = up and m > 0 and _ge(v, m * rule[_FOLD])
-                        down = down and m > 0 and _ge(m * rule[_INV_FOLD], v)
-                    if not math.isnan(rule[_DELTA]):
-                        up = up and _ge(v - m, rule[_DELTA])
-                        down = down and _ge(m - v, rule[_DELTA])
-                    if not math.isnan(rule[_LEVEL]):
-                        up = up and _ge(v, rule[_LEVEL])
-                        down = down and _ge(rule[_LEVEL], v)
-                    hit = up or down
-                    role = int(rule[_ROLE])
-                    if hit and role >= 0:
-                        hit = roles[role, j]
-                if rule[_PEERS] > 0:
+                    up, down = can_up, can_down
+                    if has_z:
+                        up = up and _ge(zj, rz)
+                        down = down and _ge(-rz, zj)
+                    if has_fold:
+                        up = up and m > 0 and _ge(v, m * fold)
+                        down = down and m > 0 and _ge(m * inv_fold, v)
+                    if has_delta:
+                        up = up and _ge(v - m, delta)
+                        down = down and _ge(m - v, delta)
+                    if has_level:
+                        up = up and _ge(v, level)
+                        down = down and _ge(level, v)
+                    hit = (up or down) and (role < 0 or roles[role, j])
+                if peers:
                     out[r, j] = hit
-                    continue
-                run[r] = run[r] + 1 if hit else 0
-                out[r, j] = judged[j] and run[r] >= rule[_PERSIST]
+                else:
+                    run = run + 1 if hit else 0
+                    out[r, j] = judged[j] and run >= persist
+
+
+@numba.njit(cache=True, nogil=True)
+def _fold_heat(z: np.ndarray, z_valid: np.ndarray, heat: np.ndarray) -> None:  # pragma: no cover - compiled
+    """heat = the larger of heat and |z| where z is valid and finite (a NaN cell takes |z|): a
+    metric's share of the heatmap's cell, each row's worst |z| over the metrics."""
+    for j in range(len(z)):
+        v = z[j]
+        if z_valid[j] and math.isfinite(v):
+            a = abs(v)
+            if not heat[j] >= a:
+                heat[j] = a
 
 
 @numba.njit(cache=True, nogil=True)
@@ -149,10 +162,8 @@ class _Fired(NamedTuple):
 
 
 class _Judged(NamedTuple):
-    """What one metric's worker hands back."""
+    """What one metric's worker hands back (its |z| went into the worker's heat cells)."""
 
-    z: np.ndarray  # on every kept row: the heatmap folds it
-    z_valid: np.ndarray
     fired: list[_Fired]  # per rule of the metric (a peers rule: where the rest of it held)
     value: pl.Series | None  # the metric and its median on every kept row, where a peers rule held
     med: pl.Series | None
@@ -177,11 +188,12 @@ def _table(rules: list[tuple[Condition, Rule]], role_sets: list[tuple[str, ...]]
     return table
 
 
-def judge(window: pl.DataFrame, config: Config, judged: str, lead: int,
-          heat_width: int | None = None) -> tuple[pl.DataFrame, pl.DataFrame | None]:
+def judge(window: pl.DataFrame, config: Config, judged: str, lead: int, heat_width: int | None = None,
+          components: pl.DataFrame | None = None) -> tuple[pl.DataFrame, pl.DataFrame | None]:
     """(hits, heat) of the rows of `window` marked by the boolean column `judged`, each reading
     at most `lead` rows before it: what `classify.hits(classify.score(window, config, judged=
-    judged))` and `stream.heat_of` of its judged rows give, without the scored frame."""
+    judged))` and `stream.heat_of` of its judged rows give, without the scored frame. A window
+    without a `role` column takes each component's from `components` (one join per series)."""
     rows, starts, keep, lr = prepare(window, judged, lead)
     kept = np.arange(rows.height) if keep is None else np.flatnonzero(keep)
     kstarts = np.searchsorted(kept, starts).astype(np.int64)  # each series' first kept row
@@ -196,9 +208,9 @@ def judge(window: pl.DataFrame, config: Config, judged: str, lead: int,
                         if r.roles and r.direction != NONFINITE})
     roles = np.zeros((max(1, len(role_sets)), len(kept)), dtype=np.bool_)
     if role_sets:
-        role = rows["role"].gather(kept)  # a frame without it fails here, as `score` fails
+        role = _roles(rows, starts, components)  # one per series
         for k, names in enumerate(role_sets):
-            roles[k] = role.is_in(list(names)).fill_null(False).to_numpy()
+            roles[k] = np.repeat(role.is_in(list(names)).fill_null(False).to_numpy(), np.diff(kstarts))
     cfg = config.baseline
     lr_values = rows["lr"].cast(pl.Float64).to_numpy() if lr else None
 
@@ -206,25 +218,29 @@ def judge(window: pl.DataFrame, config: Config, judged: str, lead: int,
         col = _column(rows, metric, lr)
         med, _, z, z_valid = quantiles.baseline(col, lr_values, starts, kept, cfg.window, cfg.lag,
                                                 cfg.min_samples, _SCALES)
+        if heat_width is not None:
+            cells = heat.get(threading.get_ident())
+            if cells is None:
+                cells = heat[threading.get_ident()] = np.full(len(kept), np.nan)
+            _fold_heat(z, z_valid, cells)
         rules = by_metric.get(metric, [])
         if not rules:
-            return _Judged(z, z_valid, [], None, None)
+            return _Judged([], None, None)
         table = _table(rules, role_sets)
         out = np.zeros((len(rules), len(kept)), dtype=np.uint8)
         missing = col.missing if col.missing is not None else np.zeros(len(col.raw), dtype=np.bool_)
         _hits(np.ascontiguousarray(col.raw), missing, med, z, z_valid, kept, kstarts, marked, table, roles, out)
         fired = [_Fired(at, med[at], z[at], z_valid[at]) for at in (np.flatnonzero(row) for row in out)]
         if not any(len(f.rows) for f, k in zip(fired, table[:, _PEERS], strict=True) if k > 0):
-            return _Judged(z, z_valid, fired, None, None)
+            return _Judged(fired, None, None)
         value = rows[metric].cast(pl.Float64).gather(kept)
-        return _Judged(z, z_valid, fired, value, pl.Series(med, dtype=pl.Float64, nan_to_null=True))
+        return _Judged(fired, value, pl.Series(med, dtype=pl.Float64, nan_to_null=True))
 
-    heat = np.full(len(kept), np.nan)
+    heat: dict[int, np.ndarray] = {}  # the heatmap's cells, one array per thread that folds into it
     found: list[tuple[int, pl.DataFrame]] = []
     order = {id(r): k for k, r in enumerate(r for c in config.conditions for r in c.rules)}
     work = quantiles.in_order([functools.partial(one, m) for m in metrics])
     for metric, got in zip(metrics, work, strict=True):
-        quantiles.fold_heat(heat, got.z, got.z_valid)
         for (c, r), fired in zip(by_metric.get(metric, []), got.fired, strict=True):
             if r.peers_fold is not None and r.direction != NONFINITE and len(fired.rows):
                 fired = _with_peers(rows, kept, kstarts, marked, c, r, fired, got)
@@ -232,7 +248,21 @@ def judge(window: pl.DataFrame, config: Config, judged: str, lead: int,
                 found.append((order[id(r)], _hit_rows(rows, kept, c, r, fired)))
     parts = [frame for _, frame in sorted(found, key=lambda kv: kv[0])]
     hits = finish_hits(pl.concat(parts) if parts else None)
-    return hits, None if heat_width is None else _heat(rows, kept, kstarts, marked, heat, heat_width)
+    if heat_width is None:
+        return hits, None
+    cells = functools.reduce(np.fmax, heat.values()) if heat else np.full(len(kept), np.nan)
+    return hits, _heat(rows, kept, kstarts, marked, cells, heat_width)
+
+
+def _roles(rows: pl.DataFrame, starts: np.ndarray, components: pl.DataFrame | None) -> pl.Series:
+    """The role of each series of `rows` (sorted by them): the rows' own, or the components
+    table's, joined as `stream.Classifier` joins it to every row (null where it has none)."""
+    if "role" in rows.columns or components is None or "role" not in components.columns:
+        return rows["role"].gather(starts[:-1])  # no role anywhere: fails here, as `score` fails
+    on = [k for k in KEYS if k in components.columns]
+    series = rows.select(*KEYS)[starts[:-1]]
+    return series.join(components.select(*on, "role").unique(on, keep="last"), on=on, how="left",
+                       maintain_order="left")["role"]
 
 
 def _with_peers(rows: pl.DataFrame, kept: np.ndarray, kstarts: np.ndarray, marked: np.ndarray,

@@ -219,6 +219,25 @@ def fold_heat(heat: np.ndarray, z: np.ndarray, z_valid: np.ndarray) -> None:  # 
                 heat[j] = a
 
 
+@numba.njit(cache=True, nogil=True)
+def running_peak(values: np.ndarray, starts: np.ndarray, before: np.ndarray, upto: np.ndarray,
+                 out: np.ndarray, per_row: bool) -> None:  # pragma: no cover - compiled
+    """Per series g (rows `starts[g]`..`starts[g + 1]`): the highest of `before[starts[g]]` and the
+    series' values before row `upto[g]`, NaN passed over (numpy's fmax): `out[g]`, or with
+    `per_row` `out[i]` for each of those rows i, the highest up to it."""
+    for g in range(len(starts) - 1):
+        a = starts[g]
+        peak = before[a]
+        for i in range(a, upto[g]):
+            x = values[i]
+            if math.isnan(peak) or x > peak:
+                peak = x if not math.isnan(x) else peak
+            if per_row:
+                out[i] = peak
+        if not per_row:
+            out[g] = peak
+
+
 def trailing(values: np.ndarray, starts: np.ndarray, window: int, lag: int, min_samples: int) -> np.ndarray:
     """(3, rows) float64: `QUANTILES` of each row's trailing window; NaN where none yet (one
     contiguous row per quantile: a Polars column is made from it without a copy).

@@ -80,7 +80,7 @@ class Classifier:
         judged = pl.col(_NEW) if self.since is None else pl.col(_NEW) & (pl.col("step") >= self.since)
         window = window.with_columns(judged.alias(_JUDGED))
         if self._compiled:
-            found, heat = judge(window, self.config, _JUDGED, lead(self.config), self.heat_width)
+            found, heat = judge(window, self.config, _JUDGED, lead(self.config), self.heat_width, self._components)
             if heat is not None:
                 self._heat.append(heat)
         else:
@@ -123,7 +123,7 @@ class Classifier:
     def _prepare(self, rows: pl.DataFrame) -> pl.DataFrame:
         if "rank" not in rows.columns:
             rows = rows.with_columns(pl.lit(0, pl.Int64).alias("rank"))
-        if self._components is not None and "role" not in rows.columns:
+        if self._components is not None and "role" not in rows.columns and not self._compiled:
             # only what the rules read: every other column rides through each window's sort,
             # concatenation and carry (four string columns of the components table took ~80%
             # of the sort on a large run's windows)

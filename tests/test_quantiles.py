@@ -206,3 +206,25 @@ assert [list(k.signatures) for k in kernels] == warmed, [list(k.signatures) for 
 """
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
+
+
+def test_running_peak_equals_numpys_fmax_over_each_series() -> None:
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        lengths = rng.integers(1, 30, size=rng.integers(1, 6))
+        starts = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+        n = int(starts[-1])
+        values = np.where(rng.random(n) < 0.3, np.nan, rng.normal(size=n).round(1))
+        before = np.where(rng.random(n) < 0.5, np.nan, rng.normal(size=n))
+        want = values.copy()
+        for a, b in zip(starts[:-1], starts[1:], strict=True):
+            np.fmax.accumulate(want[a:b], out=want[a:b])
+            np.fmax(want[a:b], before[a], out=want[a:b])
+        got = values.copy()
+        quantiles.running_peak(got, starts, before, starts[1:], got, True)
+        assert np.array_equal(got, want, equal_nan=True)
+        upto = np.array([rng.integers(a, b + 1) for a, b in zip(starts[:-1], starts[1:], strict=True)])
+        peaks = np.empty(len(upto))
+        quantiles.running_peak(values, starts, before, upto, peaks, False)
+        assert np.array_equal(peaks, [np.fmax.reduce(values[a:k], initial=before[a]) for a, k in
+                                      zip(starts[:-1], upto, strict=True)], equal_nan=True)

@@ -238,6 +238,31 @@ def running_peak(values: np.ndarray, starts: np.ndarray, before: np.ndarray, upt
             out[g] = peak
 
 
+@numba.njit(cache=True, nogil=True)
+def lr_rise(value: np.ndarray, missing: np.ndarray, starts: np.ndarray, before: np.ndarray,
+            out: np.ndarray) -> None:  # pragma: no cover - compiled
+    """`baseline.lr_surge`'s arithmetic in one pass: per row, value / the row before's value where
+    the value is above the highest of `before[series start]` and every earlier value of its
+    series (NaN passed over, numpy's fmax; a NaN value counts as above a number) and the row
+    before holds an lr that is positive or NaN; else 1. `missing`: null lr."""
+    for g in range(len(starts) - 1):
+        a = starts[g]
+        peak = before[a]
+        for i in range(a, starts[g + 1]):
+            out[i] = 1.0
+            if i == a or missing[i - 1]:
+                continue  # nothing before it
+            prev = value[i - 1]
+            if math.isnan(peak) or prev > peak:
+                peak = prev if not math.isnan(prev) else peak
+            v = value[i]
+            if missing[i]:
+                continue
+            above = v > peak or (math.isnan(v) and not math.isnan(peak))
+            if above and (prev > 0 or math.isnan(prev)):
+                out[i] = v / prev
+
+
 def trailing(values: np.ndarray, starts: np.ndarray, window: int, lag: int, min_samples: int) -> np.ndarray:
     """(3, rows) float64: `QUANTILES` of each row's trailing window; NaN where none yet (one
     contiguous row per quantile: a Polars column is made from it without a copy).

@@ -56,6 +56,9 @@ class Classifier:
         self.reference = reference  # a reference run's baseline (forensics.reference), or None
         self.history = config.baseline.history(config.conditions)
         self._components = components
+        # every name a window may hold, sorted: a window's sort need not find its own
+        self._names = (components["component"].unique().sort()
+                       if components is not None and "component" in components.columns else None)
         self._tail: pl.DataFrame | None = None
         self._lr_peak: pl.DataFrame | None = None  # per series, the highest lr of the rows let go
         self._last_step: dict[int, int] = {}
@@ -74,7 +77,7 @@ class Classifier:
             return pl.DataFrame(schema=ALARM_SCHEMA)
         rows = self._prepare(rows)
         window = rows if self._tail is None else pl.concat([self._tail, rows], how="diagonal_relaxed")
-        window = sort_series(window)  # once: the baseline and the carry read series in order
+        window = sort_series(window, self._names)  # once: the baseline and the carry read series in order
         if self._lr_peak is not None and "lr" in window.columns:  # the run's lr before the window
             window = with_series_values(window, self._lr_peak)
         judged = pl.col(_NEW) if self.since is None else pl.col(_NEW) & (pl.col("step") >= self.since)

@@ -3,7 +3,9 @@
 Runs one whole-trace analysis in this process with timers around the engine's parts (nested
 parts are counted in their callers too), then, on one step window of the same run (the third
 the classifier judged), the baseline kernel's nanoseconds per row for each metric (one thread:
-the window's order statistics, then median, scale and z) and their sum, and the window's sort by names against `sort_series`; last, opening the trace (best of 5). The trace is a GPT sample trace grown to
+the window's order statistics, then median, scale and z) and their sum, and the window's sort by names against `sort_series` and `series_order`; last, opening the trace (best of 5).
+The compiled rules (`judge._hits`) and the kernel run on the baseline's workers: their seconds
+are summed over the workers. The trace is a GPT sample trace grown to
 `--size` component-steps (bench/grow.py, the faulty one) unless `--trace` names one. Run:
 `python bench/engine_breakdown.py [--size 1e7 | --trace DIR]`.
 """
@@ -25,13 +27,15 @@ import polars as pl
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import grow  # noqa: E402
-from warninglight.forensics import analysis, baseline, quantiles, static_rules, stream  # noqa: E402
+from warninglight.forensics import analysis, baseline, judge, quantiles, static_rules, stream  # noqa: E402
+from warninglight.forensics.conditions import Config  # noqa: E402
 from warninglight.forensics.store import open_trace  # noqa: E402
 
-PARTS = ((stream.Classifier, "feed", 0), (stream, "sort_series", 1), (stream, "score", 1),
-         (baseline, "_own_baseline", 2), (quantiles, "baseline", 3), (stream, "heat_of", 1),
-         (stream, "hits", 1), (stream.Classifier, "_carry", 1), (analysis, "health_window", 0),
-         (analysis, "join_lr", 0), (static_rules.StaticScan, "feed", 0))
+PARTS = ((stream.Classifier, "feed", 0), (stream, "series_order", 1), (stream, "judge", 1), (judge, "prepare", 2),
+         (quantiles, "baseline", 2), (judge, "_hits", 2), (judge, "_heat", 2),
+         (stream.Classifier, "_carry", 1), (analysis, "health_window", 0), (analysis, "join_lr", 0),
+         (static_rules.StaticScan, "feed", 0))
+THREADS = {"baseline", "_hits"}  # run on the baseline's workers: their seconds are summed over them
 READER = {"health_window", "join_lr"}  # run on the reader thread, beside the classifier
 WINDOW = 3  # the window whose unit costs are timed (the first ones are shorter: no history yet)
 
@@ -60,6 +64,15 @@ def _kept(calls: list[tuple[Any, ...]], f: Callable[..., Any]) -> Callable[..., 
     return wrapper
 
 
+def _returned(results: list[Any], f: Callable[..., Any]) -> Callable[..., Any]:
+    """`f`, keeping the result of each call."""
+    @functools.wraps(f)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        results.append(f(*args, **kwargs))
+        return results[-1]
+    return wrapper
+
+
 def _best_s(f: Callable[[], Any], repeat: int = 3) -> float:
     best = float("inf")
     for _ in range(repeat):
@@ -83,25 +96,27 @@ def main() -> None:
         for owner, name, _ in PARTS:
             setattr(owner, name, _timed(totals, _label(owner, name), getattr(owner, name)))
         sorts: list[tuple[Any, ...]] = []
-        own: list[tuple[Any, ...]] = []
-        stream.sort_series = _kept(sorts, stream.sort_series)
-        baseline._own_baseline = _kept(own, baseline._own_baseline)
+        prepared: list[baseline.Prepared] = []
+        stream.series_order = _kept(sorts, stream.series_order)
+        judge.prepare = _returned(prepared, judge.prepare)
         t0 = time.perf_counter()
         result = analysis.analyze(trace)
         total = time.perf_counter() - t0
         opened = _best_s(lambda: open_trace(trace).close(), repeat=5)
-    print(f"analyze {trace.name}: {total:.1f} s in all, {len(own)} step windows; "
+    print(f"analyze {trace.name}: {total:.1f} s in all, {len(prepared)} step windows; "
           f"root {result.root.attributed_to if result.root else None}")
     for owner, name, indent in PARTS:
         key = _label(owner, name)
-        threads = "  (summed over the threads running it)" if (owner, name) == (quantiles, "baseline") else (
+        threads = "  (summed over the threads running it)" if name in THREADS else (
             "  (on the reader thread, beside the classifier)" if name in READER else "")
         print(f"{'    ' * indent}{key:<28s} {totals[key]:7.2f} s{threads}")
     window = sorts[min(WINDOW, len(sorts)) - 1][0]
-    frame, starts, metrics, cfg, lr = own[min(WINDOW, len(own)) - 1][:5]
-    print(f"window {min(WINDOW, len(own))}: {frame.height:,} rows; sort by names "
+    frame, starts, _, lr = baseline.prepare(baseline.sort_series(window))  # with its metrics
+    cfg, metrics = Config().baseline, baseline.metrics_in(frame)
+    print(f"window {min(WINDOW, len(prepared))}: {frame.height:,} rows; sort by names "
           f"{_best_s(lambda: window.sort([*baseline.KEYS, 'step'])) * 1e3:.0f} ms, sort_series "
-          f"{_best_s(lambda: baseline.sort_series(window)) * 1e3:.0f} ms")
+          f"{_best_s(lambda: baseline.sort_series(window)) * 1e3:.0f} ms, series_order (no row moved) "
+          f"{_best_s(lambda: baseline.series_order(window)) * 1e3:.0f} ms")
     lr_values = frame["lr"].cast(pl.Float64).to_numpy() if lr else None
     rows = np.arange(frame.height)
     total = 0.0

@@ -58,9 +58,10 @@ def z_numpy(metric: str, values: np.ndarray, med: float, scale: float) -> np.nda
     return (values - med) / scale
 
 
-def metrics_in(frame: pl.LazyFrame | pl.DataFrame) -> list[str]:
-    """The health metrics present as columns of `frame`."""
-    names = frame.collect_schema().names() if isinstance(frame, pl.LazyFrame) else frame.columns
+def metrics_in(frame: pl.LazyFrame | pl.DataFrame | list[str]) -> list[str]:
+    """The health metrics present as columns of `frame` (or among these column names)."""
+    names = (frame if isinstance(frame, list) else
+             frame.collect_schema().names() if isinstance(frame, pl.LazyFrame) else frame.columns)
     return [m for m in (*schema.HEALTH_METRICS, *DERIVED_METRICS) if m in names]
 
 
@@ -110,26 +111,35 @@ def sort_series(frame: pl.DataFrame, names: pl.Series | None = None) -> pl.DataF
     the order without comparing names again. `names`: every component name the frame may hold,
     sorted (the trace's components: finding a large window's own took ~30 ms); a frame with a
     name outside them is sorted by its own."""
+    keyed, order = series_order(frame, names)
+    return keyed if order is None else keyed[order]
+
+
+def series_order(frame: pl.DataFrame, names: pl.Series | None = None) -> tuple[pl.DataFrame, np.ndarray | None]:
+    """(`frame` with `sort_series`' key, the rows in that order): what `sort_series` sorts by,
+    without moving a row. The order is None where the frame came out sorted already (no key:
+    too many series or steps for one integer, then sorted by names)."""
     frame = frame.drop(SERIES_KEY, strict=False)
     if frame.is_empty():
-        return frame
+        return frame, None
     if names is not None:
         try:
-            return _sorted_by_names(frame, names)
+            return _keyed(frame, names)
         except pl.exceptions.InvalidOperationError:  # a name outside them
             pass
-    return _sorted_by_names(frame, frame["component"].unique().sort())
+    return _keyed(frame, frame["component"].unique().sort())
 
 
-def _sorted_by_names(frame: pl.DataFrame, names: pl.Series) -> pl.DataFrame:
+def _keyed(frame: pl.DataFrame, names: pl.Series) -> tuple[pl.DataFrame, np.ndarray | None]:
     n_ranks = frame["rank"].n_unique()
     first, last = frame["step"].min(), frame["step"].max()
     if len(names) * n_ranks >= 1 << (62 - _STEP_BITS) or last - first >= 1 << _STEP_BITS:  # type: ignore[operator]
-        return frame.sort([*KEYS, "step"])
+        return frame.sort([*KEYS, "step"]), None
     series = ((pl.col("rank").rank("dense").cast(pl.Int64) - 1) * len(names)
               + pl.col("component").cast(pl.Enum(names)).to_physical().cast(pl.Int64))
     key = series * (1 << _STEP_BITS) + (pl.col("step") - first)
-    return frame.with_columns(key.alias(SERIES_KEY)).sort(SERIES_KEY)
+    keyed = frame.with_columns(key.alias(SERIES_KEY))
+    return keyed, keyed[SERIES_KEY].arg_sort().to_numpy().astype(np.int64)
 
 
 def _sorted_by_key(frame: pl.DataFrame) -> bool:

@@ -169,6 +169,37 @@ class _Judged(NamedTuple):
     med: pl.Series | None
 
 
+class _Metrics:
+    """Where a window's metric columns are: in its sorted rows, or in `source`, whose rows in
+    `order` are the sorted ones."""
+
+    def __init__(self, rows: pl.DataFrame, source: pl.DataFrame | None, order: np.ndarray | None) -> None:
+        self.rows, self.source, self.order = rows, source, order
+
+    def _where(self, metric: str) -> tuple[pl.DataFrame, np.ndarray | None]:
+        if metric in self.rows.columns or self.source is None:
+            return self.rows, None
+        return self.source, self.order
+
+    def names(self) -> list[str]:
+        """Every column's name."""
+        return [*self.rows.columns, *(c for c in (self.source.columns if self.source is not None else [])
+                                      if c not in self.rows.columns)]
+
+    def column(self, metric: str, lr: bool) -> quantiles.Column:
+        """`baseline._column` of the metric, in the sorted rows' order."""
+        frame, order = self._where(metric)
+        col = _column(frame, metric, lr)
+        if order is None:
+            return col
+        return col._replace(raw=col.raw[order], missing=None if col.missing is None else col.missing[order])
+
+    def values(self, metric: str, at: np.ndarray) -> pl.Series:
+        """The metric as float64 at sorted rows `at` (null where null)."""
+        frame, order = self._where(metric)
+        return frame[metric].cast(pl.Float64).gather(at if order is None else order[at])
+
+
 def _table(rules: list[tuple[Condition, Rule]], role_sets: list[tuple[str, ...]]) -> np.ndarray:
     """`_hits`' rule table."""
     nan = math.nan
@@ -189,16 +220,22 @@ def _table(rules: list[tuple[Condition, Rule]], role_sets: list[tuple[str, ...]]
 
 
 def judge(window: pl.DataFrame, config: Config, judged: str, lead: int, heat_width: int | None = None,
-          components: pl.DataFrame | None = None) -> tuple[pl.DataFrame, pl.DataFrame | None]:
+          components: pl.DataFrame | None = None, source: pl.DataFrame | None = None,
+          order: np.ndarray | None = None) -> tuple[pl.DataFrame, pl.DataFrame | None]:
     """(hits, heat) of the rows of `window` marked by the boolean column `judged`, each reading
     at most `lead` rows before it: what `classify.hits(classify.score(window, config, judged=
     judged))` and `stream.heat_of` of its judged rows give, without the scored frame. A window
-    without a `role` column takes each component's from `components` (one join per series)."""
+    without a `role` column takes each component's from `components` (one join per series).
+
+    `source` and `order`: the window's metrics are `source`'s columns, its rows `source`'s in
+    that order (`window`, sorted by series, is `source[order]` less the metrics): each metric is
+    read through the order by the worker that judges it, instead of the whole frame sorted."""
     rows, starts, keep, lr = prepare(window, judged, lead)
+    metric_of = _Metrics(rows, source, order)
     kept = np.arange(rows.height) if keep is None else np.flatnonzero(keep)
     kstarts = np.searchsorted(kept, starts).astype(np.int64)  # each series' first kept row
     marked = rows[judged].to_numpy()[kept]
-    metrics = metrics_in(rows)
+    metrics = metrics_in(metric_of.names())
     by_metric: dict[str, list[tuple[Condition, Rule]]] = {}
     for c in config.conditions:
         for r in c.rules:
@@ -215,7 +252,7 @@ def judge(window: pl.DataFrame, config: Config, judged: str, lead: int, heat_wid
     lr_values = rows["lr"].cast(pl.Float64).to_numpy() if lr else None
 
     def one(metric: str) -> _Judged:
-        col = _column(rows, metric, lr)
+        col = metric_of.column(metric, lr)
         med, _, z, z_valid = quantiles.baseline(col, lr_values, starts, kept, cfg.window, cfg.lag,
                                                 cfg.min_samples, _SCALES)
         if heat_width is not None:
@@ -233,19 +270,19 @@ def judge(window: pl.DataFrame, config: Config, judged: str, lead: int, heat_wid
         fired = [_Fired(at, med[at], z[at], z_valid[at]) for at in (np.flatnonzero(row) for row in out)]
         if not any(len(f.rows) for f, k in zip(fired, table[:, _PEERS], strict=True) if k > 0):
             return _Judged(fired, None, None)
-        value = rows[metric].cast(pl.Float64).gather(kept)
+        value = metric_of.values(metric, kept)
         return _Judged(fired, value, pl.Series(med, dtype=pl.Float64, nan_to_null=True))
 
     heat: dict[int, np.ndarray] = {}  # the heatmap's cells, one array per thread that folds into it
     found: list[tuple[int, pl.DataFrame]] = []
-    order = {id(r): k for k, r in enumerate(r for c in config.conditions for r in c.rules)}
+    rule_order = {id(r): k for k, r in enumerate(r for c in config.conditions for r in c.rules)}
     work = quantiles.in_order([functools.partial(one, m) for m in metrics])
     for metric, got in zip(metrics, work, strict=True):
         for (c, r), fired in zip(by_metric.get(metric, []), got.fired, strict=True):
             if r.peers_fold is not None and r.direction != NONFINITE and len(fired.rows):
                 fired = _with_peers(rows, kept, kstarts, marked, c, r, fired, got)
             if len(fired.rows):
-                found.append((order[id(r)], _hit_rows(rows, kept, c, r, fired)))
+                found.append((rule_order[id(r)], _hit_rows(rows, kept, c, r, fired, metric_of)))
     parts = [frame for _, frame in sorted(found, key=lambda kv: kv[0])]
     hits = finish_hits(pl.concat(parts) if parts else None)
     if heat_width is None:
@@ -288,9 +325,11 @@ def _with_peers(rows: pl.DataFrame, kept: np.ndarray, kstarts: np.ndarray, marke
     return _Fired(fired, held.med[pick], held.z[pick], held.z_valid[pick])
 
 
-def _hit_rows(rows: pl.DataFrame, kept: np.ndarray, c: Condition, r: Rule, fired: _Fired) -> pl.DataFrame:
+def _hit_rows(rows: pl.DataFrame, kept: np.ndarray, c: Condition, r: Rule, fired: _Fired,
+              metric_of: _Metrics) -> pl.DataFrame:
     """`classify.hits`' rows of one rule: where it fired, with the metric's value, median and z."""
-    where = rows.select(*KEYS, "step", pl.col(r.metric).cast(pl.Float64).alias("value"))[kept[fired.rows]]
+    at = kept[fired.rows]
+    where = rows.select(*KEYS, "step")[at].with_columns(metric_of.values(r.metric, at).alias("value"))
     if r.direction == NONFINITE:  # a count has baseline 0 and scale 1: its z is the count
         median = pl.Series("median", [None] * where.height, dtype=pl.Float64)
         magnitude = where["value"] if r.metric in COUNT_METRICS else median

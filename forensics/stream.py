@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import numpy as np
 import polars as pl
+from warninglight.tracer import schema
 
 from .baseline import (
     HEAT,
@@ -25,8 +26,8 @@ from .baseline import (
     LR_PEAK,
     SERIES_KEY,
     lr_peaks,
+    series_order,
     series_starts,
-    sort_series,
     with_series_values,
 )
 from .classify import ALARM_SCHEMA, alarms, hits, lead, score
@@ -77,13 +78,20 @@ class Classifier:
             return pl.DataFrame(schema=ALARM_SCHEMA)
         rows = self._prepare(rows)
         window = rows if self._tail is None else pl.concat([self._tail, rows], how="diagonal_relaxed")
-        window = sort_series(window, self._names)  # once: the baseline and the carry read series in order
+        # once: the baseline and the carry read series in order. The compiled classifier moves
+        # only the columns that are not metrics; each metric is read in that order where it is.
+        source, order = series_order(window, self._names)
+        metrics = [m for m in schema.HEALTH_METRICS if m in source.columns]
+        if order is not None and not (self._compiled and _increasing(source[SERIES_KEY].to_numpy()[order])):
+            source, order = source[order], None  # sorted whole (also where a step's rows came twice)
+        window = source if order is None else source.drop(metrics)[order]
         if self._lr_peak is not None and "lr" in window.columns:  # the run's lr before the window
             window = with_series_values(window, self._lr_peak)
         judged = pl.col(_NEW) if self.since is None else pl.col(_NEW) & (pl.col("step") >= self.since)
         window = window.with_columns(judged.alias(_JUDGED))
         if self._compiled:
-            found, heat = judge(window, self.config, _JUDGED, lead(self.config), self.heat_width, self._components)
+            found, heat = judge(window, self.config, _JUDGED, lead(self.config), self.heat_width,
+                                self._components, source if order is not None else None, order)
             if heat is not None:
                 self._heat.append(heat)
         else:
@@ -95,7 +103,7 @@ class Classifier:
                 self._heat.append(heat_of(judged_rows, self.heat_width))
             found = hits(judged_rows, self.config)
         new = self._episode_alarms(found)
-        self._tail = self._carry(window.drop(_JUDGED))  # with its key: series_starts reads it
+        self._tail = self._carry(window.drop(_JUDGED), None if order is None else source, order)
         return new
 
     @property
@@ -143,14 +151,17 @@ class Classifier:
             self._last_step[rank] = last
         return rows.with_columns(pl.lit(True).alias(_NEW))
 
-    def _carry(self, window: pl.DataFrame) -> pl.DataFrame:
+    def _carry(self, window: pl.DataFrame, source: pl.DataFrame | None = None,
+               order: np.ndarray | None = None) -> pl.DataFrame:
         """The last `history` rows of each (rank, component) of `window` (sorted by them and step):
-        all the past a rule reads."""
+        all the past a rule reads. With `source` and `order`, `window` is `source`'s rows in that
+        order less the metrics: the rows are taken, whole, from `source`."""
         starts = series_starts(window)
         kept_from = np.maximum(starts[:-1], starts[1:] - self.history)  # each series' first kept row
         if "lr" in window.columns:  # the lr of the rows let go still bounds what a surge is
             self._lr_peak = lr_peaks(window, starts, kept_from)
-        kept = window.filter(pl.Series(np.arange(window.height) >= np.repeat(kept_from, np.diff(starts))))
+        keep = np.arange(window.height) >= np.repeat(kept_from, np.diff(starts))
+        kept = window.filter(pl.Series(keep)) if source is None or order is None else source[order[keep]]
         return kept.drop(LR_PEAK, strict=False).with_columns(pl.lit(False).alias(_NEW))
 
     def _episode_alarms(self, found: pl.DataFrame) -> pl.DataFrame:
@@ -176,6 +187,10 @@ class Classifier:
         if not new.is_empty():
             self._alarms.append(new)
         return new
+
+
+def _increasing(key: np.ndarray) -> bool:
+    return bool((key[1:] > key[:-1]).all())
 
 
 def heat_of(scored: pl.DataFrame | pl.LazyFrame, width: int) -> pl.DataFrame:

@@ -98,12 +98,22 @@ class StaticScan:
     def __init__(self, components: pl.DataFrame) -> None:
         self.components = components.unique("component", keep="first")
         self._found: dict[tuple[str, str], list[Any]] = {}  # (rule, component) -> [step, value, n]
+        # Rows where some rule may fire, judged on the health columns alone (the rules' own tests,
+        # the gradient's against the largest component's size, with room to spare): firings are
+        # rare, so only these rows are joined with the components and judged exactly.
+        counts = self.components["param_count"].cast(pl.Float64) if "param_count" in self.components.columns else None
+        largest = counts.filter(counts > 0).max() if counts is not None else None
+        small_grad = (pl.col("grad_norm_l2").cast(pl.Float64) < 2 * VANISHING_GRAD_RMS * math.sqrt(largest)
+                      if isinstance(largest, float) else pl.lit(False))
+        nonfinite = next(r.fires for r in RULES if r.name == "exploding_tensor")
+        self._maybe = pl.any_horizontal(small_grad, nonfinite, pl.col("out_dead_frac") > LAYER_FRACTION,
+                                        pl.col("out_sat_frac") > LAYER_FRACTION).fill_null(False)
 
     def feed(self, health: pl.DataFrame) -> StaticScan:
         """Add the firings in `health` (rows of steps after any fed before; extra columns ignored)."""
         # a metric the trace lacks is null here: the rules that read it cannot fire (a warning says so)
         health = health.select("step", "component", *[pl.col(m) if m in health.columns else pl.lit(None, pl.Float32).alias(m)
-                                                      for m in HEALTH_METRICS])
+                                                      for m in HEALTH_METRICS]).filter(self._maybe)
         health = health.join(self.components.select("component", "param_count", "bound"), on="component", how="inner")
         for rule in RULES:
             names = self.components.filter(rule.applies(self.components))["component"]

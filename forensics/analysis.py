@@ -384,7 +384,7 @@ def locate_alarms(trace: Trace, alarms: pl.DataFrame, components: pl.DataFrame, 
 def analyze(trace_dir: str | Path, *, config: Config | str | Path | None = None,
             checkpoints_glob: str | None = None, checkpoint_every: int | None = None,
             steps: tuple[int, int] | None = None,
-            reference: str | Path | None = None) -> Analysis:
+            reference: str | Path | None = None, heat: bool = True) -> Analysis:
     """Read the trace and answer: failing? where, since when, how badly, and how far to roll back.
 
     `steps` = (A, B): an incident window. Only alarms raised at steps A..B are reported, each
@@ -392,6 +392,8 @@ def analyze(trace_dir: str | Path, *, config: Config | str | Path | None = None,
     baseline's history to B are read (an episode under way at A is reported from A).
     `reference`: a known-good trace of the same model; each component is judged against it step
     by step instead of against its own past, so faults present from the first step show.
+    `heat`: keep the report's heatmap (`Analysis.heat`; empty without it, and the metrics no
+    rule reads get no baseline: a caller that draws no map saves their kernel passes).
     """
     cfg = config if isinstance(config, Config) else load_config(config)
     ref = reference_baseline(reference, cfg.baseline) if reference is not None else None
@@ -407,8 +409,8 @@ def analyze(trace_dir: str | Path, *, config: Config | str | Path | None = None,
         static = StaticScan(components)
         if ref is not None:
             check_components(components, ref, reference)  # type: ignore[arg-type]
-        clf = classify_trace(trace, cfg, components, heat_width=width, static=static, steps=steps,
-                             reference=ref)
+        clf = classify_trace(trace, cfg, components, heat_width=width if heat else None, static=static,
+                             steps=steps, reference=ref)
         located = locate_alarms(trace, clf.alarms(), components, cfg, since=read_from, reference=ref)
         root, affected = root_cause(located, cfg, param_components(components))
         root, skip_until = _whole_model_root(root, located, components, trace, cfg)

@@ -251,10 +251,18 @@ def judge(window: pl.DataFrame, config: Config, judged: str, lead: int, heat_wid
     cfg = config.baseline
     lr_values = rows["lr"].cast(pl.Float64).to_numpy() if lr else None
 
+    # without a heatmap, a metric gets a baseline only where a rule compares with one
+    compared = {r.metric for rules in by_metric.values() for _, r in rules if r.direction != NONFINITE}
+    if heat_width is None:
+        metrics = [m for m in metrics if m in by_metric]
+
     def one(metric: str) -> _Judged:
         col = metric_of.column(metric, lr)
-        med, _, z, z_valid = quantiles.baseline(col, lr_values, starts, kept, cfg.window, cfg.lag,
-                                                cfg.min_samples, _SCALES)
+        if heat_width is None and metric not in compared:  # non-finite rules read the values alone
+            med, z, z_valid = np.full(len(kept), np.nan), np.full(len(kept), np.nan), np.zeros(len(kept), np.bool_)
+        else:
+            med, _, z, z_valid = quantiles.baseline(col, lr_values, starts, kept, cfg.window, cfg.lag,
+                                                    cfg.min_samples, _SCALES)
         if heat_width is not None:
             cells = heat.get(threading.get_ident())
             if cells is None:

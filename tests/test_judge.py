@@ -87,6 +87,9 @@ def test_judge_gives_the_polars_classifiers_hits_and_heat(seed: int, factor: flo
         got_hits, got_heat = judge(window, config, JUDGED, lead(config), width)
         assert got_hits.equals(want_hits)
         assert got_heat is not None and got_heat.sort("component", "step").equals(want_heat.sort("component", "step"))
+    # without a heatmap the metrics no rule compares with a baseline get none: the same hits
+    plain_hits, no_heat = judge(window, config, JUDGED, lead(config))
+    assert no_heat is None and plain_hits.equals(want_hits)
     if factor < 1:  # the frames make every condition fire, the peers' rule included
         fired = set(want_hits.select("condition", "metric").unique().iter_rows())
         assert {c.name for c in config.conditions} <= {condition for condition, _ in fired}

@@ -125,7 +125,7 @@ def series_order(frame: pl.DataFrame, names: pl.Series | None = None) -> tuple[p
     if names is not None:
         try:
             return _keyed(frame, names)
-        except pl.exceptions.InvalidOperationError:  # a name outside them
+        except (pl.exceptions.InvalidOperationError, TypeError):  # a name outside them
             pass
     return _keyed(frame, frame["component"].unique().sort())
 

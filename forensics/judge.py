@@ -245,9 +245,10 @@ def judge(window: pl.DataFrame, config: Config, judged: str, lead: int, heat_wid
                         if r.roles and r.direction != NONFINITE})
     roles = np.zeros((max(1, len(role_sets)), len(kept)), dtype=np.bool_)
     if role_sets:
-        role = _roles(rows, starts, components)  # one per series
+        role, per_series = _roles(rows, starts, kept, components)
         for k, names in enumerate(role_sets):
-            roles[k] = np.repeat(role.is_in(list(names)).fill_null(False).to_numpy(), np.diff(kstarts))
+            held = role.is_in(list(names)).fill_null(False).to_numpy()
+            roles[k] = np.repeat(held, np.diff(kstarts)) if per_series else held
     cfg = config.baseline
     lr_values = rows["lr"].cast(pl.Float64).to_numpy() if lr else None
 
@@ -299,15 +300,17 @@ def judge(window: pl.DataFrame, config: Config, judged: str, lead: int, heat_wid
     return hits, _heat(rows, kept, kstarts, marked, cells, heat_width)
 
 
-def _roles(rows: pl.DataFrame, starts: np.ndarray, components: pl.DataFrame | None) -> pl.Series:
-    """The role of each series of `rows` (sorted by them): the rows' own, or the components
-    table's, joined as `stream.Classifier` joins it to every row (null where it has none)."""
+def _roles(rows: pl.DataFrame, starts: np.ndarray, kept: np.ndarray,
+           components: pl.DataFrame | None) -> tuple[pl.Series, bool]:
+    """(roles, whether one per series): the kept rows' own `role` column where the window has
+    one (each row's, as the Polars classifier reads it), else each series' role in `components`,
+    joined once per series (`stream.Classifier` joins it to every row there)."""
     if "role" in rows.columns or components is None or "role" not in components.columns:
-        return rows["role"].gather(starts[:-1])  # no role anywhere: fails here, as `score` fails
+        return rows["role"].gather(kept), False  # no role anywhere: fails here, as `score` fails
     on = [k for k in KEYS if k in components.columns]
     series = rows.select(*KEYS)[starts[:-1]]
     return series.join(components.select(*on, "role").unique(on, keep="last"), on=on, how="left",
-                       maintain_order="left")["role"]
+                       maintain_order="left")["role"], True
 
 
 def _with_peers(rows: pl.DataFrame, kept: np.ndarray, kstarts: np.ndarray, marked: np.ndarray,

@@ -58,7 +58,7 @@ class Classifier:
         self.history = config.baseline.history(config.conditions)
         self._components = components
         # every name a window may hold, sorted: a window's sort need not find its own
-        self._names = (components["component"].unique().sort()
+        self._names = (components["component"].drop_nulls().unique().sort()
                        if components is not None and "component" in components.columns else None)
         self._tail: pl.DataFrame | None = None
         self._lr_peak: pl.DataFrame | None = None  # per series, the highest lr of the rows let go
@@ -77,6 +77,8 @@ class Classifier:
         if rows.is_empty():
             return pl.DataFrame(schema=ALARM_SCHEMA)
         rows = self._prepare(rows)
+        if self._compiled and self._tail is not None and "role" in rows.columns and "role" not in self._tail.columns:
+            self._tail = self._with_roles(self._tail)  # rows fed with roles after rows without
         window = rows if self._tail is None else pl.concat([self._tail, rows], how="diagonal_relaxed")
         # once: the baseline and the carry read series in order. The compiled classifier moves
         # only the columns that are not metrics; each metric is read in that order where it is.
@@ -134,14 +136,10 @@ class Classifier:
     def _prepare(self, rows: pl.DataFrame) -> pl.DataFrame:
         if "rank" not in rows.columns:
             rows = rows.with_columns(pl.lit(0, pl.Int64).alias("rank"))
-        if self._components is not None and "role" not in rows.columns and not self._compiled:
-            # only what the rules read: every other column rides through each window's sort,
-            # concatenation and carry (four string columns of the components table took ~80%
-            # of the sort on a large run's windows)
-            comps = self._components
-            on = [k for k in KEYS if k in comps.columns]
-            extra = [*on, *(c for c in _COMPONENT_COLUMNS if c in comps.columns and c not in rows.columns)]
-            rows = rows.join(comps.select(extra).unique(on, keep="last"), on=on, how="left")
+        # The compiled rules join the role once per series (`judge`), unless rows came with
+        # roles before: then each row gets its own, as here.
+        if "role" not in rows.columns and (not self._compiled or (self._tail is not None and "role" in self._tail.columns)):
+            rows = self._with_roles(rows)
         firsts = rows.group_by("rank").agg(pl.col("step").min(), pl.col("step").max().alias("last"))
         for rank, first, last in firsts.iter_rows():
             seen = self._last_step.get(rank)
@@ -150,6 +148,17 @@ class Classifier:
                                      "judged — feed each step once, in order")
             self._last_step[rank] = last
         return rows.with_columns(pl.lit(True).alias(_NEW))
+
+    def _with_roles(self, rows: pl.DataFrame) -> pl.DataFrame:
+        """`rows` with what the rules read of the components table (the role), joined to each
+        row; every other column of it would ride through each window's sort, concatenation and
+        carry (four string columns of it took ~80% of the sort on a large run's windows)."""
+        comps = self._components
+        if comps is None:
+            return rows
+        on = [k for k in KEYS if k in comps.columns]
+        extra = [*on, *(c for c in _COMPONENT_COLUMNS if c in comps.columns and c not in rows.columns)]
+        return rows.join(comps.select(extra).unique(on, keep="last"), on=on, how="left")
 
     def _carry(self, window: pl.DataFrame, source: pl.DataFrame | None = None,
                order: np.ndarray | None = None) -> pl.DataFrame:

@@ -111,3 +111,38 @@ def test_the_compiled_classifier_raises_the_same_alarms_fed_in_any_chunks(chunk:
     assert len(both[0].alarms()) > 20
     assert both[0].heat().equals(both[1].heat())
     assert both[1].scored is None  # the compiled classifier keeps no scored rows
+
+
+def test_a_role_is_read_row_by_row_however_the_rows_bring_it() -> None:
+    # a rule only for heads; the role is null on the first rows of the series, "head" later
+    config = replace(Config(), conditions=(replace(Config().conditions[0], name="flat", persistence=1,
+                                                   rules=(replace(Config().conditions[0].rules[4], metric="out_mean",
+                                                                  z=None, fold=None, level=5.0, roles=("head",)),)),))
+    rows = pl.DataFrame({"rank": [0] * 20, "component": ["c"] * 20, "step": list(range(1, 21)),
+                         "role": [None] * 10 + ["head"] * 10, "out_mean": [1.0] * 15 + [10.0] * 5})
+    window = sort_series(rows).with_columns(pl.lit(True).alias(JUDGED))
+    want, _ = _polars(window, config, 1)
+    assert want["step"].to_list() == [16, 17, 18, 19, 20]
+    assert judge(window, config, JUDGED, lead(config))[0].equals(want)
+    # roles fed with some windows only: each row keeps its own, the carried ones included (with
+    # a persistence of 3, the alarm at step 11 reads the hits of steps 9 and 10, carried)
+    config = replace(config, conditions=(replace(config.conditions[0], persistence=3),))
+    components = pl.DataFrame({"component": ["c"], "role": ["head"]})
+    rows = rows.with_columns(pl.lit("head").alias("role"), (pl.col("step") >= 9).cast(pl.Float64).mul(9).add(1).alias("out_mean"))
+    for first_with_role in (False, True):
+        alarms = []
+        for keep in (True, False):
+            clf = Classifier(config, components, keep_scored=keep)
+            early, late = rows.filter(pl.col("step") <= 10), rows.filter(pl.col("step") > 10)
+            clf.feed(early if first_with_role else early.drop("role"))
+            clf.feed(late.drop("role") if first_with_role else late)
+            alarms.append(clf.alarms())
+        assert alarms[0].equals(alarms[1]) and alarms[0]["step"].to_list() == [11]
+
+
+def test_a_components_table_with_a_nameless_row_is_read_as_before() -> None:
+    rows = pl.DataFrame({"component": ["a", "b"] * 80, "step": np.repeat(np.arange(1, 81), 2),
+                         "out_mean": np.r_[np.ones(150), np.full(10, 50.0)]})
+    components = pl.DataFrame({"component": ["a", "b", None], "role": ["param", "param", "head"]})
+    alarms = [Classifier(Config(), components, heat_width=1, keep_scored=keep).feed(rows) for keep in (True, False)]
+    assert alarms[0].equals(alarms[1])

@@ -108,18 +108,6 @@ def _hits(raw: np.ndarray, missing: np.ndarray, med: np.ndarray, z: np.ndarray, 
 
 
 @numba.njit(cache=True, nogil=True)
-def _fold_heat(z: np.ndarray, z_valid: np.ndarray, heat: np.ndarray) -> None:  # pragma: no cover - compiled
-    """heat = the larger of heat and |z| where z is valid and finite (a NaN cell takes |z|): a
-    metric's share of the heatmap's cell, each row's worst |z| over the metrics."""
-    for j in range(len(z)):
-        v = z[j]
-        if z_valid[j] and math.isfinite(v):
-            a = abs(v)
-            if not heat[j] >= a:
-                heat[j] = a
-
-
-@numba.njit(cache=True, nogil=True)
 def _persist(held: np.ndarray, starts: np.ndarray, judged: np.ndarray, steps: int) -> None:  # pragma: no cover - compiled
     """In place: `held[j]` = 1 where it held on this and the `steps - 1` rows before it in its
     series and row j is judged."""
@@ -162,7 +150,7 @@ class _Fired(NamedTuple):
 
 
 class _Judged(NamedTuple):
-    """What one metric's worker hands back (its |z| went into the worker's heat cells)."""
+    """What one metric's worker hands back (its |z| went into the worker's heat cells, `quantiles.fold_heat`)."""
 
     fired: list[_Fired]  # per rule of the metric (a peers rule: where the rest of it held)
     value: pl.Series | None  # the metric and its median on every kept row, where a peers rule held
@@ -268,7 +256,7 @@ def judge(window: pl.DataFrame, config: Config, judged: str, lead: int, heat_wid
             cells = heat.get(threading.get_ident())
             if cells is None:
                 cells = heat[threading.get_ident()] = np.full(len(kept), np.nan)
-            _fold_heat(z, z_valid, cells)
+            quantiles.fold_heat(cells, z, z_valid)
         rules = by_metric.get(metric, [])
         if not rules:
             return _Judged([], None, None)
@@ -320,9 +308,8 @@ def _with_peers(rows: pl.DataFrame, kept: np.ndarray, kstarts: np.ndarray, marke
     steps) reaches the rule's `peers_fold`, held for its persistence."""
     keys = rows.select("rank", "step")[kept]
     wanted = keys[held.rows].unique()
-    at = np.flatnonzero(keys.with_columns(pl.lit(True).alias("__at")).join(
-        wanted.with_columns(pl.lit(True).alias("__w")), on=["rank", "step"], how="left",
-        maintain_order="left")["__w"].fill_null(False).to_numpy())
+    at = np.flatnonzero(keys.join(wanted.with_columns(pl.lit(True).alias("__w")), on=["rank", "step"],
+                                  how="left", maintain_order="left")["__w"].fill_null(False).to_numpy())
     assert got.value is not None and got.med is not None
     peers = keys[at].with_columns(got.value.gather(at).alias("v"), got.med.gather(at).alias("m")).select(
         ((pl.col("v") / pl.col("m")).median().over(["rank", "step"]) >= r.peers_fold).fill_null(False)).to_series()

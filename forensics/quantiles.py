@@ -219,6 +219,14 @@ def fold_heat(heat: np.ndarray, z: np.ndarray, z_valid: np.ndarray) -> None:  # 
                 heat[j] = a
 
 
+@numba.njit(nogil=True, inline="always")
+def _fmax(a: float, b: float) -> float:  # pragma: no cover - compiled
+    """numpy's fmax: the larger, a NaN passed over."""
+    if math.isnan(a) or b > a:
+        return b if not math.isnan(b) else a
+    return a
+
+
 @numba.njit(cache=True, nogil=True)
 def running_peak(values: np.ndarray, starts: np.ndarray, before: np.ndarray, upto: np.ndarray,
                  out: np.ndarray, per_row: bool) -> None:  # pragma: no cover - compiled
@@ -229,9 +237,7 @@ def running_peak(values: np.ndarray, starts: np.ndarray, before: np.ndarray, upt
         a = starts[g]
         peak = before[a]
         for i in range(a, upto[g]):
-            x = values[i]
-            if math.isnan(peak) or x > peak:
-                peak = x if not math.isnan(x) else peak
+            peak = _fmax(peak, values[i])
             if per_row:
                 out[i] = peak
         if not per_row:
@@ -253,8 +259,7 @@ def lr_rise(value: np.ndarray, missing: np.ndarray, starts: np.ndarray, before: 
             if i == a or missing[i - 1]:
                 continue  # nothing before it
             prev = value[i - 1]
-            if math.isnan(peak) or prev > peak:
-                peak = prev if not math.isnan(prev) else peak
+            peak = _fmax(peak, prev)
             v = value[i]
             if missing[i]:
                 continue

@@ -228,3 +228,37 @@ def test_running_peak_equals_numpys_fmax_over_each_series() -> None:
         quantiles.running_peak(values, starts, before, upto, peaks, False)
         assert np.array_equal(peaks, [np.fmax.reduce(values[a:k], initial=before[a]) for a, k in
                                       zip(starts[:-1], upto, strict=True)], equal_nan=True)
+
+
+def _lr_surge_numpy(lr: pl.Series, starts: np.ndarray, before: np.ndarray | None) -> pl.Series:
+    """`baseline.lr_surge` as numpy passes (what `quantiles.lr_rise` replaced)."""
+    value = lr.cast(pl.Float64).fill_null(np.nan).to_numpy()
+    missing = lr.is_null().to_numpy()
+    prev, no_prev = np.roll(value, 1), np.roll(missing, 1)
+    no_prev[starts[:-1]] = True
+    peak = np.where(no_prev, np.nan, prev)
+    for a, b in zip(starts[:-1], starts[1:], strict=True):
+        np.fmax.accumulate(peak[a:b], out=peak[a:b])
+        if before is not None:
+            np.fmax(peak[a:b], before[a], out=peak[a:b])
+    above = ~missing & ~no_prev & ((value > peak) | (np.isnan(value) & ~np.isnan(peak)))
+    with np.errstate(divide="ignore", invalid="ignore"):
+        rise = np.where(above & ((prev > 0) | np.isnan(prev)), value / prev, 1.0)
+    return pl.Series("lr_surge", rise).set(lr.is_null(), None)
+
+
+def test_the_compiled_lr_surge_equals_its_numpy_passes() -> None:
+    from warninglight.forensics.baseline import lr_surge
+
+    rng = np.random.default_rng(5)
+    for _ in range(300):
+        lengths = rng.integers(1, 25, size=rng.integers(1, 5))
+        starts = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+        n = int(starts[-1])
+        lr = pl.Series(rng.choice([0.0, 1e-3, 2e-3, 1e-4, 5e-2, np.nan, -1e-3, np.inf], size=n)).set(
+            pl.Series(rng.random(n) < 0.15), None)
+        before = (np.where(rng.random(n) < 0.5, np.nan, rng.choice([1e-3, 5e-3, np.nan], size=n))
+                  if rng.random() < 0.7 else None)
+        got, want = lr_surge(lr, starts, before), _lr_surge_numpy(lr, starts, before)
+        assert got.is_null().equals(want.is_null())
+        assert np.array_equal(got.fill_null(-7.0).to_numpy(), want.fill_null(-7.0).to_numpy(), equal_nan=True)

@@ -146,7 +146,11 @@ def _sorted_by_key(frame: pl.DataFrame) -> bool:
     """Whether `frame` has rows, carries `sort_series`'s key and is (still) in its order."""
     if SERIES_KEY not in frame.columns or frame.is_empty():
         return False
-    key = frame[SERIES_KEY].to_numpy()
+    return increasing(frame[SERIES_KEY].to_numpy())
+
+
+def increasing(key: np.ndarray) -> bool:
+    """Whether the keys rise strictly (rows in `sort_series`' order, no (series, step) twice)."""
     return bool((key[1:] > key[:-1]).all())
 
 

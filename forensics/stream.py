@@ -25,6 +25,7 @@ from .baseline import (
     KEYS,
     LR_PEAK,
     SERIES_KEY,
+    increasing,
     lr_peaks,
     series_order,
     series_starts,
@@ -77,14 +78,19 @@ class Classifier:
         if rows.is_empty():
             return pl.DataFrame(schema=ALARM_SCHEMA)
         rows = self._prepare(rows)
-        if self._compiled and self._tail is not None and "role" in rows.columns and "role" not in self._tail.columns:
-            self._tail = self._with_roles(self._tail)  # rows fed with roles after rows without
+        if self._compiled and self._tail is not None and ("role" in rows.columns) != ("role" in self._tail.columns):
+            # rows fed with roles and rows without: each row gets the role the Polars classifier
+            # reads (its own, or the components table's joined to it); else `judge` joins it per series
+            if "role" in rows.columns:
+                self._tail = self._with_roles(self._tail)
+            else:
+                rows = self._with_roles(rows)
         window = rows if self._tail is None else pl.concat([self._tail, rows], how="diagonal_relaxed")
         # once: the baseline and the carry read series in order. The compiled classifier moves
         # only the columns that are not metrics; each metric is read in that order where it is.
         source, order = series_order(window, self._names)
         metrics = [m for m in schema.HEALTH_METRICS if m in source.columns]
-        if order is not None and not (self._compiled and _increasing(source[SERIES_KEY].to_numpy()[order])):
+        if order is not None and not (self._compiled and increasing(source[SERIES_KEY].to_numpy()[order])):
             source, order = source[order], None  # sorted whole (also where a step's rows came twice)
         window = source if order is None else source.drop(metrics)[order]
         if self._lr_peak is not None and "lr" in window.columns:  # the run's lr before the window
@@ -136,9 +142,7 @@ class Classifier:
     def _prepare(self, rows: pl.DataFrame) -> pl.DataFrame:
         if "rank" not in rows.columns:
             rows = rows.with_columns(pl.lit(0, pl.Int64).alias("rank"))
-        # The compiled rules join the role once per series (`judge`), unless rows came with
-        # roles before: then each row gets its own, as here.
-        if "role" not in rows.columns and (not self._compiled or (self._tail is not None and "role" in self._tail.columns)):
+        if "role" not in rows.columns and not self._compiled:  # the compiled rules: see `feed`
             rows = self._with_roles(rows)
         firsts = rows.group_by("rank").agg(pl.col("step").min(), pl.col("step").max().alias("last"))
         for rank, first, last in firsts.iter_rows():
@@ -196,10 +200,6 @@ class Classifier:
         if not new.is_empty():
             self._alarms.append(new)
         return new
-
-
-def _increasing(key: np.ndarray) -> bool:
-    return bool((key[1:] > key[:-1]).all())
 
 
 def heat_of(scored: pl.DataFrame | pl.LazyFrame, width: int) -> pl.DataFrame:

@@ -208,6 +208,16 @@ assert [list(k.signatures) for k in kernels] == warmed, [list(k.signatures) for 
     assert done.returncode == 0, done.stderr[-2000:]
 
 
+def _fmax_per_series(values: np.ndarray, starts: np.ndarray, before: np.ndarray | None) -> np.ndarray:
+    """Each series' running numpy fmax of `values`, with `before` at its first row (the reference)."""
+    out = values.copy()
+    for a, b in zip(starts[:-1], starts[1:], strict=True):
+        np.fmax.accumulate(out[a:b], out=out[a:b])
+        if before is not None:
+            np.fmax(out[a:b], before[a], out=out[a:b])
+    return out
+
+
 def test_running_peak_equals_numpys_fmax_over_each_series() -> None:
     rng = np.random.default_rng(0)
     for _ in range(200):
@@ -216,10 +226,7 @@ def test_running_peak_equals_numpys_fmax_over_each_series() -> None:
         n = int(starts[-1])
         values = np.where(rng.random(n) < 0.3, np.nan, rng.normal(size=n).round(1))
         before = np.where(rng.random(n) < 0.5, np.nan, rng.normal(size=n))
-        want = values.copy()
-        for a, b in zip(starts[:-1], starts[1:], strict=True):
-            np.fmax.accumulate(want[a:b], out=want[a:b])
-            np.fmax(want[a:b], before[a], out=want[a:b])
+        want = _fmax_per_series(values, starts, before)
         got = values.copy()
         quantiles.running_peak(got, starts, before, starts[1:], got, True)
         assert np.array_equal(got, want, equal_nan=True)
@@ -236,11 +243,7 @@ def _lr_surge_numpy(lr: pl.Series, starts: np.ndarray, before: np.ndarray | None
     missing = lr.is_null().to_numpy()
     prev, no_prev = np.roll(value, 1), np.roll(missing, 1)
     no_prev[starts[:-1]] = True
-    peak = np.where(no_prev, np.nan, prev)
-    for a, b in zip(starts[:-1], starts[1:], strict=True):
-        np.fmax.accumulate(peak[a:b], out=peak[a:b])
-        if before is not None:
-            np.fmax(peak[a:b], before[a], out=peak[a:b])
+    peak = _fmax_per_series(np.where(no_prev, np.nan, prev), starts, before)
     above = ~missing & ~no_prev & ((value > peak) | (np.isnan(value) & ~np.isnan(peak)))
     with np.errstate(divide="ignore", invalid="ignore"):
         rise = np.where(above & ((prev > 0) | np.isnan(prev)), value / prev, 1.0)

@@ -31,12 +31,16 @@ import numpy as np
 import polars as pl
 from warninglight.tracer.schema import COUNT_METRICS
 
-from . import quantiles
+from . import bounds, quantiles
 from .baseline import _SCALES, KEYS, _column, metrics_in, prepare
 from .classify import finish_hits
 from .conditions import DOWN, EITHER, NONFINITE, UP, Condition, Config, Rule
 
 _DIRECTIONS = {UP: 0, DOWN: 1, EITHER: 2, NONFINITE: 3}
+# Without a heatmap, a metric's baseline is taken only at the rows where one of its rules may
+# fire (`_candidates`), unless more than one row in this many may: each such row reads its
+# whole window, and the rows between two close ones are visited anyway.
+SPARSE = 16
 # `_hits`'s rule table, one row per rule: these columns, NaN where a threshold is unset
 _DIR, _Z, _FOLD, _INV_FOLD, _DELTA, _LEVEL, _COUNT, _PERSIST, _ROLE, _PEERS = range(10)
 
@@ -54,12 +58,15 @@ def _ge(a: float, b: float) -> bool:  # pragma: no cover - compiled
 @numba.njit(cache=True, nogil=True)
 def _hits(raw: np.ndarray, missing: np.ndarray, med: np.ndarray, z: np.ndarray, z_valid: np.ndarray,
           kept: np.ndarray, starts: np.ndarray, judged: np.ndarray, rules: np.ndarray, roles: np.ndarray,
-          out: np.ndarray) -> None:  # pragma: no cover - compiled
+          out: np.ndarray, visit: np.ndarray) -> None:  # pragma: no cover - compiled
     """`out[r, j]` = 1 where rule r of one metric fired at kept row j: the rule held on this and
     the rows before it its persistence asks (in the row's series: `starts`, over kept rows) and
     the row is judged; for a rule that reads the peers' median, 1 wherever the rest of it held
     (the peers and persistence come after, `_persist`). `raw`, `missing`: the metric's values
-    and nulls on every row; `med` (NaN: null), `z`, `z_valid`: its baseline on the kept rows."""
+    and nulls on every row; `med` (NaN: null), `z`, `z_valid`: its baseline on the kept rows.
+    `visit`: the kept rows (ascending) where a threshold rule may fire (`_candidates`); `out`
+    comes zeroed, and is left so at the others."""
+    every = np.arange(len(kept))
     for r in range(rules.shape[0]):
         direction = int(rules[r, _DIR])
         rz, fold, inv_fold = rules[r, _Z], rules[r, _FOLD], rules[r, _INV_FOLD]
@@ -68,43 +75,173 @@ def _hits(raw: np.ndarray, missing: np.ndarray, med: np.ndarray, z: np.ndarray, 
                                                  not math.isnan(delta), not math.isnan(level))
         count, peers, persist, role = rules[r, _COUNT] > 0, rules[r, _PEERS] > 0, rules[r, _PERSIST], int(rules[r, _ROLE])
         can_up, can_down = direction == 0 or direction == 2, direction == 1 or direction == 2
-        for g in range(len(starts) - 1):
-            run = 0
-            for j in range(starts[g], starts[g + 1]):
-                if has_z and direction != 3:  # most rows: |z| below the threshold, or no z
-                    zj = z[j]
-                    if not z_valid[j] or not ((can_up and _ge(zj, rz)) or (can_down and _ge(-rz, zj))):
-                        run = 0
-                        out[r, j] = 0
-                        continue
-                i = kept[j]
-                v = np.float64(raw[i])
-                if direction == 3:  # non-finite: a count above 0, or a value that is NaN or ±inf
-                    hit = not missing[i] and (_ge(v, 0.0) and v != 0.0 if count else not math.isfinite(v))
-                elif missing[i] or not math.isfinite(v) or (has_z and not z_valid[j]) \
-                        or ((has_fold or has_delta) and math.isnan(med[j])):
-                    hit = False  # a null operand: the Polars expression is null, then false
-                else:
-                    m, zj = med[j], z[j]
-                    up, down = can_up, can_down
-                    if has_z:
-                        up = up and _ge(zj, rz)
-                        down = down and _ge(-rz, zj)
-                    if has_fold:
-                        up = up and m > 0 and _ge(v, m * fold)
-                        down = down and m > 0 and _ge(m * inv_fold, v)
-                    if has_delta:
-                        up = up and _ge(v - m, delta)
-                        down = down and _ge(m - v, delta)
-                    if has_level:
-                        up = up and _ge(v, level)
-                        down = down and _ge(level, v)
-                    hit = (up or down) and (role < 0 or roles[role, j])
-                if peers:
-                    out[r, j] = hit
-                else:
-                    run = run + 1 if hit else 0
-                    out[r, j] = judged[j] and run >= persist
+        rows = every if direction == 3 else visit
+        g, run, last = 0, 0, -2
+        for t in range(len(rows)):
+            j = rows[t]
+            while starts[g + 1] <= j:
+                g += 1
+            if j != last + 1 or j == starts[g]:
+                run = 0  # a new series, or rows passed over (where it cannot have held)
+            last = j
+            if has_z and direction != 3:  # most rows: |z| below the threshold, or no z
+                zj = z[j]
+                if not z_valid[j] or not ((can_up and _ge(zj, rz)) or (can_down and _ge(-rz, zj))):
+                    run = 0
+                    out[r, j] = 0
+                    continue
+            i = kept[j]
+            v = np.float64(raw[i])
+            if direction == 3:  # non-finite: a count above 0, or a value that is NaN or ±inf
+                hit = not missing[i] and (_ge(v, 0.0) and v != 0.0 if count else not math.isfinite(v))
+            elif missing[i] or not math.isfinite(v) or (has_z and not z_valid[j]) \
+                    or ((has_fold or has_delta) and math.isnan(med[j])):
+                hit = False  # a null operand: the Polars expression is null, then false
+            else:
+                m, zj = med[j], z[j]
+                up, down = can_up, can_down
+                if has_z:
+                    up = up and _ge(zj, rz)
+                    down = down and _ge(-rz, zj)
+                if has_fold:
+                    up = up and m > 0 and _ge(v, m * fold)
+                    down = down and m > 0 and _ge(m * inv_fold, v)
+                if has_delta:
+                    up = up and _ge(v - m, delta)
+                    down = down and _ge(m - v, delta)
+                if has_level:
+                    up = up and _ge(v, level)
+                    down = down and _ge(level, v)
+                hit = (up or down) and (role < 0 or roles[role, j])
+            if peers:
+                out[r, j] = hit
+            else:
+                run = run + 1 if hit else 0
+                out[r, j] = judged[j] and run >= persist
+
+
+@numba.njit(nogil=True, inline="always")
+def _thresholds(rules: np.ndarray, lower: float, upper: float, up: np.ndarray, down: np.ndarray) -> None:  # pragma: no cover - compiled
+    """Per rule: a value below `up[r]` and above `down[r]` cannot fire it, its median known only to
+    lie in `lower`..`upper` (NaN: no baseline). Each test of `_hits` is loosened to the bound that
+    makes it likeliest to hold (a rounding is monotone: m >= lower gives m * fold >= lower * fold);
+    a z, which also reads the scale, is not tested."""
+    for r in range(rules.shape[0]):
+        direction = rules[r, _DIR]
+        fold, delta, level = rules[r, _FOLD], rules[r, _DELTA], rules[r, _LEVEL]
+        u = -np.inf if direction == 0 or direction == 2 else np.inf
+        d = np.inf if direction == 1 or direction == 2 else -np.inf
+        if direction == 3 or (math.isnan(lower) and not (math.isnan(rules[r, _Z]) and math.isnan(fold)
+                                                         and math.isnan(delta))):
+            u, d = np.inf, -np.inf  # not a threshold rule; or it reads a baseline the row has not
+        if not math.isnan(fold):
+            if upper > 0:
+                u, d = max(u, lower * fold), min(d, upper * rules[r, _INV_FOLD])
+            else:
+                u, d = np.inf, -np.inf
+        if not math.isnan(delta):  # v - m >= delta: room for the rounding of the subtraction
+            room = (abs(lower) + abs(upper) + delta) * 1e-12
+            u, d = max(u, lower + delta - room), min(d, upper - delta + room)
+        if not math.isnan(level):
+            u, d = max(u, level), min(d, level)
+        up[r], down[r] = u, d
+
+
+@numba.njit(nogil=True, inline="always")
+def _quiet_to(i: int, first: int, end: int, base: int, blocks: np.ndarray, count: np.ndarray, log: bool,
+              tiny: float, up: float, down: float) -> int:  # pragma: no cover - compiled
+    """The last row from row i on (i + 15 at most) whose finite values all lie strictly between
+    `down` and `up` (every rule's thresholds), read from the ends of the sorted blocks of row i
+    and of the next; i - 1 where some may not. A stretch of rows with one window's bounds then
+    costs a comparison a row (`bounds.window_of` gives the rows of one block the same)."""
+    b = (i - first) >> bounds._SHIFT
+    last = min((b + 2) << bounds._SHIFT, end - first)  # rows first + b * BLOCK .. first + last - 1
+    least, greatest = np.inf, -np.inf
+    for blk in range(base + b, base + ((last - 1) >> bounds._SHIFT) + 1):
+        c = count[blk]  # its finite values, sorted first: a row that is not finite fires no rule
+        if c > 0:
+            least, greatest = min(least, blocks[blk * bounds.BLOCK]), max(greatest, blocks[blk * bounds.BLOCK + c - 1])
+    if log and least <= tiny:
+        least = -np.inf  # a log metric's blocks hold max(value, tiny): a value below is not bounded
+    return first + last - 1 if down < least and greatest < up else i - 1
+
+
+@numba.njit(cache=True, nogil=True)
+def _candidates(raw: np.ndarray, missing: np.ndarray, lr: np.ndarray, starts: np.ndarray, kept: np.ndarray,
+                window: int, lag: int, min_samples: int, log: bool, scaled: bool, tiny: float,
+                rules: np.ndarray, roles: np.ndarray, want: np.ndarray, blocks: np.ndarray, count: np.ndarray,
+                finite: np.ndarray, base: np.ndarray, plain: np.ndarray) -> int:  # pragma: no cover - compiled
+    """`want[j]` = whether a threshold rule of one metric may fire at kept row j, knowing only
+    bounds of its median (`bounds.block_range`, `_thresholds`); how many may. `plain[g]`:
+    series g holds no -0.0 (`quantiles.baseline`'s `whole`)."""
+    bounds.sort_blocks(raw, lr, starts, log, scaled, tiny, blocks, count, finite, base, plain)
+    k = rules.shape[0]
+    up, down = np.empty(k), np.empty(k)
+    role = np.empty(k, dtype=np.int64)
+    for r in range(k):
+        role[r] = int(rules[r, _ROLE])
+    some_roles = (role >= 0).any()
+    last_n = last_k0 = last_k1 = -2  # the last row's window (`bounds.window_of`; n -1: none)
+    low = high = np.nan  # its bounds, on the blocks' scale
+    held_low = held_high = np.inf  # the bounds the thresholds hold for
+    any_up, any_down = np.inf, -np.inf  # the rules of every role, together
+    all_up, all_down = np.inf, -np.inf  # every rule, together
+    quiet_to = -1  # rows up to this one fire no rule while the window's blocks hold (`_quiet_to`)
+    found = 0
+    g = 0
+    j = -1
+    while j + 1 < len(kept):
+        j += 1
+        i = kept[j]
+        while starts[g + 1] <= i:
+            g += 1
+        n, k0, k1 = bounds.window_of(i, starts[g], base[g], window, lag, finite)
+        if n < min_samples or n == 0:
+            n, k0, k1 = -1, -1, -1  # no baseline
+        fresh = n != last_n or k0 != last_k0 or k1 != last_k1
+        if not fresh and i <= quiet_to:
+            want[j] = False
+            continue
+        if fresh:
+            last_n, last_k0, last_k1 = n, k0, k1
+            low, high = (np.nan, np.nan) if n < 0 else bounds.block_range(
+                n, k0, k1, starts[g], base[g], blocks, count, finite)
+        if fresh or scaled:
+            lower, upper = bounds.widened(low * bounds.lr_factor(lr, i), high * bounds.lr_factor(lr, i)) \
+                if scaled else bounds.widened(low, high)
+            if not (lower == held_low and upper == held_high):  # (a NaN never equals: taken again)
+                held_low, held_high = lower, upper
+                _thresholds(rules, lower, upper, up, down)
+                any_up, any_down, all_up, all_down = np.inf, -np.inf, up.min(), down.max()
+                for r in range(k):
+                    if role[r] < 0:
+                        any_up, any_down = min(any_up, up[r]), max(any_down, down[r])
+        if fresh and not scaled:
+            quiet_to = _quiet_to(i, starts[g], starts[g + 1], base[g], blocks, count, log, tiny, all_up, all_down)
+            if i <= quiet_to:
+                want[j] = False
+                # the rows after it with the same window (`bounds.window_of`: the same last block,
+                # every value finite, so the same count) and quiet: passed over at once
+                first, e = starts[g], i - lag
+                a = e - window + 1
+                stop = min(quiet_to, first + lag - 1 + ((((e + 1 - first) >> bounds._SHIFT) + 1) << bounds._SHIFT) - 1)
+                if n > 0 and a >= first and stop > i and j + stop - i < len(kept) and kept[j + stop - i] == stop \
+                        and finite[stop - lag + 1] - finite[a] == stop - lag + 1 - a:
+                    want[j + 1:j + stop - i + 1] = False
+                    j += stop - i
+                continue
+        want[j] = False
+        v = np.float64(raw[i])
+        if missing[i] or not math.isfinite(v):
+            continue  # no threshold rule fires on a null or non-finite value
+        hit = v >= any_up or v <= any_down
+        if some_roles and not hit:
+            for r in range(k):  # rules of some roles only
+                if not hit and role[r] >= 0 and roles[role[r], j]:
+                    hit = v >= up[r] or v <= down[r]
+        want[j] = hit
+        found += hit
+    return found
 
 
 @numba.njit(cache=True, nogil=True)
@@ -247,25 +384,47 @@ def judge(window: pl.DataFrame, config: Config, judged: str, lead: int, heat_wid
 
     def one(metric: str) -> _Judged:
         col = metric_of.column(metric, lr)
-        if heat_width is None and metric not in compared:  # non-finite rules read the values alone
-            med, z, z_valid = np.full(len(kept), np.nan), np.full(len(kept), np.nan), np.zeros(len(kept), np.bool_)
-        else:
-            med, _, z, z_valid = quantiles.baseline(col, lr_values, starts, kept, cfg.window, cfg.lag,
-                                                    cfg.min_samples, _SCALES)
+        rules = by_metric.get(metric, [])
+        table = _table(rules, role_sets)
+        raw = np.ascontiguousarray(col.raw)
+        missing = col.missing if col.missing is not None else np.zeros(len(col.raw), dtype=np.bool_)
+
+        def rules_on(want: np.ndarray | None) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, bool]:
+            if heat_width is None and metric not in compared:  # non-finite rules read the values alone
+                med, z, z_valid = np.full(len(kept), np.nan), np.full(len(kept), np.nan), np.zeros(len(kept), np.bool_)
+            else:
+                med, _, z, z_valid = quantiles.baseline(col, lr_values, starts, kept, cfg.window, cfg.lag,
+                                                        cfg.min_samples, _SCALES, want, whole)
+            out = np.zeros((len(rules), len(kept)), dtype=np.uint8)
+            _hits(raw, missing, med, z, z_valid, kept, kstarts, marked, table, roles, out,
+                  np.arange(len(kept)) if want is None else np.flatnonzero(want))
+            return med, z, z_valid, out, bool(out[table[:, _PEERS] > 0].any())  # a peers rule held somewhere
+
+        want, whole = None, None
+        if heat_width is None and metric in compared:  # a baseline only where a rule may fire
+            work = bounds.Workspace(len(raw), len(starts) - 1)
+            want = np.empty(len(kept), dtype=np.bool_)
+            may = _candidates(raw, missing, lr_values if lr_values is not None else np.ones(len(raw)), starts,
+                              kept, cfg.window, cfg.lag, cfg.min_samples, col.log, col.scaled and lr_values is not None,
+                              _SCALES.tiny, table, roles, want, work.blocks, work.count, work.finite, work.base,
+                              work.plain)
+            if may * SPARSE > len(kept):
+                want = None  # too many: every row's window is read anyway
+            whole = None if work.plain.all() else ~work.plain
+        med, z, z_valid, out, peers_held = rules_on(want)
+        if want is not None and peers_held:
+            # the peers' median reads the median of every component at the steps where the rest
+            # of a rule held: taken again for every row (rare: a collapse of the update)
+            med, z, z_valid, out, peers_held = rules_on(None)
         if heat_width is not None:
             cells = heat.get(threading.get_ident())
             if cells is None:
                 cells = heat[threading.get_ident()] = np.full(len(kept), np.nan)
             quantiles.fold_heat(cells, z, z_valid)
-        rules = by_metric.get(metric, [])
         if not rules:
             return _Judged([], None, None)
-        table = _table(rules, role_sets)
-        out = np.zeros((len(rules), len(kept)), dtype=np.uint8)
-        missing = col.missing if col.missing is not None else np.zeros(len(col.raw), dtype=np.bool_)
-        _hits(np.ascontiguousarray(col.raw), missing, med, z, z_valid, kept, kstarts, marked, table, roles, out)
         fired = [_Fired(at, med[at], z[at], z_valid[at]) for at in (np.flatnonzero(row) for row in out)]
-        if not any(len(f.rows) for f, k in zip(fired, table[:, _PEERS], strict=True) if k > 0):
+        if not peers_held:
             return _Judged(fired, None, None)
         value = metric_of.values(metric, kept)
         return _Judged(fired, value, pl.Series(med, dtype=pl.Float64, nan_to_null=True))

@@ -62,8 +62,13 @@ def _rank2(buf: np.ndarray, a: float, b: float) -> tuple[int, int]:  # pragma: n
 
 @numba.njit(cache=True, nogil=True)
 def _trailing(values: np.ndarray, starts: np.ndarray, window: int, lag: int, min_samples: int,
-              out: np.ndarray) -> None:  # pragma: no cover - compiled
+              out: np.ndarray, wanted: np.ndarray, skip: bool) -> None:  # pragma: no cover - compiled
     """`out[:, i]` = (q25, median, q75) of the series window ending `lag` rows before row i.
+
+    With `skip`, only rows `wanted` (ascending) are sure to be written: where the next wanted
+    row of a series is a window or more ahead, the ring is emptied and filled again from the
+    `window` rows before it (the rows between are not visited, their values not read). The
+    statistics of a wanted row are the same values either way: the window's values are.
 
     The window's finite values stay sorted in a ring, so a value leaves or enters by moving the
     values on whichever side of it is shorter: a series that trends (every new value the
@@ -79,20 +84,34 @@ def _trailing(values: np.ndarray, starts: np.ndarray, window: int, lag: int, min
         cap <<= 1
     mask = cap - 1
     buf = np.empty(cap)
+    p = 0  # the next of `wanted` to reach
     for g in range(len(starts) - 1):
         first, end = starts[g], starts[g + 1]
         n, head = 0, 0
         buf[:] = np.inf
         signed_zero = False  # has a -0.0 entered (then an equal value may be a zero of the other sign)
-        for i in range(first, end):
-            x_in = values[i - lag] if i - lag >= first else np.nan
-            x_out = values[i - lag - window] if i - lag - window >= first else np.nan
+        since = first  # the first row whose value may be in the ring: none before it leaves
+        i = first
+        while i < end:
+            if skip:
+                while p < len(wanted) and wanted[p] < i:
+                    p += 1
+                if p == len(wanted) or wanted[p] >= end:
+                    break  # nothing more wanted of this series
+                fill = wanted[p] - window + 1  # from here the ring holds the wanted row's window
+                if fill > i:
+                    i, n, head, signed_zero = fill, 0, 0, False
+                    buf[:] = np.inf
+                    since = max(fill - lag, first)
+            x_in = values[i - lag] if i - lag >= since else np.nan
+            x_out = values[i - lag - window] if i - lag - window >= since else np.nan
             entering, leaving = not math.isnan(x_in), not math.isnan(x_out)
             if entering and x_in == 0.0 and math.copysign(1.0, x_in) < 0:
                 signed_zero = True
             if entering and leaving and x_in == x_out and (x_in != 0.0 or not signed_zero):
                 out[0, i], out[1, i], out[2, i] = out[0, i - 1], out[1, i - 1], out[2, i - 1]
-                continue  # the same values (and i > first: one left)
+                i += 1
+                continue  # the same values (and row i - 1 had a whole window: one left)
             at = lo = 0
             if entering and leaving:
                 at, lo = _rank2(buf, x_in, x_out)  # lo: the leaving value's place (the first holding it)
@@ -145,6 +164,7 @@ def _trailing(values: np.ndarray, starts: np.ndarray, window: int, lag: int, min
                 out[2, i] = buf[(head + min(int(math.floor((n - 1) * 0.75 + 0.5)), n - 1)) & mask]
             else:
                 out[0, i] = out[1, i] = out[2, i] = np.nan
+            i += 1
 
 
 @numba.njit(nogil=True, inline="always")
@@ -153,37 +173,56 @@ def _log_floored(x: float, tiny: float) -> float:  # pragma: no cover - compiled
     return math.log(x if x > tiny else tiny)
 
 
+@numba.njit(nogil=True, inline="always")
+def _transform(raw: np.ndarray, lr: np.ndarray, i: int, log: bool, scaled: bool, tiny: float,
+               values: np.ndarray, logged: np.ndarray) -> None:  # pragma: no cover - compiled
+    """Row i's value on the baseline's scale into `values` (NaN where not finite), and for a log
+    metric log(max(x, tiny)) into `logged` (z reads it again)."""
+    x = np.float64(raw[i])  # float32 columns are read as they are stored: widening is exact
+    v = x
+    if log:
+        v = logged[i] = _log_floored(x, tiny)
+    if math.isfinite(x):
+        if scaled:
+            f = lr[i]
+            v = v - math.log(f if math.isfinite(f) and f > 0 else 1.0)
+        values[i] = v
+    else:
+        values[i] = np.nan
+
+
 @numba.njit(cache=True, nogil=True)
 def _baseline(raw: np.ndarray, missing: np.ndarray, lr: np.ndarray, starts: np.ndarray, kept: np.ndarray,
               window: int, lag: int, min_samples: int, log: bool, scaled: bool, floor: float,
               rel_floor: float, log_floor: float, tiny: float, iqr_to_sigma: float,
               med: np.ndarray, scale: np.ndarray, z: np.ndarray, z_valid: np.ndarray,
-              scratch: np.ndarray) -> None:  # pragma: no cover - compiled
+              scratch: np.ndarray, want: np.ndarray, wanted: np.ndarray, skip: bool) -> None:  # pragma: no cover - compiled
     """One metric's baseline columns for rows `kept`, from its raw values (see `baseline`);
-    `scratch` holds at least 5 floats per row."""
+    `scratch` holds at least 5 floats per row. With `skip`, only kept rows marked in `want`
+    (rows `wanted`, with whatever else `_trailing` must visit) get theirs, the others none, and
+    only the values their windows hold are read."""
     n = len(raw)
     per_iqr = 1.0 / iqr_to_sigma  # Polars divides by a constant as a product with its inverse
     values = scratch[:n]
-    logged = scratch[n:2 * n]  # log(max(x, tiny)) of every row (log metrics): z reads it again
+    logged = scratch[n:2 * n]
     q = scratch[2 * n:5 * n].reshape((3, n))
-    for i in range(n):
-        x = np.float64(raw[i])  # float32 columns are read as they are stored: widening is exact
-        v = x
-        if log:
-            v = logged[i] = _log_floored(x, tiny)
-        if math.isfinite(x):
-            if scaled:
-                f = lr[i]
-                v = v - math.log(f if math.isfinite(f) and f > 0 else 1.0)
-            values[i] = v
-        else:
-            values[i] = np.nan
-    _trailing(values, starts, window, lag, min_samples, q)
+    if skip:
+        done = 0  # rows below this are transformed
+        for w in wanted:  # each wanted row's window and the row itself
+            for i in range(max(done, w - lag - window + 1), w + 1):
+                _transform(raw, lr, i, log, scaled, tiny, values, logged)
+            done = max(done, w + 1)
+    else:
+        for i in range(n):
+            _transform(raw, lr, i, log, scaled, tiny, values, logged)
+    _trailing(values, starts, window, lag, min_samples, q, wanted, skip)
     last_q50, last_m, last_log_m = np.nan, np.nan, np.nan  # a log median's exp and log, kept while it holds
     for j in range(len(kept)):
         i = kept[j]
         q25, q50, q75 = q[0, i], q[1, i], q[2, i]
-        if math.isnan(q50):  # no baseline yet: the scale is its floor, the rest null
+        if skip and not want[j]:
+            q50 = np.nan
+        if math.isnan(q50):  # no baseline yet (or none asked for): the scale is its floor, the rest null
             med[j], scale[j], z[j], z_valid[j] = np.nan, log_floor if log else floor, np.nan, False
         elif log:
             if scaled:
@@ -277,7 +316,7 @@ def trailing(values: np.ndarray, starts: np.ndarray, window: int, lag: int, min_
     """
     out = np.empty((3, len(values)))
     _trailing(np.ascontiguousarray(values, dtype=np.float64), np.asarray(starts, dtype=np.int64),
-              window, lag, min_samples, out)
+              window, lag, min_samples, out, np.empty(0, dtype=np.int64), False)
     return out
 
 
@@ -303,7 +342,8 @@ class Scales:
 
 
 def baseline(col: Column, lr: np.ndarray | None, starts: np.ndarray, kept: np.ndarray, window: int,
-             lag: int, min_samples: int, scales: Scales) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+             lag: int, min_samples: int, scales: Scales, want: np.ndarray | None = None,
+             whole: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """(median, scale, z, z valid) of rows `kept` of one metric against its trailing window.
 
     The median is NaN where the window holds fewer than `min_samples` finite values (no
@@ -311,7 +351,13 @@ def baseline(col: Column, lr: np.ndarray | None, starts: np.ndarray, kept: np.nd
     not null. Log metrics are judged on log(max(value, tiny)) (minus log(lr) when `scaled`),
     their median given back in the metric's units (times the lr when `scaled`) and their scale
     in log units: the arithmetic of the Polars expressions this replaced, bit for bit
-    (tests/test_quantiles.py)."""
+    (tests/test_quantiles.py).
+
+    `want` (one per kept row): only these rows get a baseline, the others none (as if their
+    window were empty), at the cost of the windows they read (`median_bounds` says which rows
+    can need one). `whole` (one per series): series computed row by row from their first,
+    whatever `want` says of their rows: those holding a -0.0 (`median_bounds`), whose median
+    could otherwise be a zero of the other sign."""
     k = len(kept)
     med, scale, z = np.empty(k), np.empty(k), np.empty(k)
     z_valid = np.empty(k, dtype=np.bool_)
@@ -319,23 +365,34 @@ def baseline(col: Column, lr: np.ndarray | None, starts: np.ndarray, kept: np.nd
     missing = col.missing if col.missing is not None else np.zeros(n, dtype=np.bool_)
     lr_values = lr if lr is not None else np.ones(n)
     raw = col.raw if col.raw.dtype == np.float32 else col.raw.astype(np.float64, copy=False)
-    _baseline(np.ascontiguousarray(raw), missing, lr_values,
-              np.asarray(starts, dtype=np.int64), np.asarray(kept, dtype=np.int64), window, lag,
+    starts, kept = np.asarray(starts, dtype=np.int64), np.asarray(kept, dtype=np.int64)
+    skip = want is not None
+    wanted = np.empty(0, dtype=np.int64)
+    if want is not None:
+        wanted = kept[want]
+        if whole is not None and whole.any():
+            series = np.flatnonzero(whole)
+            rows = np.concatenate([np.arange(starts[g], starts[g + 1]) for g in series])
+            wanted = np.union1d(wanted, rows)
+            want = want | np.isin(kept, rows)
+    _baseline(np.ascontiguousarray(raw), missing, lr_values, starts, kept, window, lag,
               min_samples, col.log, col.scaled and lr is not None, col.floor, scales.rel_floor,
-              scales.log_floor, scales.tiny, scales.iqr_to_sigma, med, scale, z, z_valid, _scratch(5 * n))
+              scales.log_floor, scales.tiny, scales.iqr_to_sigma, med, scale, z, z_valid, _scratch(5 * n),
+              want if want is not None else np.empty(0, dtype=np.bool_), wanted, skip)
     return med, scale, z, z_valid
 
 
 _local = threading.local()
 
 
-def _scratch(size: int) -> np.ndarray:
-    """This thread's working floats, at least `size` of them: kept from call to call, since fresh
-    multi-MB arrays for every metric of every window cost page faults when the allocator hands
-    their pages back and takes them again."""
-    buf = getattr(_local, "buf", None)
+def _scratch(size: int, name: str = "baseline", dtype: type = np.float64) -> np.ndarray:
+    """This thread's working array `name`, at least `size` long: kept from call to call, since
+    fresh multi-MB arrays for every metric of every window cost page faults when the allocator
+    hands their pages back and takes them again."""
+    buf = getattr(_local, name, None)
     if buf is None or len(buf) < size:
-        buf = _local.buf = np.empty(size)
+        buf = np.empty(size, dtype=dtype)
+        setattr(_local, name, buf)
     return buf
 
 

@@ -146,3 +146,37 @@ def test_a_components_table_with_a_nameless_row_is_read_as_before() -> None:
     components = pl.DataFrame({"component": ["a", "b", None], "role": ["param", "param", "head"]})
     alarms = [Classifier(Config(), components, heat_width=1, keep_scored=keep).feed(rows) for keep in (True, False)]
     assert alarms[0].equals(alarms[1])
+
+
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize(("factor", "persistence"), [(1.0, None), (0.3, 1), (0.15, 3)])
+def test_the_rows_no_rule_can_fire_at_are_passed_over_without_changing_a_hit(
+        seed: int, factor: float, persistence: int | None, monkeypatch: pytest.MonkeyPatch) -> None:
+    # without a heatmap a metric's baseline is taken only where its median's bounds let a rule
+    # fire (`_candidates`); forced on every metric however many rows may, the hits are the
+    # Polars classifier's, the peers' rule (which reads every component's median) included
+    from warninglight.forensics import judge as judge_module
+
+    monkeypatch.setattr(judge_module, "SPARSE", 0)
+    config = _eager(Config(), factor, persistence)
+    window = sort_series(_frame(seed, steps=220)).with_columns((pl.col("step") > 40).alias(JUDGED))
+    want_hits, _ = _polars(window, config, 1)
+    got_hits, heat = judge(window, config, JUDGED, lead(config))
+    assert heat is None and got_hits.equals(want_hits)
+    assert len(want_hits) > 0
+
+
+@pytest.mark.parametrize("chunk", [1, 37, 1000])
+def test_the_compiled_classifier_without_a_heatmap_raises_the_polars_alarms(chunk: int) -> None:
+    # windows carry history rows before the judged ones: the rows passed over and the rows kept
+    # meet in every way a stream feeds them
+    config = _eager(Config(), 0.3, None)
+    frame = _frame(11, steps=200)
+    components = frame.select("component", "role").unique()
+    both = [Classifier(config, components, heat_width=None, keep_scored=keep) for keep in (True, False)]
+    for start in range(1, 201, chunk):
+        rows = frame.filter(pl.col("step").is_between(start, start + chunk - 1)).drop("role")
+        fed = [clf.feed(rows) for clf in both]
+        assert fed[0].equals(fed[1]), start
+    assert both[0].alarms().equals(both[1].alarms())
+    assert len(both[0].alarms()) > 20

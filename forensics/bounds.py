@@ -126,20 +126,20 @@ def window_of(i: int, first: int, base: int, window: int, lag: int, finite: np.n
     its finite values, and the whole blocks k0..k1 - 1 that bound its median; n is 0 where it
     has no rows yet.
 
-    The blocks are those inside the window's last `_spanned(window)` rows: as many whatever
+    The blocks are those inside the window's last `spanned(window)` rows: as many whatever
     the window's place (a full window of 64 holds 7 or 8 whole blocks, its last 63 rows always
     7), so the rows of one block share them, and their bounds are taken once per block."""
     e = i - lag  # the window: rows a..e
     if e < first:
         return 0, 0, 0
     a = max(e - window + 1, first)
-    inner = max(e - _spanned(window) + 1, first)
+    inner = max(e - spanned(window) + 1, first)
     return (finite[e + 1] - finite[a], base + ((inner - first + BLOCK - 1) >> _SHIFT),
             base + ((e + 1 - first) >> _SHIFT))
 
 
 @numba.njit(nogil=True, inline="always")
-def _spanned(window: int) -> int:  # pragma: no cover - compiled
+def spanned(window: int) -> int:  # pragma: no cover - compiled
     """The longest span of at most `window` rows that always holds the same number of whole blocks:
     BLOCK * q + BLOCK - 1 rows hold q wherever they start."""
     return window if window < BLOCK else window - (window - (BLOCK - 1)) % BLOCK
@@ -178,6 +178,7 @@ class Workspace:
         self.count, self.finite = ints[:blocks], ints[blocks:blocks + n + 1]
         self.base = ints[blocks + n + 1:blocks + n + 1 + series]
         self.plain = np.empty(series, dtype=np.bool_)
+        self.quiet = _scratch(n, "bounds_quiet", np.bool_)[:n]  # a row's flag (`judge._candidates`)
 
 
 @numba.njit(cache=True, nogil=True)

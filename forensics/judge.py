@@ -148,32 +148,54 @@ def _thresholds(rules: np.ndarray, lower: float, upper: float, up: np.ndarray, d
 
 
 @numba.njit(nogil=True, inline="always")
-def _quiet_to(i: int, first: int, end: int, base: int, blocks: np.ndarray, count: np.ndarray, log: bool,
-              tiny: float, up: float, down: float) -> int:  # pragma: no cover - compiled
-    """The last row from row i on (i + 15 at most) whose finite values all lie strictly between
-    `down` and `up` (every rule's thresholds), read from the ends of the sorted blocks of row i
-    and of the next; i - 1 where some may not. A stretch of rows with one window's bounds then
-    costs a comparison a row (`bounds.window_of` gives the rows of one block the same)."""
-    b = (i - first) >> bounds._SHIFT
-    last = min((b + 2) << bounds._SHIFT, end - first)  # rows first + b * BLOCK .. first + last - 1
-    least, greatest = np.inf, -np.inf
-    for blk in range(base + b, base + ((last - 1) >> bounds._SHIFT) + 1):
-        c = count[blk]  # its finite values, sorted first: a row that is not finite fires no rule
-        if c > 0:
-            least, greatest = min(least, blocks[blk * bounds.BLOCK]), max(greatest, blocks[blk * bounds.BLOCK + c - 1])
-    if log and least <= tiny:
-        least = -np.inf  # a log metric's blocks hold max(value, tiny): a value below is not bounded
-    return first + last - 1 if down < least and greatest < up else i - 1
+def _quiet_rows(starts: np.ndarray, window: int, lag: int, log: bool, tiny: float, rules: np.ndarray,
+                blocks: np.ndarray, count: np.ndarray, finite: np.ndarray, base: np.ndarray,
+                up: np.ndarray, down: np.ndarray, quiet: np.ndarray) -> None:  # pragma: no cover - compiled
+    """`quiet[i]`: row i fires no rule of a metric not judged relative to the lr, found a block of
+    rows at a time (`bounds.sort_blocks` done). The rows whose windows end in the same block have
+    the same whole blocks (`bounds.window_of`); where those windows are full and hold only finite
+    values, their median's bounds are the least r-th smallest and greatest r-th largest of those
+    blocks (r the same for all: `bounds.block_range`), and where every value of the rows lies
+    strictly between every rule's thresholds (`_thresholds`), none can fire. The other rows are
+    left to the test of each row (`quiet` comes all False)."""
+    q = bounds.spanned(window) >> bounds._SHIFT  # whole blocks of a full window, wherever it ends
+    if q == 0:
+        return
+    for g in range(len(starts) - 1):
+        first, end, bs = starts[g], starts[g + 1], base[g]
+        # group m: rows i0..i1 whose window's last whole block is the series' block m - 1
+        for m in range(q, ((end - first) >> bounds._SHIFT) + 1):
+            i0 = max(first + lag - 1 + (m << bounds._SHIFT), first + lag + window - 1)  # full windows only
+            i1 = min(first + lag + 6 + (m << bounds._SHIFT), end - 1)
+            if i0 > i1:
+                continue
+            a0, e1 = i0 - lag - window + 1, i1 - lag  # every window of the group lies in a0..e1
+            if finite[e1 + 1] - finite[a0] != e1 + 1 - a0:
+                continue  # a value that is not finite in some window: each row's own count
+            low, high = bounds.block_range(window, bs + m - q, bs + m, first, bs, blocks, count, finite)
+            low, high = bounds.widened(low, high)
+            _thresholds(rules, low, high, up, down)
+            least, greatest = np.inf, -np.inf  # the group's own finite values
+            for blk in range(bs + ((i0 - first) >> bounds._SHIFT), bs + ((i1 - first) >> bounds._SHIFT) + 1):
+                c = count[blk]
+                if c > 0:
+                    least = min(least, blocks[blk * bounds.BLOCK])
+                    greatest = max(greatest, blocks[blk * bounds.BLOCK + c - 1])
+            if log and least <= tiny:
+                least = -np.inf  # a log metric's blocks hold max(value, tiny): a value below is not bounded
+            if down.max() < least and greatest < up.min():
+                quiet[i0:i1 + 1] = True
 
 
 @numba.njit(cache=True, nogil=True)
 def _candidates(raw: np.ndarray, missing: np.ndarray, lr: np.ndarray, starts: np.ndarray, kept: np.ndarray,
                 window: int, lag: int, min_samples: int, log: bool, scaled: bool, tiny: float,
                 rules: np.ndarray, roles: np.ndarray, want: np.ndarray, blocks: np.ndarray, count: np.ndarray,
-                finite: np.ndarray, base: np.ndarray, plain: np.ndarray) -> int:  # pragma: no cover - compiled
+                finite: np.ndarray, base: np.ndarray, plain: np.ndarray, quiet: np.ndarray) -> int:  # pragma: no cover - compiled
     """`want[j]` = whether a threshold rule of one metric may fire at kept row j, knowing only
-    bounds of its median (`bounds.block_range`, `_thresholds`); how many may. `plain[g]`:
-    series g holds no -0.0 (`quantiles.baseline`'s `whole`)."""
+    bounds of its median (`bounds.block_range`, `_thresholds`; a block of rows at a time where
+    it can, `_quiet_rows`); how many may. `plain[g]`: series g holds no -0.0 (`quantiles.baseline`'s
+    `whole`). `quiet`: a bool per row, working space."""
     bounds.sort_blocks(raw, lr, starts, log, scaled, tiny, blocks, count, finite, base, plain)
     k = rules.shape[0]
     up, down = np.empty(k), np.empty(k)
@@ -185,23 +207,23 @@ def _candidates(raw: np.ndarray, missing: np.ndarray, lr: np.ndarray, starts: np
     low = high = np.nan  # its bounds, on the blocks' scale
     held_low = held_high = np.inf  # the bounds the thresholds hold for
     any_up, any_down = np.inf, -np.inf  # the rules of every role, together
-    all_up, all_down = np.inf, -np.inf  # every rule, together
-    quiet_to = -1  # rows up to this one fire no rule while the window's blocks hold (`_quiet_to`)
+    quiet[:] = False
+    if not scaled:
+        _quiet_rows(starts, window, lag, log, tiny, rules, blocks, count, finite, base, up, down, quiet)
     found = 0
     g = 0
-    j = -1
-    while j + 1 < len(kept):
-        j += 1
+    for j in range(len(kept)):
         i = kept[j]
+        want[j] = False
+        v = np.float64(raw[i])
+        if quiet[i] or missing[i] or not math.isfinite(v):
+            continue  # no threshold rule fires on a null or non-finite value
         while starts[g + 1] <= i:
             g += 1
         n, k0, k1 = bounds.window_of(i, starts[g], base[g], window, lag, finite)
         if n < min_samples or n == 0:
             n, k0, k1 = -1, -1, -1  # no baseline
         fresh = n != last_n or k0 != last_k0 or k1 != last_k1
-        if not fresh and i <= quiet_to:
-            want[j] = False
-            continue
         if fresh:
             last_n, last_k0, last_k1 = n, k0, k1
             low, high = (np.nan, np.nan) if n < 0 else bounds.block_range(
@@ -212,28 +234,10 @@ def _candidates(raw: np.ndarray, missing: np.ndarray, lr: np.ndarray, starts: np
             if not (lower == held_low and upper == held_high):  # (a NaN never equals: taken again)
                 held_low, held_high = lower, upper
                 _thresholds(rules, lower, upper, up, down)
-                any_up, any_down, all_up, all_down = np.inf, -np.inf, up.min(), down.max()
+                any_up, any_down = np.inf, -np.inf
                 for r in range(k):
                     if role[r] < 0:
                         any_up, any_down = min(any_up, up[r]), max(any_down, down[r])
-        if fresh and not scaled:
-            quiet_to = _quiet_to(i, starts[g], starts[g + 1], base[g], blocks, count, log, tiny, all_up, all_down)
-            if i <= quiet_to:
-                want[j] = False
-                # the rows after it with the same window (`bounds.window_of`: the same last block,
-                # every value finite, so the same count) and quiet: passed over at once
-                first, e = starts[g], i - lag
-                a = e - window + 1
-                stop = min(quiet_to, first + lag - 1 + ((((e + 1 - first) >> bounds._SHIFT) + 1) << bounds._SHIFT) - 1)
-                if n > 0 and a >= first and stop > i and j + stop - i < len(kept) and kept[j + stop - i] == stop \
-                        and finite[stop - lag + 1] - finite[a] == stop - lag + 1 - a:
-                    want[j + 1:j + stop - i + 1] = False
-                    j += stop - i
-                continue
-        want[j] = False
-        v = np.float64(raw[i])
-        if missing[i] or not math.isfinite(v):
-            continue  # no threshold rule fires on a null or non-finite value
         hit = v >= any_up or v <= any_down
         if some_roles and not hit:
             for r in range(k):  # rules of some roles only
@@ -407,7 +411,7 @@ def judge(window: pl.DataFrame, config: Config, judged: str, lead: int, heat_wid
             may = _candidates(raw, missing, lr_values if lr_values is not None else np.ones(len(raw)), starts,
                               kept, cfg.window, cfg.lag, cfg.min_samples, col.log, col.scaled and lr_values is not None,
                               _SCALES.tiny, table, roles, want, work.blocks, work.count, work.finite, work.base,
-                              work.plain)
+                              work.plain, work.quiet)
             if may * SPARSE > len(kept):
                 want = None  # too many: every row's window is read anyway
             whole = None if work.plain.all() else ~work.plain

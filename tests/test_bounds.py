@@ -44,13 +44,15 @@ def _series(rng: np.random.Generator, shape: str, n: int) -> np.ndarray:
          "down": 1000 - t + rng.normal(scale=0.3, size=n),
          "ties": rng.integers(0, 3, size=n).astype(float),
          "signed": rng.normal(size=n) * rng.choice([1.0, 1e-3, 1e3], size=n),
-         "spiky": np.where(rng.random(n) < 0.05, 1e6, 1.0) * np.exp(rng.normal(scale=0.1, size=n))}[shape]
+         "spiky": np.where(rng.random(n) < 0.05, 1e6, 1.0) * np.exp(rng.normal(scale=0.1, size=n)),
+         # blocks of four 1s, a 2 and three 100s: windows whose median is the bound itself
+         "tight": np.concatenate([rng.permutation([1.0, 1, 1, 1, 2, 100, 100, 100]) for _ in range(n // 8 + 1)])[:n]}[shape]
     gaps = rng.random(n) < rng.choice([0.0, 0.02, 0.3])
     return np.where(gaps, rng.choice([np.nan, np.inf, -np.inf], size=n), x)
 
 
 @pytest.mark.parametrize("seed", range(3))
-@pytest.mark.parametrize("shape", ["noise", "up", "down", "ties", "signed", "spiky"])
+@pytest.mark.parametrize("shape", ["noise", "up", "down", "ties", "signed", "spiky", "tight"])
 def test_the_median_lies_within_its_bounds_on_every_row(seed: int, shape: str) -> None:
     rng = np.random.default_rng(seed)
     lengths = rng.integers(0, 400, size=4)
@@ -112,3 +114,58 @@ def test_the_baseline_of_some_rows_equals_the_baseline_of_every_row_there(seed: 
                         med, scale, z, z_valid = some
                         assert np.isnan(med[~taken]).all() and np.isnan(z[~taken]).all() and not z_valid[~taken].any()
                         assert (scale[~taken] == (SCALES.log_floor if log else 1e-8)).all()
+
+
+def _exact_may_fire(v: np.ndarray, missing: np.ndarray, med: np.ndarray, rule) -> np.ndarray:  # noqa: ANN001
+    """Where the rule's tests other than z hold, its median known exactly (`judge._hits`' arithmetic)."""
+    ok = np.isfinite(v) & ~missing & ~np.isnan(med)
+    with np.errstate(all="ignore"):
+        up, down = np.full(len(v), rule.direction in ("up", "either")), np.full(len(v), rule.direction in ("down", "either"))
+        if rule.fold is not None:
+            up &= (med > 0) & (v >= med * rule.fold)
+            down &= (med > 0) & (med * (1.0 / rule.fold) >= v)
+        if rule.delta is not None:
+            up &= v - med >= rule.delta
+            down &= med - v >= rule.delta
+        if rule.level is not None:
+            up &= v >= rule.level
+            down &= rule.level >= v
+    return ok & (up | down)
+
+
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("shape", ["noise", "up", "signed", "spiky", "ties", "tight"])
+def test_every_row_a_rule_can_fire_at_is_a_candidate(seed: int, shape: str) -> None:
+    # thresholds just past the data's own spread, so that many rows sit near them: a bound a rank
+    # too tight, or a threshold from the wrong bound, leaves out a row where a rule holds
+    from warninglight.forensics import judge
+    from warninglight.forensics.conditions import Condition, Rule
+
+    rng = np.random.default_rng(50 + seed)
+    lengths = rng.integers(50, 600, size=4)
+    n = int(lengths.sum())
+    starts = np.concatenate([[0], np.cumsum(lengths)])
+    lr = 1e-3 * np.exp(rng.normal(scale=0.3, size=n))
+    x = _series(rng, shape, n)
+    missing = rng.random(n) < 0.02
+    for window, lag, min_samples in ((64, 3, 64), (40, 3, 20), (16, 1, 16)):
+        kept = np.arange(int(rng.integers(0, n // 4)), n)
+        for log, scaled in ((False, False), (True, False), (True, True)):
+            col = quantiles.Column(x, missing, log, scaled, 1e-8)
+            med = quantiles.baseline(col, lr, starts, kept, window, lag, min_samples, SCALES)[0]
+            v = x[kept]
+            spread = float(np.nanstd(v[np.isfinite(v)])) or 1.0
+            for fold in (1.02, 1.3):
+                rules = [Rule("m", "up", fold=fold), Rule("m", "down", fold=fold), Rule("m", "either", delta=0.3 * spread),
+                         Rule("m", "down", level=float(np.nanmedian(v[np.isfinite(v)])), delta=0.1 * spread),
+                         Rule("m", "up", z=3.0, fold=fold, delta=0.05 * spread)]
+                cond = Condition("c", "", "", tuple(rules), persistence=1, ceiling=0.1, precedence=1)
+                table = judge._table([(cond, r) for r in rules], [])
+                work = bounds.Workspace(n, len(starts) - 1)
+                want = np.empty(len(kept), dtype=np.bool_)
+                judge._candidates(x, missing, lr, starts, kept, window, lag, min_samples, log, scaled, SCALES.tiny,
+                                  table, np.ones((1, len(kept)), dtype=np.bool_), want, work.blocks, work.count,
+                                  work.finite, work.base, work.plain, work.quiet)
+                for rule in rules:
+                    may = _exact_may_fire(v, missing[kept], med, rule)
+                    assert not (may & ~want).any(), (shape, window, log, scaled, rule)

@@ -150,15 +150,18 @@ def test_a_components_table_with_a_nameless_row_is_read_as_before() -> None:
 
 @pytest.mark.parametrize("seed", range(3))
 @pytest.mark.parametrize(("factor", "persistence"), [(1.0, None), (0.3, 1), (0.15, 3)])
+@pytest.mark.parametrize("window", [16, 40])
 def test_the_rows_no_rule_can_fire_at_are_passed_over_without_changing_a_hit(
-        seed: int, factor: float, persistence: int | None, monkeypatch: pytest.MonkeyPatch) -> None:
+        seed: int, factor: float, persistence: int | None, window: int, monkeypatch: pytest.MonkeyPatch) -> None:
     # without a heatmap a metric's baseline is taken only where its median's bounds let a rule
     # fire (`_candidates`); forced on every metric however many rows may, the hits are the
-    # Polars classifier's, the peers' rule (which reads every component's median) included
+    # Polars classifier's, the peers' rule (which reads every component's median) included.
+    # A window of 40 holds whole blocks enough for rows to be passed over a block at a time.
     from warninglight.forensics import judge as judge_module
 
     monkeypatch.setattr(judge_module, "SPARSE", 0)
     config = _eager(Config(), factor, persistence)
+    config = replace(config, baseline=replace(config.baseline, window=window, min_samples=window // 2, lag=3))
     window = sort_series(_frame(seed, steps=220)).with_columns((pl.col("step") > 40).alias(JUDGED))
     want_hits, _ = _polars(window, config, 1)
     got_hits, heat = judge(window, config, JUDGED, lead(config))

@@ -207,6 +207,17 @@ def _column(frame: pl.DataFrame, metric: str, lr: bool) -> quantiles.Column:
                             ABS_FLOOR.get(metric, DEFAULT_ABS_FLOOR))
 
 
+def gathered_column(frame: pl.DataFrame, metric: str, lr: bool, order: np.ndarray) -> quantiles.Column:
+    """`_column` of `frame[order]`, without sorting the frame: the metric's Arrow buffers read
+    through `order` once (`quantiles.gathered`)."""
+    values = frame[metric]
+    if values.dtype not in (pl.Float32, pl.Float64):  # counts
+        values = values.cast(pl.Float64)
+    raw, missing = quantiles.gathered(values.to_arrow(), order)
+    return quantiles.Column(raw, missing, metric in LOG_METRICS, lr and metric in LR_SCALED,
+                            ABS_FLOOR.get(metric, DEFAULT_ABS_FLOOR))
+
+
 _SCALES = quantiles.Scales(REL_FLOOR, LOG_SCALE_FLOOR, LOG_TINY, IQR_TO_SIGMA)
 
 

@@ -32,7 +32,7 @@ import polars as pl
 from warninglight.tracer.schema import COUNT_METRICS
 
 from . import bounds, quantiles
-from .baseline import _SCALES, KEYS, _column, metrics_in, prepare
+from .baseline import _SCALES, KEYS, _column, gathered_column, metrics_in, prepare
 from .classify import finish_hits
 from .conditions import DOWN, EITHER, NONFINITE, UP, Condition, Config, Rule
 
@@ -318,10 +318,7 @@ class _Metrics:
     def column(self, metric: str, lr: bool) -> quantiles.Column:
         """`baseline._column` of the metric, in the sorted rows' order."""
         frame, order = self._where(metric)
-        col = _column(frame, metric, lr)
-        if order is None:
-            return col
-        return col._replace(raw=col.raw[order], missing=None if col.missing is None else col.missing[order])
+        return _column(frame, metric, lr) if order is None else gathered_column(frame, metric, lr, order)
 
     def values(self, metric: str, at: np.ndarray) -> pl.Series:
         """The metric as float64 at sorted rows `at` (null where null)."""

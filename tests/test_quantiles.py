@@ -265,3 +265,32 @@ def test_the_compiled_lr_surge_equals_its_numpy_passes() -> None:
         got, want = lr_surge(lr, starts, before), _lr_surge_numpy(lr, starts, before)
         assert got.is_null().equals(want.is_null())
         assert np.array_equal(got.fill_null(-7.0).to_numpy(), want.fill_null(-7.0).to_numpy(), equal_nan=True)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_a_column_read_through_an_order_equals_the_column_of_the_sorted_frame(seed: int) -> None:
+    # Arrow buffers with nulls, NaN, several chunks and an offset (a sliced frame), float32,
+    # float64 and integer counts: the one-pass gather gives what sorting the frame first gave
+    from warninglight.forensics import baseline as b
+
+    rng = np.random.default_rng(seed)
+    n = int(rng.integers(50, 3000))
+
+    def part(k: int) -> pl.DataFrame:
+        x = rng.normal(size=k)
+        x[rng.random(k) < 0.05] = np.nan
+        cols = {"out_rms": pl.Series(x.astype(np.float32)), "out_mean": pl.Series(x),
+                "out_nonfinite_count": pl.Series(rng.integers(0, 3, size=k))}
+        nulls = pl.Series(rng.random(k) < rng.choice([0.0, 0.1, 0.9]))
+        return pl.DataFrame({m: c.set(nulls, None) for m, c in cols.items()})  # type: ignore[arg-type]
+    frame = pl.concat([part(n // 3), part(n - n // 3)], rechunk=False)  # two chunks, as a window and its carry
+    for sliced in (frame, frame.slice(7, n - 20), frame.rechunk().slice(5, n - 9)):  # the last read at an offset
+        order = rng.permutation(sliced.height)
+        for m in ("out_rms", "out_mean", "out_nonfinite_count"):
+            got = b.gathered_column(sliced, m, True, order)
+            want = b._column(sliced[order], m, True)
+            assert got.raw.dtype == want.raw.dtype and np.array_equal(got.raw, want.raw, equal_nan=True), m
+            assert (got.missing is None) == (want.missing is None), m
+            if got.missing is not None:
+                assert np.array_equal(got.missing, want.missing), m
+            assert got[2:] == want[2:]

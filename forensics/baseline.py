@@ -172,9 +172,12 @@ def history_cut(frame: pl.DataFrame, starts: np.ndarray, judged: str, lead: int)
     marked = frame[judged].to_numpy()
     if not marked.any():
         return None
-    series = np.repeat(np.arange(len(starts) - 1), np.diff(starts))
+    at = np.flatnonzero(marked)
+    series = np.repeat(np.arange(len(starts) - 1), np.diff(starts))[at]  # ascending: rows come series after series
+    opens = np.empty(len(at), dtype=np.bool_)
+    opens[0], opens[1:] = True, series[1:] != series[:-1]
     first = np.full(len(starts) - 1, frame.height)
-    np.minimum.at(first, series[marked], np.flatnonzero(marked))  # each series' first judged row
+    first[series[opens]] = at[opens]  # each series' first judged row (np.minimum.at took ~20 ms a window)
     has = first < frame.height
     need = np.maximum(starts[:-1][has], first[has] - lead)  # and the rows its persistence reads
     step = frame["step"].to_numpy()

@@ -102,3 +102,34 @@ def test_a_step_without_a_value_is_no_departure() -> None:
     present = judged.filter(pl.col("grad_norm_l2").is_not_null() & (pl.col("step") != 71))
     assert present[baseline.HEAT].max() < 3  # type: ignore[operator]
     assert judged.filter(pl.col("step") == 71)["grad_norm_l2__z"][0] < -100
+
+
+def test_the_history_cut_keeps_the_rows_from_the_earliest_step_a_judged_row_reads() -> None:
+    # each series' first judged row and the `lead` rows before it (persistence): the rows from the
+    # earliest such step on, in every series; None where that is all of them
+    from warninglight.forensics.baseline import history_cut
+
+    rng = np.random.default_rng(0)
+    cut = 0
+    for _ in range(400):
+        lengths = rng.integers(0, 30, size=rng.integers(1, 8))
+        n = int(lengths.sum())
+        if n == 0:
+            continue
+        starts = np.concatenate([[0], np.cumsum(lengths)])
+        step = np.concatenate([np.arange(k) + rng.integers(0, 5) for k in lengths])
+        marked = rng.random(n) < rng.choice([0.0, 0.1, 0.9])
+        lead = int(rng.integers(0, 4))
+        got = history_cut(pl.DataFrame({"step": step, "j": marked}), starts, "j", lead)
+        if not marked.any():
+            assert got is None
+            continue
+        series = np.repeat(np.arange(len(starts) - 1), np.diff(starts))
+        need = [max(starts[g], int(np.flatnonzero(marked & (series == g))[0]) - lead)
+                for g in range(len(starts) - 1) if (marked & (series == g)).any()]
+        keep = step >= step[need].min()
+        assert (got is None) == keep.all()
+        if got is not None:
+            assert np.array_equal(got, keep)
+            cut += 1
+    assert cut > 50

@@ -148,19 +148,29 @@ def _thresholds(rules: np.ndarray, lower: float, upper: float, up: np.ndarray, d
 
 
 @numba.njit(nogil=True, inline="always")
-def _quiet_rows(starts: np.ndarray, window: int, lag: int, log: bool, tiny: float, rules: np.ndarray,
-                blocks: np.ndarray, count: np.ndarray, finite: np.ndarray, base: np.ndarray,
-                up: np.ndarray, down: np.ndarray, quiet: np.ndarray) -> None:  # pragma: no cover - compiled
-    """`quiet[i]`: row i fires no rule of a metric not judged relative to the lr, found a block of
-    rows at a time (`bounds.sort_blocks` done). The rows whose windows end in the same block have
-    the same whole blocks (`bounds.window_of`); where those windows are full and hold only finite
-    values, their median's bounds are the least r-th smallest and greatest r-th largest of those
-    blocks (r the same for all: `bounds.block_range`), and where every value of the rows lies
-    strictly between every rule's thresholds (`_thresholds`), none can fire. The other rows are
-    left to the test of each row (`quiet` comes all False)."""
+def _quiet_rows(raw: np.ndarray, lr: np.ndarray, starts: np.ndarray, window: int, lag: int, log: bool,
+                scaled: bool, tiny: float, rules: np.ndarray, blocks: np.ndarray, count: np.ndarray,
+                finite: np.ndarray, base: np.ndarray, up: np.ndarray, down: np.ndarray,
+                quiet: np.ndarray) -> None:  # pragma: no cover - compiled
+    """`quiet[i]`: row i fires no rule of the metric, found a block of rows at a time
+    (`bounds.sort_blocks` done). The rows whose windows end in the same block have the same
+    whole blocks (`bounds.window_of`); where those windows are full and hold only finite values,
+    their median's bounds are the least r-th smallest and greatest r-th largest of those blocks
+    (r the same for all: `bounds.block_range`), and where every value of the rows lies strictly
+    between every rule's thresholds (`_thresholds`), none can fire. The other rows are left to
+    the test of each row (`quiet` comes all False).
+
+    A metric judged relative to the lr is bounded on value / lr (its blocks' scale): a rule's
+    fold reads the same there (v >= m * fold is v / lr >= m / lr * fold, within the bounds'
+    room for rounding), its delta and level do not; a metric with one of those is left to each
+    row."""
     q = bounds.spanned(window) >> bounds._SHIFT  # whole blocks of a full window, wherever it ends
     if q == 0:
         return
+    if scaled:
+        for r in range(rules.shape[0]):
+            if rules[r, _DIR] != 3 and not (math.isnan(rules[r, _DELTA]) and math.isnan(rules[r, _LEVEL])):
+                return
     for g in range(len(starts) - 1):
         first, end, bs = starts[g], starts[g + 1], base[g]
         # group m: rows i0..i1 whose window's last whole block is the series' block m - 1
@@ -176,13 +186,20 @@ def _quiet_rows(starts: np.ndarray, window: int, lag: int, log: bool, tiny: floa
             low, high = bounds.widened(low, high)
             _thresholds(rules, low, high, up, down)
             least, greatest = np.inf, -np.inf  # the group's own finite values
-            for blk in range(bs + ((i0 - first) >> bounds._SHIFT), bs + ((i1 - first) >> bounds._SHIFT) + 1):
-                c = count[blk]
-                if c > 0:
-                    least = min(least, blocks[blk * bounds.BLOCK])
-                    greatest = max(greatest, blocks[blk * bounds.BLOCK + c - 1])
-            if log and least <= tiny:
-                least = -np.inf  # a log metric's blocks hold max(value, tiny): a value below is not bounded
+            if scaled:  # each value / its own lr (the blocks hold max(value, tiny) / lr)
+                for i in range(i0, i1 + 1):
+                    v = np.float64(raw[i])
+                    if math.isfinite(v):
+                        y = v / bounds.lr_factor(lr, i)
+                        least, greatest = min(least, y), max(greatest, y)
+            else:
+                for blk in range(bs + ((i0 - first) >> bounds._SHIFT), bs + ((i1 - first) >> bounds._SHIFT) + 1):
+                    c = count[blk]
+                    if c > 0:
+                        least = min(least, blocks[blk * bounds.BLOCK])
+                        greatest = max(greatest, blocks[blk * bounds.BLOCK + c - 1])
+                if log and least <= tiny:
+                    least = -np.inf  # a log metric's blocks hold max(value, tiny): a value below is not bounded
             if down.max() < least and greatest < up.min():
                 quiet[i0:i1 + 1] = True
 
@@ -208,8 +225,7 @@ def _candidates(raw: np.ndarray, missing: np.ndarray, lr: np.ndarray, starts: np
     held_low = held_high = np.inf  # the bounds the thresholds hold for
     any_up, any_down = np.inf, -np.inf  # the rules of every role, together
     quiet[:] = False
-    if not scaled:
-        _quiet_rows(starts, window, lag, log, tiny, rules, blocks, count, finite, base, up, down, quiet)
+    _quiet_rows(raw, lr, starts, window, lag, log, scaled, tiny, rules, blocks, count, finite, base, up, down, quiet)
     found = 0
     g = 0
     for j in range(len(kept)):

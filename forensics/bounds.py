@@ -146,6 +146,31 @@ def spanned(window: int) -> int:  # pragma: no cover - compiled
 
 
 @numba.njit(nogil=True, inline="always")
+def block_rank(n: int, blocks: int, part: int) -> int:  # pragma: no cover - compiled
+    """r: in a window of n finite values, `part` of them outside its `blocks` whole blocks, the
+    least of the blocks' r-th smallest and the greatest of their r-th largest (from 0) bound its
+    median; -1: they bound nothing (no whole block, or too many values outside them)."""
+    lower = (n - 1) >> 1  # the median lies between the values of ranks lower and n - 1 - lower
+    if blocks <= 0 or part > lower:
+        return -1
+    return (lower - part) // blocks
+
+
+@numba.njit(nogil=True, inline="always")
+def block_bounds(k0: int, k1: int, r: int, blocks: np.ndarray, count: np.ndarray) -> tuple[float, float]:  # pragma: no cover - compiled
+    """(least r-th smallest, greatest r-th largest) of blocks k0..k1 - 1 (`block_rank`'s r)."""
+    if r < 0:
+        return -np.inf, np.inf
+    low, high = np.inf, -np.inf
+    for blk in range(k0, k1):
+        c = count[blk]
+        if c > r:  # a block with r or fewer values bounds nothing (and adds at most r)
+            low = min(low, blocks[blk * BLOCK + r])
+            high = max(high, blocks[blk * BLOCK + c - 1 - r])
+    return low, high
+
+
+@numba.njit(nogil=True, inline="always")
 def block_range(n: int, k0: int, k1: int, first: int, base: int, blocks: np.ndarray, count: np.ndarray,
                 finite: np.ndarray) -> tuple[float, float]:  # pragma: no cover - compiled
     """Bounds of the median of a window of n finite values that holds blocks k0..k1 - 1 whole
@@ -154,18 +179,8 @@ def block_range(n: int, k0: int, k1: int, first: int, base: int, blocks: np.ndar
     (kept in an array instead of the caller's locals, that memo cost 3x the pass)."""
     if k1 <= k0:
         return -np.inf, np.inf
-    lower = (n - 1) >> 1  # the median lies between the values of ranks lower and n - 1 - lower
     part = n - (finite[first + ((k1 - base) << _SHIFT)] - finite[first + ((k0 - base) << _SHIFT)])
-    if part > lower:
-        return -np.inf, np.inf
-    r = (lower - part) // (k1 - k0)
-    low, high = np.inf, -np.inf
-    for blk in range(k0, k1):
-        c = count[blk]
-        if c > r:  # a block with r or fewer values bounds nothing (and adds at most r)
-            low = min(low, blocks[blk * BLOCK + r])
-            high = max(high, blocks[blk * BLOCK + c - 1 - r])
-    return low, high
+    return block_bounds(k0, k1, block_rank(n, k1 - k0, part), blocks, count)
 
 
 class Workspace:

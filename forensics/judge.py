@@ -121,11 +121,14 @@ def _hits(raw: np.ndarray, missing: np.ndarray, med: np.ndarray, z: np.ndarray, 
 
 
 @numba.njit(nogil=True, inline="always")
-def _thresholds(rules: np.ndarray, lower: float, upper: float, up: np.ndarray, down: np.ndarray) -> None:  # pragma: no cover - compiled
+def _thresholds(rules: np.ndarray, lower: float, upper: float, up: np.ndarray,
+                down: np.ndarray) -> tuple[float, float]:  # pragma: no cover - compiled
     """Per rule: a value below `up[r]` and above `down[r]` cannot fire it, its median known only to
-    lie in `lower`..`upper` (NaN: no baseline). Each test of `_hits` is loosened to the bound that
-    makes it likeliest to hold (a rounding is monotone: m >= lower gives m * fold >= lower * fold);
-    a z, which also reads the scale, is not tested."""
+    lie in `lower`..`upper` (NaN: no baseline); and the least `up` and greatest `down`, below and
+    above which no rule fires. Each test of `_hits` is loosened to the bound that makes it
+    likeliest to hold (a rounding is monotone: m >= lower gives m * fold >= lower * fold); a z,
+    which also reads the scale, is not tested."""
+    least_up, most_down = np.inf, -np.inf
     for r in range(rules.shape[0]):
         direction = rules[r, _DIR]
         fold, delta, level = rules[r, _FOLD], rules[r, _DELTA], rules[r, _LEVEL]
@@ -145,6 +148,8 @@ def _thresholds(rules: np.ndarray, lower: float, upper: float, up: np.ndarray, d
         if not math.isnan(level):
             u, d = max(u, level), min(d, level)
         up[r], down[r] = u, d
+        least_up, most_down = min(least_up, u), max(most_down, d)
+    return least_up, most_down
 
 
 @numba.njit(nogil=True, inline="always")
@@ -165,8 +170,11 @@ def _quiet_rows(raw: np.ndarray, lr: np.ndarray, starts: np.ndarray, window: int
     room for rounding), its delta and level do not; a metric with one of those is left to each
     row."""
     q = bounds.spanned(window) >> bounds._SHIFT  # whole blocks of a full window, wherever it ends
-    if q == 0:
+    rank = bounds.block_rank(window, q, window - (q << bounds._SHIFT))  # the same for every full, finite window
+    if rank < 0:
         return
+    held_low = held_high = np.nan  # the bounds the thresholds below were taken for
+    all_up, all_down = np.inf, -np.inf
     if scaled:
         for r in range(rules.shape[0]):
             if rules[r, _DIR] != 3 and not (math.isnan(rules[r, _DELTA]) and math.isnan(rules[r, _LEVEL])):
@@ -182,9 +190,11 @@ def _quiet_rows(raw: np.ndarray, lr: np.ndarray, starts: np.ndarray, window: int
             a0, e1 = i0 - lag - window + 1, i1 - lag  # every window of the group lies in a0..e1
             if finite[e1 + 1] - finite[a0] != e1 + 1 - a0:
                 continue  # a value that is not finite in some window: each row's own count
-            low, high = bounds.block_range(window, bs + m - q, bs + m, first, bs, blocks, count, finite)
-            low, high = bounds.widened(low, high)
-            _thresholds(rules, low, high, up, down)
+            low, high = bounds.block_bounds(bs + m - q, bs + m, rank, blocks, count)
+            if low != held_low or high != held_high:  # a series' bounds often hold from block to block
+                held_low, held_high = low, high
+                lower, upper = bounds.widened(low, high)
+                all_up, all_down = _thresholds(rules, lower, upper, up, down)
             least, greatest = np.inf, -np.inf  # the group's own finite values
             if scaled:  # each value / its own lr (the blocks hold max(value, tiny) / lr)
                 for i in range(i0, i1 + 1):
@@ -200,7 +210,7 @@ def _quiet_rows(raw: np.ndarray, lr: np.ndarray, starts: np.ndarray, window: int
                         greatest = max(greatest, blocks[blk * bounds.BLOCK + c - 1])
                 if log and least <= tiny:
                     least = -np.inf  # a log metric's blocks hold max(value, tiny): a value below is not bounded
-            if down.max() < least and greatest < up.min():
+            if all_down < least and greatest < all_up:
                 quiet[i0:i1 + 1] = True
 
 

@@ -63,9 +63,9 @@ def _hits(raw: np.ndarray, missing: np.ndarray, med: np.ndarray, z: np.ndarray, 
     the rows before it its persistence asks (in the row's series: `starts`, over kept rows) and
     the row is judged; for a rule that reads the peers' median, 1 wherever the rest of it held
     (the peers and persistence come after, `_persist`). `raw`, `missing`: the metric's values
-    and nulls on every row; `med` (NaN: null), `z`, `z_valid`: its baseline on the kept rows.
-    `visit`: the kept rows (ascending) where a threshold rule may fire (`_candidates`); `out`
-    comes zeroed, and is left so at the others."""
+    and nulls on every row. `visit`: the kept rows (ascending) where a threshold rule may fire
+    (`_candidates`), and `med` (NaN: null), `z`, `z_valid`: the metric's baseline there (one per
+    row of `visit`); `out` comes zeroed, and is left so at the other rows."""
     every = np.arange(len(kept))
     for r in range(rules.shape[0]):
         direction = int(rules[r, _DIR])
@@ -85,8 +85,8 @@ def _hits(raw: np.ndarray, missing: np.ndarray, med: np.ndarray, z: np.ndarray, 
                 run = 0  # a new series, or rows passed over (where it cannot have held)
             last = j
             if has_z and direction != 3:  # most rows: |z| below the threshold, or no z
-                zj = z[j]
-                if not z_valid[j] or not ((can_up and _ge(zj, rz)) or (can_down and _ge(-rz, zj))):
+                zj = z[t]
+                if not z_valid[t] or not ((can_up and _ge(zj, rz)) or (can_down and _ge(-rz, zj))):
                     run = 0
                     out[r, j] = 0
                     continue
@@ -94,11 +94,11 @@ def _hits(raw: np.ndarray, missing: np.ndarray, med: np.ndarray, z: np.ndarray, 
             v = np.float64(raw[i])
             if direction == 3:  # non-finite: a count above 0, or a value that is NaN or ±inf
                 hit = not missing[i] and (_ge(v, 0.0) and v != 0.0 if count else not math.isfinite(v))
-            elif missing[i] or not math.isfinite(v) or (has_z and not z_valid[j]) \
-                    or ((has_fold or has_delta) and math.isnan(med[j])):
+            elif missing[i] or not math.isfinite(v) or (has_z and not z_valid[t]) \
+                    or ((has_fold or has_delta) and math.isnan(med[t])):
                 hit = False  # a null operand: the Polars expression is null, then false
             else:
-                m, zj = med[j], z[j]
+                m, zj = med[t], z[t]
                 up, down = can_up, can_down
                 if has_z:
                     up = up and _ge(zj, rz)
@@ -316,6 +316,19 @@ class _Fired(NamedTuple):
     z_valid: np.ndarray
 
 
+def _fired(rows: np.ndarray, taken: np.ndarray, med: np.ndarray, z: np.ndarray, z_valid: np.ndarray) -> _Fired:
+    """`_Fired` at kept rows `rows`, with the baseline of the rows `taken` (none where a row was
+    not taken: a non-finite rule's, which reads none)."""
+    pos = np.searchsorted(taken, rows)
+    has = np.zeros(len(rows), dtype=np.bool_)
+    inside = pos < len(taken)
+    has[inside] = taken[pos[inside]] == rows[inside]
+    at = pos[has]
+    fired = _Fired(rows, np.full(len(rows), np.nan), np.full(len(rows), np.nan), np.zeros(len(rows), dtype=np.bool_))
+    fired.med[has], fired.z[has], fired.z_valid[has] = med[at], z[at], z_valid[at]
+    return fired
+
+
 class _Judged(NamedTuple):
     """What one metric's worker hands back (its |z| went into the worker's heat cells, `quantiles.fold_heat`)."""
 
@@ -416,16 +429,20 @@ def judge(window: pl.DataFrame, config: Config, judged: str, lead: int, heat_wid
         raw = np.ascontiguousarray(col.raw)
         missing = col.missing if col.missing is not None else np.zeros(len(col.raw), dtype=np.bool_)
 
-        def rules_on(want: np.ndarray | None) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, bool]:
+        def rules_on(want: np.ndarray | None) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, bool]:
+            """(rows taken, their median, z and z valid, `_hits`' out, whether a peers rule held)."""
             if heat_width is None and metric not in compared:  # non-finite rules read the values alone
-                med, z, z_valid = np.full(len(kept), np.nan), np.full(len(kept), np.nan), np.zeros(len(kept), np.bool_)
-            else:
+                taken, med, z, z_valid = np.empty(0, dtype=np.int64), np.empty(0), np.empty(0), np.empty(0, np.bool_)
+            elif want is None:
+                taken = np.arange(len(kept))
                 med, _, z, z_valid = quantiles.baseline(col, lr_values, starts, kept, cfg.window, cfg.lag,
-                                                        cfg.min_samples, _SCALES, want, whole)
+                                                        cfg.min_samples, _SCALES)
+            else:
+                taken, med, _, z, z_valid = quantiles.baseline_at(col, lr_values, starts, kept, cfg.window, cfg.lag,
+                                                                  cfg.min_samples, _SCALES, want, whole)
             out = np.zeros((len(rules), len(kept)), dtype=np.uint8)
-            _hits(raw, missing, med, z, z_valid, kept, kstarts, marked, table, roles, out,
-                  np.arange(len(kept)) if want is None else np.flatnonzero(want))
-            return med, z, z_valid, out, bool(out[table[:, _PEERS] > 0].any())  # a peers rule held somewhere
+            _hits(raw, missing, med, z, z_valid, kept, kstarts, marked, table, roles, out, taken)
+            return taken, med, z, z_valid, out, bool(out[table[:, _PEERS] > 0].any())  # a peers rule held somewhere
 
         want, whole = None, None
         if heat_width is None and metric in compared:  # a baseline only where a rule may fire
@@ -438,19 +455,19 @@ def judge(window: pl.DataFrame, config: Config, judged: str, lead: int, heat_wid
             if may * SPARSE > len(kept):
                 want = None  # too many: every row's window is read anyway
             whole = None if work.plain.all() else ~work.plain
-        med, z, z_valid, out, peers_held = rules_on(want)
+        taken, med, z, z_valid, out, peers_held = rules_on(want)
         if want is not None and peers_held:
             # the peers' median reads the median of every component at the steps where the rest
             # of a rule held: taken again for every row (rare: a collapse of the update)
-            med, z, z_valid, out, peers_held = rules_on(None)
+            taken, med, z, z_valid, out, peers_held = rules_on(None)
         if heat_width is not None:
             cells = heat.get(threading.get_ident())
             if cells is None:
                 cells = heat[threading.get_ident()] = np.full(len(kept), np.nan)
-            quantiles.fold_heat(cells, z, z_valid)
+            quantiles.fold_heat(cells, z, z_valid)  # every row taken (a heatmap is drawn only without `want`)
         if not rules:
             return _Judged([], None, None)
-        fired = [_Fired(at, med[at], z[at], z_valid[at]) for at in (np.flatnonzero(row) for row in out)]
+        fired = [_fired(np.flatnonzero(row), taken, med, z, z_valid) for row in out]
         if not peers_held:
             return _Judged(fired, None, None)
         value = metric_of.values(metric, kept)

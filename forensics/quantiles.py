@@ -199,11 +199,11 @@ def _baseline(raw: np.ndarray, missing: np.ndarray, lr: np.ndarray, starts: np.n
               window: int, lag: int, min_samples: int, log: bool, scaled: bool, floor: float,
               rel_floor: float, log_floor: float, tiny: float, iqr_to_sigma: float,
               med: np.ndarray, scale: np.ndarray, z: np.ndarray, z_valid: np.ndarray,
-              scratch: np.ndarray, want: np.ndarray, wanted: np.ndarray, skip: bool) -> None:  # pragma: no cover - compiled
-    """One metric's baseline columns for rows `kept`, from its raw values (see `baseline`);
-    `scratch` holds at least 5 floats per row. With `skip`, only kept rows marked in `want`
-    (rows `wanted`, with whatever else `_trailing` must visit) get theirs, the others none, and
-    only the values their windows hold are read."""
+              scratch: np.ndarray, taken: np.ndarray, wanted: np.ndarray, skip: bool) -> None:  # pragma: no cover - compiled
+    """One metric's baseline columns for kept rows `taken` (ascending places in `kept`; output t
+    is row kept[taken[t]]), from its raw values (see `baseline`); `scratch` holds at least 5
+    floats per row. With `skip`, only the windows of rows `wanted` (ascending; those rows and
+    any the ring must visit) are read (`_trailing`)."""
     n = len(raw)
     per_iqr = 1.0 / iqr_to_sigma  # Polars divides by a constant as a product with its inverse
     values = scratch[:n]
@@ -220,12 +220,10 @@ def _baseline(raw: np.ndarray, missing: np.ndarray, lr: np.ndarray, starts: np.n
             _transform(raw, lr, i, log, scaled, tiny, values, logged)
     _trailing(values, starts, window, lag, min_samples, q, wanted, skip)
     last_q50, last_m, last_log_m = np.nan, np.nan, np.nan  # a log median's exp and log, kept while it holds
-    for j in range(len(kept)):
-        i = kept[j]
+    for j in range(len(taken)):
+        i = kept[taken[j]]
         q25, q50, q75 = q[0, i], q[1, i], q[2, i]
-        if skip and not want[j]:
-            q50 = np.nan
-        if math.isnan(q50):  # no baseline yet (or none asked for): the scale is its floor, the rest null
+        if math.isnan(q50):  # no baseline yet: the scale is its floor, the rest null
             med[j], scale[j], z[j], z_valid[j] = np.nan, log_floor if log else floor, np.nan, False
         elif log:
             if scaled:
@@ -380,8 +378,7 @@ class Scales:
 
 
 def baseline(col: Column, lr: np.ndarray | None, starts: np.ndarray, kept: np.ndarray, window: int,
-             lag: int, min_samples: int, scales: Scales, want: np.ndarray | None = None,
-             whole: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+             lag: int, min_samples: int, scales: Scales) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """(median, scale, z, z valid) of rows `kept` of one metric against its trailing window.
 
     The median is NaN where the window holds fewer than `min_samples` finite values (no
@@ -389,34 +386,44 @@ def baseline(col: Column, lr: np.ndarray | None, starts: np.ndarray, kept: np.nd
     not null. Log metrics are judged on log(max(value, tiny)) (minus log(lr) when `scaled`),
     their median given back in the metric's units (times the lr when `scaled`) and their scale
     in log units: the arithmetic of the Polars expressions this replaced, bit for bit
-    (tests/test_quantiles.py).
+    (tests/test_quantiles.py)."""
+    return _run(col, lr, starts, kept, window, lag, min_samples, scales, np.arange(len(kept)), None)
 
-    `want` (one per kept row): only these rows get a baseline, the others none (as if their
-    window were empty), at the cost of the windows they read (`median_bounds` says which rows
-    can need one). `whole` (one per series): series computed row by row from their first,
-    whatever `want` says of their rows: those holding a -0.0 (`median_bounds`), whose median
-    could otherwise be a zero of the other sign."""
-    k = len(kept)
+
+def baseline_at(col: Column, lr: np.ndarray | None, starts: np.ndarray, kept: np.ndarray, window: int,
+                lag: int, min_samples: int, scales: Scales, want: np.ndarray,
+                whole: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(taken, median, scale, z, z valid): `baseline` of the kept rows marked in `want` only, the
+    places in `kept` of the rows taken (ascending) and their columns, reading only their
+    windows (`bounds` says which rows a rule can need). `whole` (one per series): series taken
+    at every row, from their first, whatever `want` says: those holding a -0.0
+    (`bounds.median_bounds`' plain), whose median could otherwise be a zero of the other sign."""
+    starts, kept = np.asarray(starts, dtype=np.int64), np.asarray(kept, dtype=np.int64)
+    wanted = kept[want]
+    if whole is not None and whole.any():
+        rows = np.concatenate([np.arange(starts[g], starts[g + 1]) for g in np.flatnonzero(whole)])
+        want = want | np.isin(kept, rows)
+        wanted = np.union1d(kept[want], rows)  # the ring reads these series from their first row
+    taken = np.flatnonzero(want)
+    return (taken, *_run(col, lr, starts, kept, window, lag, min_samples, scales, taken, wanted))
+
+
+def _run(col: Column, lr: np.ndarray | None, starts: np.ndarray, kept: np.ndarray, window: int, lag: int,
+         min_samples: int, scales: Scales, taken: np.ndarray,
+         wanted: np.ndarray | None) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """`_baseline` of kept rows `taken`; with `wanted` (the rows the ring must visit), only their windows."""
+    k = len(taken)
     med, scale, z = np.empty(k), np.empty(k), np.empty(k)
     z_valid = np.empty(k, dtype=np.bool_)
     n = len(col.raw)
     missing = col.missing if col.missing is not None else np.zeros(n, dtype=np.bool_)
     lr_values = lr if lr is not None else np.ones(n)
     raw = col.raw if col.raw.dtype == np.float32 else col.raw.astype(np.float64, copy=False)
-    starts, kept = np.asarray(starts, dtype=np.int64), np.asarray(kept, dtype=np.int64)
-    skip = want is not None
-    wanted = np.empty(0, dtype=np.int64)
-    if want is not None:
-        wanted = kept[want]
-        if whole is not None and whole.any():
-            series = np.flatnonzero(whole)
-            rows = np.concatenate([np.arange(starts[g], starts[g + 1]) for g in series])
-            wanted = np.union1d(wanted, rows)
-            want = want | np.isin(kept, rows)
-    _baseline(np.ascontiguousarray(raw), missing, lr_values, starts, kept, window, lag,
-              min_samples, col.log, col.scaled and lr is not None, col.floor, scales.rel_floor,
-              scales.log_floor, scales.tiny, scales.iqr_to_sigma, med, scale, z, z_valid, _scratch(5 * n),
-              want if want is not None else np.empty(0, dtype=np.bool_), wanted, skip)
+    _baseline(np.ascontiguousarray(raw), missing, lr_values, np.asarray(starts, dtype=np.int64),
+              np.asarray(kept, dtype=np.int64), window, lag, min_samples, col.log, col.scaled and lr is not None,
+              col.floor, scales.rel_floor, scales.log_floor, scales.tiny, scales.iqr_to_sigma, med, scale, z,
+              z_valid, _scratch(5 * n), np.asarray(taken, dtype=np.int64),
+              wanted if wanted is not None else np.empty(0, dtype=np.int64), wanted is not None)
     return med, scale, z, z_valid
 
 

@@ -97,18 +97,24 @@ def test_judge_gives_the_polars_classifiers_hits_and_heat(seed: int, factor: flo
         assert len(fired) >= 15, fired
 
 
-@pytest.mark.parametrize("chunk", [1, 9, 60, 1000])
-def test_the_compiled_classifier_raises_the_same_alarms_fed_in_any_chunks(chunk: int) -> None:
+def _fed_alike(frame: pl.DataFrame, heat_width: int | None, chunk: int) -> list[Classifier]:
+    """The Polars and the compiled classifier fed `frame` (its roles from a components table) in
+    chunks of `chunk` steps, each chunk's new alarms held equal; both, fed."""
     config = _eager(Config(), 0.3, None)
-    frame = _frame(7)
-    components = frame.select("rank", "component", "role").unique()
-    both = [Classifier(config, components.drop("rank").unique(), heat_width=5, keep_scored=keep) for keep in (True, False)]
-    for start in range(1, 151, chunk):
+    components = frame.select("component", "role").unique()
+    both = [Classifier(config, components, heat_width=heat_width, keep_scored=keep) for keep in (True, False)]
+    for start in range(1, frame["step"].max() + 1, chunk):  # type: ignore[operator]
         rows = frame.filter(pl.col("step").is_between(start, start + chunk - 1)).drop("role")
         fed = [clf.feed(rows) for clf in both]
         assert fed[0].equals(fed[1]), start
     assert both[0].alarms().equals(both[1].alarms())
     assert len(both[0].alarms()) > 20
+    return both
+
+
+@pytest.mark.parametrize("chunk", [1, 9, 60, 1000])
+def test_the_compiled_classifier_raises_the_same_alarms_fed_in_any_chunks(chunk: int) -> None:
+    both = _fed_alike(_frame(7), 5, chunk)
     assert both[0].heat().equals(both[1].heat())
     assert both[1].scored is None  # the compiled classifier keeps no scored rows
 
@@ -173,13 +179,4 @@ def test_the_rows_no_rule_can_fire_at_are_passed_over_without_changing_a_hit(
 def test_the_compiled_classifier_without_a_heatmap_raises_the_polars_alarms(chunk: int) -> None:
     # windows carry history rows before the judged ones: the rows passed over and the rows kept
     # meet in every way a stream feeds them
-    config = _eager(Config(), 0.3, None)
-    frame = _frame(11, steps=200)
-    components = frame.select("component", "role").unique()
-    both = [Classifier(config, components, heat_width=None, keep_scored=keep) for keep in (True, False)]
-    for start in range(1, 201, chunk):
-        rows = frame.filter(pl.col("step").is_between(start, start + chunk - 1)).drop("role")
-        fed = [clf.feed(rows) for clf in both]
-        assert fed[0].equals(fed[1]), start
-    assert both[0].alarms().equals(both[1].alarms())
-    assert len(both[0].alarms()) > 20
+    _fed_alike(_frame(11, steps=200), None, chunk)

@@ -4,9 +4,10 @@ they cannot fire.
 The exact baseline (`quantiles.baseline`) keeps each series' window sorted and costs tens of
 nanoseconds a row and metric; on a healthy run nearly every row is far from every threshold,
 and a rule that compares a value with its median (`fold`, `delta`) cannot fire where no median
-the window allows would make it. So the classifier first bounds the median (`median_range`),
-tests the rules against the bounds (`judge._candidates`), and takes the exact baseline only at
-the rows left, reading only their windows: the same hits, at a fraction of the work.
+the window allows would make it. So the classifier first bounds the median (`window_of`,
+`block_range`), tests the rules against the bounds (`judge._candidates`, a block of rows at a
+time where it can), and takes the exact baseline only at the rows left, reading only their
+windows (`quantiles.baseline_at`): the same hits, at a fraction of the work.
 
 The bound: each series is cut into blocks of `BLOCK` rows, each sorted once (`sort_blocks`). A
 window of n finite values has its median between the values of ranks (n - 1) // 2 and
@@ -16,10 +17,11 @@ each block has at most r values below its r-th smallest; with k * r + p <= (n - 
 does: it bounds the median from below, and the greatest r-th largest from above. For a full
 window of 64 that is the least and greatest of the blocks' 4th values from each end.
 
-Bounds are in the metric's units (times the row's lr for a metric judged relative to it), a
-little wider than the values for the rounding of the median's log, exp and lr arithmetic.
-tests/test_bounds.py holds them to the exact median on random, trending, gapped and signed-zero
-series.
+Blocks hold a log metric's values raw (log keeps their order) and an lr-scaled one's as
+value / lr; the bounds go back to the metric's units times the row's lr, a little wider
+(`widened`) for the rounding of the median's log, exp and lr arithmetic. tests/test_bounds.py
+holds them to the exact median on random, trending, tied, gapped, signed, spiky and
+bound-tight series.
 """
 
 from __future__ import annotations

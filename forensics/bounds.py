@@ -5,7 +5,7 @@ The exact baseline (`quantiles.baseline`) keeps each series' window sorted and c
 nanoseconds a row and metric; on a healthy run nearly every row is far from every threshold,
 and a rule that compares a value with its median (`fold`, `delta`) cannot fire where no median
 the window allows would make it. So the classifier first bounds the median (`window_of`,
-`block_range`), tests the rules against the bounds (`judge._candidates`, a block of rows at a
+`block_range`), tests the rules against the bounds (`screen.candidates`, a block of rows at a
 time where it can), and takes the exact baseline only at the rows left, reading only their
 windows (`quantiles.baseline_at`): the same hits, at a fraction of the work.
 
@@ -195,7 +195,7 @@ class Workspace:
         self.count, self.finite = ints[:blocks], ints[blocks:blocks + n + 1]
         self.base = ints[blocks + n + 1:blocks + n + 1 + series]
         self.plain = np.empty(series, dtype=np.bool_)
-        self.quiet = _scratch(n, "bounds_quiet", np.bool_)[:n]  # a row's flag (`judge._candidates`)
+        self.quiet = _scratch(n, "bounds_quiet", np.bool_)[:n]  # a row's flag (`screen.candidates`)
 
 
 @numba.njit(cache=True, nogil=True)
@@ -227,7 +227,7 @@ def median_bounds(col: Column, lr: np.ndarray | None, starts: np.ndarray, kept: 
                   lag: int, min_samples: int, scales: Scales) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(lo, hi, plain): for each kept row, lo <= the median `quantiles.baseline` gives it <= hi
     (NaN: it has none; ±inf: no bound); `plain` (per series): holds no -0.0 (`baseline`'s
-    `whole`). What `judge._candidates` computes row by row, as arrays."""
+    `whole`). What `screen.candidates` computes row by row, as arrays."""
     n, k = len(col.raw), len(kept)
     work = Workspace(n, len(starts) - 1)
     lo, hi = np.empty(k), np.empty(k)

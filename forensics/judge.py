@@ -31,18 +31,11 @@ import numpy as np
 import polars as pl
 from warninglight.tracer.schema import COUNT_METRICS
 
-from . import bounds, quantiles
+from . import bounds, quantiles, screen
+from . import ruletable as rt
 from .baseline import _SCALES, KEYS, _column, gathered_column, metrics_in, prepare
 from .classify import finish_hits
-from .conditions import DOWN, EITHER, NONFINITE, UP, Condition, Config, Rule
-
-_DIRECTIONS = {UP: 0, DOWN: 1, EITHER: 2, NONFINITE: 3}
-# Without a heatmap, a metric's baseline is taken only at the rows where one of its rules may
-# fire (`_candidates`), unless more than one row in this many may: each such row reads its
-# whole window, and the rows between two close ones are visited anyway.
-SPARSE = 16
-# `_hits`'s rule table, one row per rule: these columns, NaN where a threshold is unset
-_DIR, _Z, _FOLD, _INV_FOLD, _DELTA, _LEVEL, _COUNT, _PERSIST, _ROLE, _PEERS = range(10)
+from .conditions import NONFINITE, Condition, Config, Rule
 
 
 @numba.njit(nogil=True, inline="always")
@@ -64,16 +57,16 @@ def _hits(raw: np.ndarray, missing: np.ndarray, med: np.ndarray, z: np.ndarray, 
     the row is judged; for a rule that reads the peers' median, 1 wherever the rest of it held
     (the peers and persistence come after, `_persist`). `raw`, `missing`: the metric's values
     and nulls on every row. `visit`: the kept rows (ascending) where a threshold rule may fire
-    (`_candidates`), and `med` (NaN: null), `z`, `z_valid`: the metric's baseline there (one per
+    (`screen.candidates`), and `med` (NaN: null), `z`, `z_valid`: the metric's baseline there (one per
     row of `visit`); `out` comes zeroed, and is left so at the other rows."""
     every = np.arange(len(kept))
     for r in range(rules.shape[0]):
-        direction = int(rules[r, _DIR])
-        rz, fold, inv_fold = rules[r, _Z], rules[r, _FOLD], rules[r, _INV_FOLD]
-        delta, level = rules[r, _DELTA], rules[r, _LEVEL]
+        direction = int(rules[r, rt.DIR])
+        rz, fold, inv_fold = rules[r, rt.Z], rules[r, rt.FOLD], rules[r, rt.INV_FOLD]
+        delta, level = rules[r, rt.DELTA], rules[r, rt.LEVEL]
         has_z, has_fold, has_delta, has_level = (not math.isnan(rz), not math.isnan(fold),
                                                  not math.isnan(delta), not math.isnan(level))
-        count, peers, persist, role = rules[r, _COUNT] > 0, rules[r, _PEERS] > 0, rules[r, _PERSIST], int(rules[r, _ROLE])
+        count, peers, persist, role = rules[r, rt.COUNT] > 0, rules[r, rt.PEERS] > 0, rules[r, rt.PERSIST], int(rules[r, rt.ROLE])
         can_up, can_down = direction == 0 or direction == 2, direction == 1 or direction == 2
         rows = every if direction == 3 else visit
         g, run, last = 0, 0, -2
@@ -118,160 +111,6 @@ def _hits(raw: np.ndarray, missing: np.ndarray, med: np.ndarray, z: np.ndarray, 
             else:
                 run = run + 1 if hit else 0
                 out[r, j] = judged[j] and run >= persist
-
-
-@numba.njit(nogil=True, inline="always")
-def _thresholds(rules: np.ndarray, lower: float, upper: float, up: np.ndarray,
-                down: np.ndarray) -> tuple[float, float]:  # pragma: no cover - compiled
-    """Per rule: a value below `up[r]` and above `down[r]` cannot fire it, its median known only to
-    lie in `lower`..`upper` (NaN: no baseline); and the least `up` and greatest `down`, below and
-    above which no rule fires. Each test of `_hits` is loosened to the bound that makes it
-    likeliest to hold (a rounding is monotone: m >= lower gives m * fold >= lower * fold); a z,
-    which also reads the scale, is not tested."""
-    least_up, most_down = np.inf, -np.inf
-    for r in range(rules.shape[0]):
-        direction = rules[r, _DIR]
-        fold, delta, level = rules[r, _FOLD], rules[r, _DELTA], rules[r, _LEVEL]
-        u = -np.inf if direction == 0 or direction == 2 else np.inf
-        d = np.inf if direction == 1 or direction == 2 else -np.inf
-        if direction == 3 or (math.isnan(lower) and not (math.isnan(rules[r, _Z]) and math.isnan(fold)
-                                                         and math.isnan(delta))):
-            u, d = np.inf, -np.inf  # not a threshold rule; or it reads a baseline the row has not
-        if not math.isnan(fold):
-            if upper > 0:
-                u, d = max(u, lower * fold), min(d, upper * rules[r, _INV_FOLD])
-            else:
-                u, d = np.inf, -np.inf
-        if not math.isnan(delta):  # v - m >= delta: room for the rounding of the subtraction
-            room = (abs(lower) + abs(upper) + delta) * 1e-12
-            u, d = max(u, lower + delta - room), min(d, upper - delta + room)
-        if not math.isnan(level):
-            u, d = max(u, level), min(d, level)
-        up[r], down[r] = u, d
-        least_up, most_down = min(least_up, u), max(most_down, d)
-    return least_up, most_down
-
-
-@numba.njit(nogil=True, inline="always")
-def _quiet_rows(raw: np.ndarray, lr: np.ndarray, starts: np.ndarray, window: int, lag: int, log: bool,
-                scaled: bool, tiny: float, rules: np.ndarray, blocks: np.ndarray, count: np.ndarray,
-                finite: np.ndarray, base: np.ndarray, up: np.ndarray, down: np.ndarray,
-                quiet: np.ndarray) -> None:  # pragma: no cover - compiled
-    """`quiet[i]`: row i fires no rule of the metric, found a block of rows at a time
-    (`bounds.sort_blocks` done). The rows whose windows end in the same block have the same
-    whole blocks (`bounds.window_of`); where those windows are full and hold only finite values,
-    their median's bounds are the least r-th smallest and greatest r-th largest of those blocks
-    (r the same for all: `bounds.block_range`), and where every value of the rows lies strictly
-    between every rule's thresholds (`_thresholds`), none can fire. The other rows are left to
-    the test of each row (`quiet` comes all False).
-
-    A metric judged relative to the lr is bounded on value / lr (its blocks' scale): a rule's
-    fold reads the same there (v >= m * fold is v / lr >= m / lr * fold, within the bounds'
-    room for rounding), its delta and level do not; a metric with one of those is left to each
-    row."""
-    q = bounds.spanned(window) >> bounds._SHIFT  # whole blocks of a full window, wherever it ends
-    rank = bounds.block_rank(window, q, window - (q << bounds._SHIFT))  # the same for every full, finite window
-    if rank < 0:
-        return
-    held_low = held_high = np.nan  # the bounds the thresholds below were taken for
-    all_up, all_down = np.inf, -np.inf
-    if scaled:
-        for r in range(rules.shape[0]):
-            if rules[r, _DIR] != 3 and not (math.isnan(rules[r, _DELTA]) and math.isnan(rules[r, _LEVEL])):
-                return
-    for g in range(len(starts) - 1):
-        first, end, bs = starts[g], starts[g + 1], base[g]
-        # group m: rows i0..i1 whose window's last whole block is the series' block m - 1
-        for m in range(q, ((end - first) >> bounds._SHIFT) + 1):
-            i0 = max(first + lag - 1 + (m << bounds._SHIFT), first + lag + window - 1)  # full windows only
-            i1 = min(first + lag + 6 + (m << bounds._SHIFT), end - 1)
-            if i0 > i1:
-                continue
-            a0, e1 = i0 - lag - window + 1, i1 - lag  # every window of the group lies in a0..e1
-            if finite[e1 + 1] - finite[a0] != e1 + 1 - a0:
-                continue  # a value that is not finite in some window: each row's own count
-            low, high = bounds.block_bounds(bs + m - q, bs + m, rank, blocks, count)
-            if low != held_low or high != held_high:  # a series' bounds often hold from block to block
-                held_low, held_high = low, high
-                lower, upper = bounds.widened(low, high)
-                all_up, all_down = _thresholds(rules, lower, upper, up, down)
-            least, greatest = np.inf, -np.inf  # the group's own finite values
-            if scaled:  # each value / its own lr (the blocks hold max(value, tiny) / lr)
-                for i in range(i0, i1 + 1):
-                    v = np.float64(raw[i])
-                    if math.isfinite(v):
-                        y = v / bounds.lr_factor(lr, i)
-                        least, greatest = min(least, y), max(greatest, y)
-            else:
-                for blk in range(bs + ((i0 - first) >> bounds._SHIFT), bs + ((i1 - first) >> bounds._SHIFT) + 1):
-                    c = count[blk]
-                    if c > 0:
-                        least = min(least, blocks[blk * bounds.BLOCK])
-                        greatest = max(greatest, blocks[blk * bounds.BLOCK + c - 1])
-                if log and least <= tiny:
-                    least = -np.inf  # a log metric's blocks hold max(value, tiny): a value below is not bounded
-            if all_down < least and greatest < all_up:
-                quiet[i0:i1 + 1] = True
-
-
-@numba.njit(cache=True, nogil=True)
-def _candidates(raw: np.ndarray, missing: np.ndarray, lr: np.ndarray, starts: np.ndarray, kept: np.ndarray,
-                window: int, lag: int, min_samples: int, log: bool, scaled: bool, tiny: float,
-                rules: np.ndarray, roles: np.ndarray, want: np.ndarray, blocks: np.ndarray, count: np.ndarray,
-                finite: np.ndarray, base: np.ndarray, plain: np.ndarray, quiet: np.ndarray) -> int:  # pragma: no cover - compiled
-    """`want[j]` = whether a threshold rule of one metric may fire at kept row j, knowing only
-    bounds of its median (`bounds.block_range`, `_thresholds`; a block of rows at a time where
-    it can, `_quiet_rows`); how many may. `plain[g]`: series g holds no -0.0 (`quantiles.baseline`'s
-    `whole`). `quiet`: a bool per row, working space."""
-    bounds.sort_blocks(raw, lr, starts, log, scaled, tiny, blocks, count, finite, base, plain)
-    k = rules.shape[0]
-    up, down = np.empty(k), np.empty(k)
-    role = np.empty(k, dtype=np.int64)
-    for r in range(k):
-        role[r] = int(rules[r, _ROLE])
-    some_roles = (role >= 0).any()
-    last_n = last_k0 = last_k1 = -2  # the last row's window (`bounds.window_of`; n -1: none)
-    low = high = np.nan  # its bounds, on the blocks' scale
-    held_low = held_high = np.inf  # the bounds the thresholds hold for
-    any_up, any_down = np.inf, -np.inf  # the rules of every role, together
-    quiet[:] = False
-    _quiet_rows(raw, lr, starts, window, lag, log, scaled, tiny, rules, blocks, count, finite, base, up, down, quiet)
-    found = 0
-    g = 0
-    for j in range(len(kept)):
-        i = kept[j]
-        want[j] = False
-        v = np.float64(raw[i])
-        if quiet[i] or missing[i] or not math.isfinite(v):
-            continue  # no threshold rule fires on a null or non-finite value
-        while starts[g + 1] <= i:
-            g += 1
-        n, k0, k1 = bounds.window_of(i, starts[g], base[g], window, lag, finite)
-        if n < min_samples or n == 0:
-            n, k0, k1 = -1, -1, -1  # no baseline
-        fresh = n != last_n or k0 != last_k0 or k1 != last_k1
-        if fresh:
-            last_n, last_k0, last_k1 = n, k0, k1
-            low, high = (np.nan, np.nan) if n < 0 else bounds.block_range(
-                n, k0, k1, starts[g], base[g], blocks, count, finite)
-        if fresh or scaled:
-            lower, upper = bounds.widened(low * bounds.lr_factor(lr, i), high * bounds.lr_factor(lr, i)) \
-                if scaled else bounds.widened(low, high)
-            if not (lower == held_low and upper == held_high):  # (a NaN never equals: taken again)
-                held_low, held_high = lower, upper
-                _thresholds(rules, lower, upper, up, down)
-                any_up, any_down = np.inf, -np.inf
-                for r in range(k):
-                    if role[r] < 0:
-                        any_up, any_down = min(any_up, up[r]), max(any_down, down[r])
-        hit = v >= any_up or v <= any_down
-        if some_roles and not hit:
-            for r in range(k):  # rules of some roles only
-                if not hit and role[r] >= 0 and roles[role[r], j]:
-                    hit = v >= up[r] or v <= down[r]
-        want[j] = hit
-        found += hit
-    return found
 
 
 @numba.njit(cache=True, nogil=True)
@@ -365,25 +204,6 @@ class _Metrics:
         return frame[metric].cast(pl.Float64).gather(at if order is None else order[at])
 
 
-def _table(rules: list[tuple[Condition, Rule]], role_sets: list[tuple[str, ...]]) -> np.ndarray:
-    """`_hits`' rule table."""
-    nan = math.nan
-    table = np.full((len(rules), 10), nan)
-    for k, (c, rule) in enumerate(rules):
-        threshold = rule.direction != NONFINITE  # `classify._rule_expr` returns before roles and peers
-        table[k, _DIR] = _DIRECTIONS[rule.direction]
-        table[k, _Z] = nan if rule.z is None else rule.z
-        table[k, _FOLD] = nan if rule.fold is None else rule.fold
-        table[k, _INV_FOLD] = nan if rule.fold is None else 1.0 / rule.fold  # Polars' x / c is x * (1 / c)
-        table[k, _DELTA] = nan if rule.delta is None else rule.delta
-        table[k, _LEVEL] = nan if rule.level is None else rule.level
-        table[k, _COUNT] = rule.metric in COUNT_METRICS
-        table[k, _PERSIST] = c.persistence_of(rule)
-        table[k, _ROLE] = role_sets.index(rule.roles) if rule.roles and threshold else -1
-        table[k, _PEERS] = rule.peers_fold is not None and threshold
-    return table
-
-
 def judge(window: pl.DataFrame, config: Config, judged: str, lead: int, heat_width: int | None = None,
           components: pl.DataFrame | None = None, source: pl.DataFrame | None = None,
           order: np.ndarray | None = None) -> tuple[pl.DataFrame, pl.DataFrame | None]:
@@ -425,7 +245,7 @@ def judge(window: pl.DataFrame, config: Config, judged: str, lead: int, heat_wid
     def one(metric: str) -> _Judged:
         col = metric_of.column(metric, lr)
         rules = by_metric.get(metric, [])
-        table = _table(rules, role_sets)
+        table = rt.table(rules, role_sets)
         raw = np.ascontiguousarray(col.raw)
         missing = col.missing if col.missing is not None else np.zeros(len(col.raw), dtype=np.bool_)
 
@@ -442,17 +262,17 @@ def judge(window: pl.DataFrame, config: Config, judged: str, lead: int, heat_wid
                                                                   cfg.min_samples, _SCALES, want, whole)
             out = np.zeros((len(rules), len(kept)), dtype=np.uint8)
             _hits(raw, missing, med, z, z_valid, kept, kstarts, marked, table, roles, out, taken)
-            return taken, med, z, z_valid, out, bool(out[table[:, _PEERS] > 0].any())  # a peers rule held somewhere
+            return taken, med, z, z_valid, out, bool(out[table[:, rt.PEERS] > 0].any())  # a peers rule held somewhere
 
         want, whole = None, None
         if heat_width is None and metric in compared:  # a baseline only where a rule may fire
             work = bounds.Workspace(len(raw), len(starts) - 1)
             want = np.empty(len(kept), dtype=np.bool_)
-            may = _candidates(raw, missing, lr_values if lr_values is not None else np.ones(len(raw)), starts,
+            may = screen.candidates(raw, missing, lr_values if lr_values is not None else np.ones(len(raw)), starts,
                               kept, cfg.window, cfg.lag, cfg.min_samples, col.log, col.scaled and lr_values is not None,
                               _SCALES.tiny, table, roles, want, work.blocks, work.count, work.finite, work.base,
                               work.plain, work.quiet)
-            if may * SPARSE > len(kept):
+            if may * screen.SPARSE > len(kept):
                 want = None  # too many: every row's window is read anyway
             whole = None if work.plain.all() else ~work.plain
         taken, med, z, z_valid, out, peers_held = rules_on(want)

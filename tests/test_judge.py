@@ -160,12 +160,12 @@ def test_a_components_table_with_a_nameless_row_is_read_as_before() -> None:
 def test_the_rows_no_rule_can_fire_at_are_passed_over_without_changing_a_hit(
         seed: int, factor: float, persistence: int | None, window: int, monkeypatch: pytest.MonkeyPatch) -> None:
     # without a heatmap a metric's baseline is taken only where its median's bounds let a rule
-    # fire (`_candidates`); forced on every metric however many rows may, the hits are the
+    # fire (`screen.candidates`); forced on every metric however many rows may, the hits are the
     # Polars classifier's, the peers' rule (which reads every component's median) included.
     # A window of 40 holds whole blocks enough for rows to be passed over a block at a time.
-    from warninglight.forensics import judge as judge_module
+    from warninglight.forensics import screen
 
-    monkeypatch.setattr(judge_module, "SPARSE", 0)
+    monkeypatch.setattr(screen, "SPARSE", 0)
     config = _eager(Config(), factor, persistence)
     config = replace(config, baseline=replace(config.baseline, window=window, min_samples=window // 2, lag=3))
     window = sort_series(_frame(seed, steps=220)).with_columns((pl.col("step") > 40).alias(JUDGED))

@@ -196,27 +196,21 @@ def with_series_values(frame: pl.DataFrame, values: pl.DataFrame) -> pl.DataFram
     return frame.with_columns(firsts.drop(*KEYS)[spread])
 
 
-def _column(frame: pl.DataFrame, metric: str, lr: bool) -> quantiles.Column:
-    """`quantiles.baseline`'s input for one metric of `frame`."""
+def _column(frame: pl.DataFrame, metric: str, lr: bool, order: np.ndarray | None = None) -> quantiles.Column:
+    """`quantiles.baseline`'s input for one metric of `frame`, or of `frame[order]` without
+    sorting the frame (the metric's Arrow buffers read through the order once:
+    `quantiles.gathered`, where filling the nulls, masking them and two gathers made four passes)."""
     values = frame[metric]
     if values.dtype not in (pl.Float32, pl.Float64):  # counts; float32 goes as it is stored
         values = values.cast(pl.Float64)
-    log = metric in LOG_METRICS
-    missing = None
-    if values.null_count():  # NaN where null: filled by Polars, ~7x quicker than to_numpy's own fill
-        missing = values.is_null().to_numpy()
-        values = values.fill_null(np.nan)
-    return quantiles.Column(values.to_numpy(), missing, log, lr and metric in LR_SCALED,
-                            ABS_FLOOR.get(metric, DEFAULT_ABS_FLOOR))
-
-
-def gathered_column(frame: pl.DataFrame, metric: str, lr: bool, order: np.ndarray) -> quantiles.Column:
-    """`_column` of `frame[order]`, without sorting the frame: the metric's Arrow buffers read
-    through `order` once (`quantiles.gathered`)."""
-    values = frame[metric]
-    if values.dtype not in (pl.Float32, pl.Float64):  # counts
-        values = values.cast(pl.Float64)
-    raw, missing = quantiles.gathered(values.to_arrow(), order)
+    if order is not None:
+        raw, missing = quantiles.gathered(values.to_arrow(), order)
+    else:
+        missing = None
+        if values.null_count():  # NaN where null: filled by Polars, ~7x quicker than to_numpy's own fill
+            missing = values.is_null().to_numpy()
+            values = values.fill_null(np.nan)
+        raw = values.to_numpy()
     return quantiles.Column(raw, missing, metric in LOG_METRICS, lr and metric in LR_SCALED,
                             ABS_FLOOR.get(metric, DEFAULT_ABS_FLOOR))
 

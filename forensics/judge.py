@@ -31,9 +31,9 @@ import numpy as np
 import polars as pl
 from warninglight.tracer.schema import COUNT_METRICS
 
-from . import bounds, quantiles, screen
+from . import quantiles, screen
 from . import ruletable as rt
-from .baseline import _SCALES, KEYS, _column, gathered_column, metrics_in, prepare
+from .baseline import _SCALES, KEYS, _column, metrics_in, prepare
 from .classify import finish_hits
 from .conditions import NONFINITE, Condition, Config, Rule
 
@@ -196,7 +196,7 @@ class _Metrics:
     def column(self, metric: str, lr: bool) -> quantiles.Column:
         """`baseline._column` of the metric, in the sorted rows' order."""
         frame, order = self._where(metric)
-        return _column(frame, metric, lr) if order is None else gathered_column(frame, metric, lr, order)
+        return _column(frame, metric, lr, order)
 
     def values(self, metric: str, at: np.ndarray) -> pl.Series:
         """The metric as float64 at sorted rows `at` (null where null)."""
@@ -266,15 +266,8 @@ def judge(window: pl.DataFrame, config: Config, judged: str, lead: int, heat_wid
 
         want, whole = None, None
         if heat_width is None and metric in compared:  # a baseline only where a rule may fire
-            work = bounds.Workspace(len(raw), len(starts) - 1)
-            want = np.empty(len(kept), dtype=np.bool_)
-            may = screen.candidates(raw, missing, lr_values if lr_values is not None else np.ones(len(raw)), starts,
-                              kept, cfg.window, cfg.lag, cfg.min_samples, col.log, col.scaled and lr_values is not None,
-                              _SCALES.tiny, table, roles, want, work.blocks, work.count, work.finite, work.base,
-                              work.plain, work.quiet)
-            if may * screen.SPARSE > len(kept):
-                want = None  # too many: every row's window is read anyway
-            whole = None if work.plain.all() else ~work.plain
+            want, whole = screen.wanted(col, lr_values, starts, kept, cfg.window, cfg.lag, cfg.min_samples,
+                                        _SCALES, table, roles)
         taken, med, z, z_valid, out, peers_held = rules_on(want)
         if want is not None and peers_held:
             # the peers' median reads the median of every component at the steps where the rest

@@ -18,6 +18,7 @@ import numpy as np
 
 from . import bounds
 from . import ruletable as rt
+from .quantiles import Column, Scales
 
 # A metric's baseline is taken only at the rows where one of its rules may fire, unless more
 # than one row in this many may: each such row reads its whole window, and the rows between
@@ -88,8 +89,9 @@ def _quiet_rows(raw: np.ndarray, lr: np.ndarray, starts: np.ndarray, window: int
         first, end, bs = starts[g], starts[g + 1], base[g]
         # group m: rows i0..i1 whose window's last whole block is the series' block m - 1
         for m in range(q, ((end - first) >> bounds._SHIFT) + 1):
-            i0 = max(first + lag - 1 + (m << bounds._SHIFT), first + lag + window - 1)  # full windows only
-            i1 = min(first + lag + 6 + (m << bounds._SHIFT), end - 1)
+            opens = first + lag - 1 + (m << bounds._SHIFT)  # e + 1 - first = BLOCK * m
+            i0 = max(opens, first + lag + window - 1)  # full windows only
+            i1 = min(opens + bounds.BLOCK - 1, end - 1)
             if i0 > i1:
                 continue
             a0, e1 = i0 - lag - window + 1, i1 - lag  # every window of the group lies in a0..e1
@@ -172,8 +174,26 @@ def candidates(raw: np.ndarray, missing: np.ndarray, lr: np.ndarray, starts: np.
         hit = v >= any_up or v <= any_down
         if some_roles and not hit:
             for r in range(k):  # rules of some roles only
-                if not hit and role[r] >= 0 and roles[role[r], j]:
-                    hit = v >= up[r] or v <= down[r]
+                if role[r] >= 0 and roles[role[r], j] and (v >= up[r] or v <= down[r]):
+                    hit = True
+                    break
         want[j] = hit
         found += hit
     return found
+
+
+def wanted(col: Column, lr: np.ndarray | None, starts: np.ndarray, kept: np.ndarray, window: int, lag: int,
+           min_samples: int, scales: Scales, rules: np.ndarray,
+           roles: np.ndarray) -> tuple[np.ndarray | None, np.ndarray | None]:
+    """(want, whole): the kept rows where a rule of the table `rules` may fire (`candidates`;
+    None: more than one in `SPARSE`, take every row), and the series to take whole (None: none),
+    what `quantiles.baseline_at` takes."""
+    n = len(col.raw)
+    work = bounds.Workspace(n, len(starts) - 1)
+    want = np.empty(len(kept), dtype=np.bool_)
+    may = candidates(np.ascontiguousarray(col.raw), col.missing if col.missing is not None else np.zeros(n, dtype=np.bool_),
+                     lr if lr is not None else np.ones(n), np.asarray(starts, dtype=np.int64),
+                     np.asarray(kept, dtype=np.int64), window, lag, min_samples, col.log, col.scaled and lr is not None,
+                     scales.tiny, rules, roles, want, work.blocks, work.count, work.finite, work.base, work.plain,
+                     work.quiet)
+    return (None if may * SPARSE > len(kept) else want), (None if work.plain.all() else ~work.plain)

@@ -208,6 +208,12 @@ assert [list(k.signatures) for k in kernels] == warmed, [list(k.signatures) for 
     assert done.returncode == 0, done.stderr[-2000:]
 
 
+def _random_series(rng: np.random.Generator, longest: int, most: int) -> tuple[np.ndarray, int]:
+    """(starts, rows) of 1 to `most` - 1 series of 1 to `longest` - 1 rows each."""
+    starts = np.concatenate([[0], np.cumsum(rng.integers(1, longest, size=rng.integers(1, most)))]).astype(np.int64)
+    return starts, int(starts[-1])
+
+
 def _fmax_per_series(values: np.ndarray, starts: np.ndarray, before: np.ndarray | None) -> np.ndarray:
     """Each series' running numpy fmax of `values`, with `before` at its first row (the reference)."""
     out = values.copy()
@@ -221,9 +227,7 @@ def _fmax_per_series(values: np.ndarray, starts: np.ndarray, before: np.ndarray 
 def test_running_peak_equals_numpys_fmax_over_each_series() -> None:
     rng = np.random.default_rng(0)
     for _ in range(200):
-        lengths = rng.integers(1, 30, size=rng.integers(1, 6))
-        starts = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
-        n = int(starts[-1])
+        starts, n = _random_series(rng, 30, 6)
         values = np.where(rng.random(n) < 0.3, np.nan, rng.normal(size=n).round(1))
         before = np.where(rng.random(n) < 0.5, np.nan, rng.normal(size=n))
         want = _fmax_per_series(values, starts, before)
@@ -255,9 +259,7 @@ def test_the_compiled_lr_surge_equals_its_numpy_passes() -> None:
 
     rng = np.random.default_rng(5)
     for _ in range(300):
-        lengths = rng.integers(1, 25, size=rng.integers(1, 5))
-        starts = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
-        n = int(starts[-1])
+        starts, n = _random_series(rng, 25, 5)
         lr = pl.Series(rng.choice([0.0, 1e-3, 2e-3, 1e-4, 5e-2, np.nan, -1e-3, np.inf], size=n)).set(
             pl.Series(rng.random(n) < 0.15), None)
         before = (np.where(rng.random(n) < 0.5, np.nan, rng.choice([1e-3, 5e-3, np.nan], size=n))
@@ -287,7 +289,7 @@ def test_a_column_read_through_an_order_equals_the_column_of_the_sorted_frame(se
     for sliced in (frame, frame.slice(7, n - 20), frame.rechunk().slice(5, n - 9)):  # the last read at an offset
         order = rng.permutation(sliced.height)
         for m in ("out_rms", "out_mean", "out_nonfinite_count"):
-            got = b.gathered_column(sliced, m, True, order)
+            got = b._column(sliced, m, True, order)
             want = b._column(sliced[order], m, True)
             assert got.raw.dtype == want.raw.dtype and np.array_equal(got.raw, want.raw, equal_nan=True), m
             assert (got.missing is None) == (want.missing is None), m

@@ -1,14 +1,16 @@
 """Where `analyze`'s time goes on a large trace: seconds in each part, and the parts' unit costs.
 
-Runs one whole-trace analysis in this process with timers around the engine's parts (nested
-parts are counted in their callers too), then, on one step window of the same run (the third
-the classifier judged), the baseline kernel's nanoseconds per row for each metric (one thread:
-the window's order statistics, then median, scale and z) and their sum, and the window's sort by names against `sort_series` and `series_order`; last, opening the trace (best of 5).
-The compiled rules (`judge._hits`) and the kernel run on the baseline's workers: their seconds
-are summed over the workers. The trace is a GPT sample trace grown to
-`--size` component-steps (bench/grow.py, the faulty one) unless `--trace` names one. Run:
-`python bench/engine_breakdown.py [--size 1e7 | --trace DIR]`.
-"""
+Runs one whole-trace analysis in this process as `warninglight analyze` runs it (no heatmap),
+with timers around the engine's parts (nested parts are counted in their callers too), then, on
+one step window of the same run (the third the classifier judged), the baseline kernel's
+nanoseconds per row for each metric at every row (one thread: the window's order statistics,
+then median, scale and z) and their sum; the screen's (`screen.wanted`: which rows a rule can
+fire at) and the share of rows it leaves; the window's sort by names against `sort_series` and
+`series_order`; last, opening the trace (best of 5). The metric columns, the screen, the kernel
+and the compiled rules (`judge._hits`) run on the baseline's workers: their seconds are summed
+over the workers. The trace is a GPT sample trace grown to `--size` component-steps
+(bench/grow.py, the faulty one) unless `--trace` names one. Run:
+`python bench/engine_breakdown.py [--size 1e7 | --trace DIR]`."""
 
 from __future__ import annotations
 
@@ -27,15 +29,26 @@ import polars as pl
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import grow  # noqa: E402
-from warninglight.forensics import analysis, baseline, judge, quantiles, static_rules, stream  # noqa: E402
+from warninglight.forensics import (  # noqa: E402
+    analysis,
+    baseline,
+    judge,
+    quantiles,
+    ruletable,
+    screen,
+    static_rules,
+    stream,
+)
 from warninglight.forensics.conditions import Config  # noqa: E402
 from warninglight.forensics.store import open_trace  # noqa: E402
 
 PARTS = ((stream.Classifier, "feed", 0), (stream, "series_order", 1), (stream, "judge", 1), (judge, "prepare", 2),
-         (quantiles, "baseline", 2), (judge, "_hits", 2), (judge, "_heat", 2),
+         (judge, "_column", 2), (screen, "wanted", 2), (quantiles, "baseline_at", 2), (quantiles, "baseline", 2),
+         (judge, "_hits", 2), (judge, "_heat", 2),
          (stream.Classifier, "_carry", 1), (analysis, "health_window", 0), (analysis, "join_lr", 0),
          (static_rules.StaticScan, "feed", 0))
-THREADS = {"baseline", "_hits"}  # run on the baseline's workers: their seconds are summed over them
+# run on the baseline's workers: their seconds are summed over them
+THREADS = {"_column", "wanted", "baseline_at", "baseline", "_hits"}
 READER = {"health_window", "join_lr"}  # run on the reader thread, beside the classifier
 WINDOW = 3  # the window whose unit costs are timed (the first ones are shorter: no history yet)
 
@@ -100,7 +113,7 @@ def main() -> None:
         stream.series_order = _kept(sorts, stream.series_order)
         judge.prepare = _returned(prepared, judge.prepare)
         t0 = time.perf_counter()
-        result = analysis.analyze(trace)
+        result = analysis.analyze(trace, heat=False)  # what `warninglight analyze` runs: no heatmap
         total = time.perf_counter() - t0
         opened = _best_s(lambda: open_trace(trace).close(), repeat=5)
     print(f"analyze {trace.name}: {total:.1f} s in all, {len(prepared)} step windows; "
@@ -127,6 +140,23 @@ def main() -> None:
         total += s
         print(f"    baseline kernel {m:<22s} {s / frame.height * 1e9:6.1f} ns/row")
     print(f"    baseline kernel, all {len(metrics)} metrics  {total / frame.height * 1e9:6.1f} ns/row")
+    config = Config()  # the screen (`screen.wanted`), every row given every role its rules read
+    total = 0.0
+    for m in metrics:
+        rules = [(c, r) for c in config.conditions for r in c.rules if r.metric == m]
+        role_sets = sorted({r.roles for _, r in rules if r.roles})
+        table, roles = ruletable.table(rules, role_sets), np.ones((max(1, len(role_sets)), frame.height), dtype=np.bool_)
+        col = baseline._column(frame, m, lr)
+        if not (table[:, ruletable.DIR] != ruletable.DIRECTIONS["nonfinite"]).any():
+            continue  # non-finite rules only: no baseline, no screen
+        s = _best_s(lambda col=col, table=table, roles=roles: screen.wanted(
+            col, lr_values, starts, rows, cfg.window, cfg.lag, cfg.min_samples, baseline._SCALES, table, roles))
+        want, _ = screen.wanted(col, lr_values, starts, rows, cfg.window, cfg.lag, cfg.min_samples, baseline._SCALES,
+                                table, roles)
+        total += s
+        left = "every row (over SPARSE)" if want is None else f"{want.mean() * 100:5.2f}% of rows left"
+        print(f"    screen {m:<22s} {s / frame.height * 1e9:6.1f} ns/row, {left}")
+    print(f"    screen, all metrics with a threshold rule  {total / frame.height * 1e9:6.1f} ns/row")
     print(f"open_trace: {opened * 1e3:.1f} ms (best of 5)")
 
 

@@ -334,11 +334,12 @@ def classify_trace(trace: Trace, config: Config, components: pl.DataFrame, heat_
     lr = component_lr(trace)  # the lr each component saw: update metrics are judged relative to it
 
     def read(start: int) -> pl.DataFrame:
-        return join_lr(health_window(trace, start, min(start + chunk - 1, last)).lazy(), lr).collect()
+        return join_lr(health_window(trace, start, min(start + chunk - 1, last), categorical=True).lazy(),
+                       lr).collect()
     for rows in _read_ahead(read, list(range(read_from, last + 1, chunk))):
         clf.feed(rows)
         if static is not None:
-            static.feed(rows.filter(pl.col("step") >= judge_from))
+            static.feed(rows, since=judge_from)
     return clf
 
 

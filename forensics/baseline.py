@@ -122,24 +122,54 @@ def series_order(frame: pl.DataFrame, names: pl.Series | None = None) -> tuple[p
     frame = frame.drop(SERIES_KEY, strict=False)
     if frame.is_empty():
         return frame, None
-    if names is not None:
-        try:
-            return _keyed(frame, names)
-        except (pl.exceptions.InvalidOperationError, TypeError):  # a name outside them
-            pass
-    return _keyed(frame, frame["component"].unique().sort())
+    places = _places(frame["component"], names) if names is not None else None
+    if places is None:  # no names given, or a name outside them: the frame's own
+        places = _places(frame["component"], frame["component"].cast(pl.String).drop_nulls().unique().sort())
+    if places is None or frame["rank"].null_count() or frame["step"].null_count():
+        return _sorted_by_names(frame), None
+    return _keyed(frame, *places)
 
 
-def _keyed(frame: pl.DataFrame, names: pl.Series) -> tuple[pl.DataFrame, np.ndarray | None]:
-    n_ranks = frame["rank"].n_unique()
-    first, last = frame["step"].min(), frame["step"].max()
-    if len(names) * n_ranks >= 1 << (62 - _STEP_BITS) or last - first >= 1 << _STEP_BITS:  # type: ignore[operator]
-        return frame.sort([*KEYS, "step"]), None
-    series = ((pl.col("rank").rank("dense").cast(pl.Int64) - 1) * len(names)
-              + pl.col("component").cast(pl.Enum(names)).to_physical().cast(pl.Int64))
-    key = series * (1 << _STEP_BITS) + (pl.col("step") - first)
-    keyed = frame.with_columns(key.alias(SERIES_KEY))
-    return keyed, keyed[SERIES_KEY].arg_sort().to_numpy().astype(np.int64)
+def _places(component: pl.Series, names: pl.Series) -> tuple[np.ndarray, int] | None:
+    """(each row's component as its place among `names`, sorted; how many names); None if a
+    row's is not among them or is null. A Categorical column is read by its codes (no string
+    compared), a String one through an Enum of the names."""
+    if component.null_count():
+        return None
+    if component.dtype == pl.Categorical:
+        codes = component.to_physical().to_numpy()
+        known = names.cast(pl.Categorical).to_physical().to_numpy()
+        place = np.full(int(max(codes.max(initial=0), known.max(initial=0))) + 1, -1, dtype=np.int64)
+        place[known] = np.arange(len(names))
+        places = place[codes]
+        return None if (places < 0).any() else (places, len(names))
+    try:
+        return component.cast(pl.Enum(names)).to_physical().to_numpy().astype(np.int64), len(names)
+    except (pl.exceptions.InvalidOperationError, TypeError):
+        return None
+
+
+def _sorted_by_names(frame: pl.DataFrame) -> pl.DataFrame:
+    return frame.sort(["rank", pl.col("component").cast(pl.String), "step"])
+
+
+def _keyed(frame: pl.DataFrame, places: np.ndarray, n_names: int) -> tuple[pl.DataFrame, np.ndarray | None]:
+    rank, step = (frame[c].to_numpy().astype(np.int64, copy=False) for c in ("rank", "step"))
+    low, first = rank.min(), step.min()
+    n_ranks = int(rank.max() - low) + 1
+    if n_ranks * n_names >= 1 << (62 - _STEP_BITS):  # ranks far apart: their places among the frame's
+        ranks, rank = np.unique(rank, return_inverse=True)
+        low, n_ranks = 0, len(ranks)
+    if n_ranks * n_names >= 1 << (62 - _STEP_BITS) or step.max() - first >= 1 << _STEP_BITS:
+        return _sorted_by_names(frame), None
+    series = (rank - low) * n_names + places
+    key = (series << _STEP_BITS) + (step - first)
+    order = np.empty(len(key), dtype=np.int64)
+    quantiles.series_order(series, n_ranks * n_names, order)
+    ordered = key[order]
+    if not (ordered[1:] >= ordered[:-1]).all():  # a series' rows out of step order
+        order = np.argsort(key, kind="stable")
+    return frame.with_columns(pl.Series(SERIES_KEY, key)), order
 
 
 def _sorted_by_key(frame: pl.DataFrame) -> bool:

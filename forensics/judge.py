@@ -313,8 +313,9 @@ def _roles(rows: pl.DataFrame, starts: np.ndarray, kept: np.ndarray,
         return rows["role"].gather(kept), False  # no role anywhere: fails here, as `score` fails
     on = [k for k in KEYS if k in components.columns]
     series = rows.select(*KEYS)[starts[:-1]]
-    return series.join(components.select(*on, "role").unique(on, keep="last"), on=on, how="left",
-                       maintain_order="left")["role"], True
+    roles = components.select(*on, "role").unique(on, keep="last").with_columns(
+        pl.col("component").cast(rows.schema["component"]))
+    return series.join(roles, on=on, how="left", maintain_order="left")["role"], True
 
 
 def _with_peers(rows: pl.DataFrame, kept: np.ndarray, kstarts: np.ndarray, marked: np.ndarray,
@@ -352,7 +353,8 @@ def _hit_rows(rows: pl.DataFrame, kept: np.ndarray, c: Condition, r: Rule, fired
         magnitude = pl.Series("magnitude", fired.z, dtype=pl.Float64)
         if not fired.z_valid.all():
             magnitude = magnitude.scatter(np.flatnonzero(~fired.z_valid), None)
-    return where.select(*KEYS, "step", pl.lit(c.name).alias("condition"), pl.lit(r.metric).alias("metric"),
+    return where.select("rank", pl.col("component").cast(pl.String), "step", pl.lit(c.name).alias("condition"),
+                        pl.lit(r.metric).alias("metric"),
                         "value", median.alias("median"), magnitude.alias("magnitude"))
 
 

@@ -309,6 +309,22 @@ def lr_rise(value: np.ndarray, missing: np.ndarray, starts: np.ndarray, before: 
 
 
 @numba.njit(cache=True, nogil=True)
+def series_order(series: np.ndarray, n_series: int, out: np.ndarray) -> None:  # pragma: no cover - compiled
+    """out = the rows ordered by `series` (0 <= series < n_series), rows of one series in the
+    order they come: a counting sort, one pass to count and one to place (a general sort of
+    the series key took ~10x as long on a large window, whose rows come step after step)."""
+    first = np.zeros(n_series + 1, dtype=np.int64)
+    for s in series:
+        first[s + 1] += 1
+    for g in range(n_series):
+        first[g + 1] += first[g]
+    for i in range(len(series)):
+        s = series[i]
+        out[first[s]] = i
+        first[s] += 1
+
+
+@numba.njit(cache=True, nogil=True)
 def _gather(data: np.ndarray, validity: np.ndarray, offset: int, nullable: bool, order: np.ndarray,
             out: np.ndarray, missing: np.ndarray) -> int:  # pragma: no cover - compiled
     """out[k] = data[order[k]], NaN where that row is null (Arrow's validity bitmap from bit

@@ -109,11 +109,14 @@ class StaticScan:
         self._maybe = pl.any_horizontal(small_grad, nonfinite, pl.col("out_dead_frac") > LAYER_FRACTION,
                                         pl.col("out_sat_frac") > LAYER_FRACTION).fill_null(False)
 
-    def feed(self, health: pl.DataFrame) -> StaticScan:
-        """Add the firings in `health` (rows of steps after any fed before; extra columns ignored)."""
+    def feed(self, health: pl.DataFrame, since: int | None = None) -> StaticScan:
+        """Add the firings in `health` (rows of steps after any fed before; extra columns
+        ignored); with `since`, of its steps from `since` on."""
         # a metric the trace lacks is null here: the rules that read it cannot fire (a warning says so)
         health = health.select("step", "component", *[pl.col(m) if m in health.columns else pl.lit(None, pl.Float32).alias(m)
-                                                      for m in HEALTH_METRICS]).filter(self._maybe)
+                                                      for m in HEALTH_METRICS]).filter(
+            self._maybe if since is None else self._maybe & (pl.col("step") >= since))
+        health = health.with_columns(pl.col("component").cast(pl.String))  # the rows a rule may fire at, named
         health = health.join(self.components.select("component", "param_count", "bound"), on="component", how="inner")
         for rule in RULES:
             names = self.components.filter(rule.applies(self.components))["component"]

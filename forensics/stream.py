@@ -142,6 +142,8 @@ class Classifier:
     def _prepare(self, rows: pl.DataFrame) -> pl.DataFrame:
         if "rank" not in rows.columns:
             rows = rows.with_columns(pl.lit(0, pl.Int64).alias("rank"))
+        if not self._compiled and rows.schema.get("component") == pl.Categorical:
+            rows = rows.with_columns(pl.col("component").cast(pl.String))  # what the Polars classifier joins on
         if "role" not in rows.columns and not self._compiled:  # the compiled rules: see `feed`
             rows = self._with_roles(rows)
         firsts = rows.group_by("rank").agg(pl.col("step").min(), pl.col("step").max().alias("last"))
@@ -162,7 +164,8 @@ class Classifier:
             return rows
         on = [k for k in KEYS if k in comps.columns]
         extra = [*on, *(c for c in _COMPONENT_COLUMNS if c in comps.columns and c not in rows.columns)]
-        return rows.join(comps.select(extra).unique(on, keep="last"), on=on, how="left")
+        comps = comps.select(extra).unique(on, keep="last").with_columns(pl.col("component").cast(rows.schema["component"]))
+        return rows.join(comps, on=on, how="left")
 
     def _carry(self, window: pl.DataFrame, source: pl.DataFrame | None = None,
                order: np.ndarray | None = None) -> pl.DataFrame:

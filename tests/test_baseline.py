@@ -66,18 +66,31 @@ def test_norms_are_judged_in_log_units_and_band_brackets_the_median() -> None:
     assert b["upper"][0] == pytest.approx(100 * math.exp(0.06))
 
 
-@pytest.mark.parametrize("step_span", [1_000, 1 << 41])
-def test_sort_series_orders_rows_as_the_sort_on_names_does(step_span: int) -> None:
-    # names that share prefixes, differ in case or are not ASCII; ranks with gaps; a step span
-    # too wide for the one integer key takes the plain sort
+@pytest.mark.parametrize(("step_span", "ranks", "dtype", "given", "shuffled"), [
+    (1_000, [0, 3, 17], pl.String, None, True),
+    (1 << 41, [0, 3, 17], pl.String, None, True),  # too wide for the one integer key: the plain sort
+    (1_000, [0, 3, 17], pl.Categorical, "all", True),
+    (1_000, [0, 3, 17], pl.Categorical, "all", False),  # step after step, as recorded: counted in place
+    (1_000, [0, 3, 17], pl.String, "all", False),
+    (1_000, [0, 3, 17], pl.Categorical, "one less", False),  # a name outside those given: its own
+    (1_000, [0, 1 << 21, 1 << 40], pl.Categorical, "all", False),  # ranks far apart: by their places
+])
+def test_sort_series_orders_rows_as_the_sort_on_names_does(step_span: int, ranks: list[int], dtype: pl.DataType,
+                                                           given: str | None, shuffled: bool) -> None:
+    # names that share prefixes, differ in case or are not ASCII; ranks with gaps; names as
+    # strings or Categorical, given (the trace's) or not
     rng = np.random.default_rng(3)
     names = ["a", "a.b", "a.b.c", "B", "h.10.mlp", "h.2.mlp", "é", "z"]
     steps = np.unique(rng.integers(1, step_span, size=200))
-    frame = (pl.DataFrame({"rank": [0, 3, 17]}).join(pl.DataFrame({"component": names}), how="cross")
+    frame = (pl.DataFrame({"rank": ranks}).join(pl.DataFrame({"component": names[::-1]}), how="cross")
              .join(pl.DataFrame({"step": steps}), how="cross").sample(fraction=0.7, shuffle=True, seed=1))
-    frame = frame.with_columns(pl.Series("x", rng.normal(size=frame.height)))
-    ordered = baseline.sort_series(frame)
-    assert ordered.drop(baseline.SERIES_KEY, strict=False).equals(frame.sort(["rank", "component", "step"]))
+    frame = frame.with_columns(pl.Series("x", rng.normal(size=frame.height)), pl.col("component").cast(dtype))
+    if not shuffled:
+        frame = frame.sort("step", maintain_order=True)
+    known = None if given is None else pl.Series(sorted(names)[: len(names) - (given == "one less")])
+    ordered = baseline.sort_series(frame, known)
+    assert ordered.drop(baseline.SERIES_KEY, strict=False).equals(
+        frame.sort(["rank", pl.col("component").cast(pl.String), "step"]))
     # the series it finds from the key are those the names give
     assert np.array_equal(baseline.series_starts(ordered),
                           baseline.series_starts(ordered.drop(baseline.SERIES_KEY, strict=False)))

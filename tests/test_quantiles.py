@@ -296,3 +296,14 @@ def test_a_column_read_through_an_order_equals_the_column_of_the_sorted_frame(se
             if got.missing is not None:
                 assert np.array_equal(got.missing, want.missing), m
             assert got[2:] == want[2:]
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_the_counting_order_of_series_is_the_stable_sort_of_them(seed: int) -> None:
+    # rows of each series keep the order they come in (a step window's, step after step)
+    rng = np.random.default_rng(seed)
+    n_series = int(rng.integers(1, 50))
+    series = rng.integers(0, n_series, size=int(rng.integers(0, 3000))).astype(np.int64)
+    out = np.empty(len(series), dtype=np.int64)
+    quantiles.series_order(series, n_series + int(rng.integers(0, 3)), out)  # ids that no row has
+    assert np.array_equal(out, np.argsort(series, kind="stable"))

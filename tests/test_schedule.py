@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import polars as pl
 import pytest
 import torch
@@ -11,7 +12,13 @@ from warninglight.forensics import analyze, open_trace
 from warninglight.forensics.baseline import lr_surge, series_starts
 from warninglight.forensics.classify import classify
 from warninglight.forensics.conditions import Config
-from warninglight.forensics.schedule import component_lr, not_held, with_lr
+from warninglight.forensics.schedule import (
+    component_lr,
+    join_lr,
+    lr_of_components,
+    not_held,
+    with_lr,
+)
 from warninglight.forensics.store import health_frame
 from warninglight.tracer import watch
 
@@ -75,3 +82,32 @@ def test_lr_spike_is_named_optimizer_wide_at_once_under_adam_and_momentum(scenar
     root = analyze(trace(scenario, steps=170)).to_dict()["root"]
     assert (root["scope"], root["attributed_to"], root["onset_step"], root["alarm_step"]) == ("optimizer", "", 150, 150)
     assert root["metric"] == "lr_surge" and "spike, not a schedule" in root["evidence"]
+
+
+def test_lr_looked_up_for_categorical_names_equals_the_lr_joined_for_strings() -> None:
+    """`join_lr` takes a window read with Categorical names by table lookups, strings by joins:
+    the same lr, null and NaN, on two ranks with param groups (one out of range, one unheld),
+    steps the schedule lacks, components that own no parameter, and gradients null, 0 and > 0."""
+    rng = np.random.default_rng(0)
+    steps = pl.DataFrame({"rank": [r for r in (0, 1) for _ in range(12)],
+                          "step": [s for _ in (0, 1) for s in range(12)],
+                          "lr": rng.uniform(0.01, 0.1, 24),
+                          "lr_groups": [None if s == 3 else [float(s), np.nan if s == 5 else 0.5 * s, None]
+                                        for _ in (0, 1) for s in range(12)]}).filter(pl.col("step") != 7)
+    components = pl.DataFrame({"rank": [0] * 6 + [1] * 6, "component": [*"abcdef"] * 2,
+                               "param_count": [10, 10, 10, 10, 0, 10] * 2,
+                               "param_group": [0, 1, 2, 5, None, None, 1, 0, 2, None, 0, 1]})
+    schedule = lr_of_components(steps, components)
+    assert schedule is not None
+    n = 2 * 6 * 14  # steps 0..13: 12 and 13 beyond the schedule
+    health = pl.DataFrame({"rank": np.repeat([0, 1], n // 2), "step": np.tile(np.repeat(np.arange(14), 6), 2),
+                           "component": [*"abcdef"] * (n // 6),
+                           "grad_norm_l2": rng.choice([None, 0.0, 1.5], n).tolist()},
+                          schema_overrides={"grad_norm_l2": pl.Float32})
+    joined = join_lr(health.lazy(), schedule).collect()
+    looked = join_lr(health.with_columns(pl.col("component").cast(pl.Categorical)).lazy(), schedule).collect()
+    assert looked["lr"].dtype == joined["lr"].dtype == pl.Float64
+    assert looked["lr"].null_count() == joined["lr"].null_count() > 0
+    assert looked["lr"].is_nan().sum() == joined["lr"].is_nan().sum() > 0
+    assert looked["lr"].to_list() == pytest.approx(joined["lr"].to_list(), nan_ok=True)
+    assert looked["lr"].is_not_null().sum() > n // 3

@@ -16,7 +16,7 @@ from warninglight.forensics import (
     NotATraceError,
     open_trace,
 )
-from warninglight.forensics.store import health_frame, info
+from warninglight.forensics.store import health_frame, health_window, info
 from warninglight.tracer import schema
 
 
@@ -113,3 +113,25 @@ def test_temporary_files_are_not_segments(copy: Path) -> None:
         assert t.one("SELECT count(DISTINCT step) FROM health") == (300,)
     finally:
         t.close()
+
+
+def test_a_window_read_with_categorical_names_holds_the_rows_read_with_strings(copy: Path) -> None:
+    """`health_window(categorical=True)` (what the classifier reads) names each row's component
+    as the string read does, also where the components table lacks a name (read as strings)."""
+    def both() -> tuple[pl.DataFrame, pl.DataFrame]:
+        t = open_trace(copy)
+        try:
+            return health_window(t, 20, 60), health_window(t, 20, 60, categorical=True)
+        finally:
+            t.close()
+
+    strings, named = both()
+    assert named.schema["component"] == pl.Categorical and strings.height > 0
+    assert named.with_columns(pl.col("component").cast(pl.String)).equals(strings)
+    # the components table loses one name: its rows are still read, named
+    lost = strings["component"][0]
+    for path in (copy / "components").rglob("*.parquet"):
+        pl.read_parquet(path, hive_partitioning=False).filter(pl.col("component") != lost).write_parquet(path)
+    strings, named = both()
+    assert named.schema["component"] == pl.Categorical and (named["component"] == lost).sum() > 0
+    assert named.with_columns(pl.col("component").cast(pl.String)).equals(strings)

@@ -332,10 +332,12 @@ def classify_trace(trace: Trace, config: Config, components: pl.DataFrame, heat_
     chunk = chunk_steps or max(config.baseline.history(config.conditions), CHUNK_ROWS // max(1, len(components)))
     clf = Classifier(config, components, heat_width, since=judge_from, reference=reference, keep_scored=False)
     lr = component_lr(trace)  # the lr each component saw: update metrics are judged relative to it
+    # the metrics the rules read, no more (not the incarnation, which the read itself resolves)
+    metrics = [c for c in trace.sql("SELECT * FROM health LIMIT 0").columns if c in schema.HEALTH_METRICS]
 
     def read(start: int) -> pl.DataFrame:
-        return join_lr(health_window(trace, start, min(start + chunk - 1, last), categorical=True).lazy(),
-                       lr).collect()
+        return join_lr(health_window(trace, start, min(start + chunk - 1, last), columns=metrics,
+                                     categorical=True), lr)
     for rows in _read_ahead(read, list(range(read_from, last + 1, chunk))):
         clf.feed(rows)
         if static is not None:

@@ -16,12 +16,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TypeVar
 
 import numba
 import numpy as np
 import polars as pl
 
 from .store import Trace
+
+F = TypeVar("F", pl.DataFrame, pl.LazyFrame)
 
 
 def _columns(trace: Trace, view: str) -> set[str]:
@@ -108,8 +111,10 @@ def with_lr(health: pl.LazyFrame, trace: Trace) -> pl.LazyFrame:
     return join_lr(health, component_lr(trace))
 
 
-def join_lr(health: pl.LazyFrame, schedule: Schedule | None) -> pl.LazyFrame:
-    """Health rows with the `lr` column of the schedule joined on (rank, step) and (rank, component).
+def join_lr(health: F, schedule: Schedule | None) -> F:
+    """Health rows with the `lr` column of the schedule joined on (rank, step) and (rank, component):
+    lazy for lazy rows, eager for eager ones (a lazy query's rows come back in several chunks,
+    which every later column added or taken copies whole again).
 
     A component whose parameters get gradients while no param group holds them has lr NaN: its
     gradients are computed every step and never applied (the registry's stagnant condition reads
@@ -117,28 +122,30 @@ def join_lr(health: pl.LazyFrame, schedule: Schedule | None) -> pl.LazyFrame:
     """
     if schedule is None:
         return health
-    health = health.with_columns(pl.col("rank").cast(pl.Int64), pl.col("step").cast(pl.Int64))
-    if "grad_norm_l2" in health.collect_schema().names():
+    # the rows are read once (a scan read twice may not give one order), and eagerly: the same
+    # joins as a lazy query took ~2.4x as long on a large run's window
+    rows = (health.collect() if isinstance(health, pl.LazyFrame) else health).with_columns(
+        pl.col("rank").cast(pl.Int64), pl.col("step").cast(pl.Int64))
+    if "grad_norm_l2" in rows.columns:
         unheld = pl.col("lr").is_nan() & ~(pl.col("grad_norm_l2").cast(pl.Float64) > 0).fill_null(False)
         read = ["rank", "step", "component", "grad_norm_l2"]
     else:  # no gradients recorded: nothing says they are computed
         unheld = pl.col("lr").is_nan()
         read = ["rank", "step", "component"]
-    # the joins take only the columns the lr is made of, and the lr goes beside the rows: joining
-    # the whole rows copied every column twice (~7% of `analyze` on a large run). The small
-    # tables hold one row per (rank, step) and per (rank, component), so the joins keep the rows'
-    # number and order; the rows are read once (a scan read twice may not give one order), and
-    # eagerly: the same joins as a lazy query took ~2.4x as long on a large run's window
-    rows = health.collect()
     lr = _lr_indexed(rows, schedule)
     if lr is None:  # names as strings, or keys too sparse for a table: joined
+        # the joins take only the columns the lr is made of, and the lr goes beside the rows:
+        # joining the whole rows copied every column twice (~7% of `analyze` on a large run). The
+        # small tables hold one row per (rank, step) and per (rank, component), so the joins keep
+        # the rows' number and order
         lr = (rows.select(read)
               .join(schedule.steps, on=["rank", "step"], how="left", maintain_order="left")
               .join(schedule.owners.with_columns(pl.col("component").cast(rows.schema["component"])),
                     on=["rank", "component"], how="left", maintain_order="left")
               .with_columns(schedule.lr_expr().alias("lr"))
               .select(pl.when(unheld).then(None).otherwise(pl.col("lr")).alias("lr"))).to_series()
-    return rows.with_columns(lr).lazy()
+    rows = rows.with_columns(lr)
+    return rows.lazy() if isinstance(health, pl.LazyFrame) else rows  # type: ignore[return-value]
 
 
 _TABLE_CELLS = 1 << 24  # `_lookup`: the most cells of a lookup table (128 MB of int64)

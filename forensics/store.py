@@ -352,7 +352,9 @@ def health_window(trace: Trace, first: int, last: int, *, columns: list[str] | N
         plain = (pl.from_arrow(arrow) if enum is None else
                  health_window(trace, first, last, columns=columns, names=names, rank=rank))
         return plain.with_columns(pl.col("component").cast(pl.Categorical))  # type: ignore[union-attr]
-    frame: pl.DataFrame = pl.from_arrow(arrow)  # type: ignore[assignment]
+    # one chunk: DuckDB hands over several, and every later column added to or taken from a frame
+    # of several chunks copied all of it again (~9 ms each on a large window: once here)
+    frame: pl.DataFrame = pl.from_arrow(arrow).rechunk()  # type: ignore[union-attr]
     return frame
 
 

@@ -85,7 +85,8 @@ class Classifier:
                 self._tail = self._with_roles(self._tail)
             else:
                 rows = self._with_roles(rows)
-        window = rows if self._tail is None else pl.concat([self._tail, rows], how="diagonal_relaxed")
+        # in one chunk: each column added to or dropped from a frame of two copied it whole again
+        window = rows if self._tail is None else pl.concat([self._tail, rows], how="diagonal_relaxed", rechunk=True)
         # once: the baseline and the carry read series in order. The compiled classifier moves
         # only the columns that are not metrics; each metric is read in that order where it is.
         source, order = series_order(window, self._names)
@@ -146,8 +147,10 @@ class Classifier:
             rows = rows.with_columns(pl.col("component").cast(pl.String))  # what the Polars classifier joins on
         if "role" not in rows.columns and not self._compiled:  # the compiled rules: see `feed`
             rows = self._with_roles(rows)
-        firsts = rows.group_by("rank").agg(pl.col("step").min(), pl.col("step").max().alias("last"))
-        for rank, first, last in firsts.iter_rows():
+        rank, step = rows["rank"], rows["step"]
+        firsts = ([(rank[0], step.min(), step.max())] if rank.min() == rank.max() else  # one rank: no grouping
+                  rows.group_by("rank").agg(pl.col("step").min(), pl.col("step").max().alias("last")).iter_rows())
+        for rank, first, last in firsts:
             seen = self._last_step.get(rank)
             if seen is not None and first <= seen:
                 raise StepOrderError(f"rank {rank}: fed step {first}, but steps up to {seen} were already "

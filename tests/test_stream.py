@@ -64,6 +64,27 @@ def test_feed_returns_each_alarm_once_when_its_episode_begins() -> None:
     assert carried == clf.history * len(components)
 
 
+def test_windows_submitted_are_judged_one_behind_and_each_alarm_returned_once() -> None:
+    # the compiled classifier judges a window on a thread of its own while the next is read:
+    # what `submit` returns is the alarms of windows fed before it, and `drain` the rest
+    cfg = Config()
+    trace = open_trace(SAMPLES / "gpt_dying_layer")
+    try:
+        components = trace.frame("components").collect()
+        _, expected = classify(health_frame(trace), cfg)
+        clf = Classifier(cfg, components, keep_scored=False)
+        raised = [clf.submit(health_window(trace, s, s + 9)) for s in range(1, 301, 10)]
+        raised.append(clf.drain())
+    finally:
+        trace.close()
+    assert clf.alarms().equals(expected) and len(expected) > 0
+    for k, frame in enumerate(raised[:-1]):
+        assert frame.is_empty() or frame["step"].max() <= 10 * k  # of windows 0..k-1 only
+    got = pl.concat([frame for frame in raised if not frame.is_empty()])
+    assert sorted(got["step"].to_list()) == clf.alarms()["step"].to_list()  # each once
+    assert raised[-1].is_empty() or raised[-1]["step"].min() > 10 * (len(raised) - 3)
+
+
 def test_a_step_fed_twice_is_refused() -> None:
     trace = open_trace(SAMPLES / "mlp_clean")
     try:

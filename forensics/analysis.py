@@ -43,7 +43,9 @@ from .store import (
 )
 from .stream import Classifier
 
-CHUNK_ROWS = 500_000  # health rows judged per step window (peak 1.14 GB on a grown 1e7 trace; 1.07 at 250k)
+# health rows judged per step window: peak 1.15 GiB for analyze, 1.35 for report on a grown 1e7
+# trace (0.80 and 1.10 at 500k rows, which took ~5% more CPU: each window re-reads the rows carried)
+CHUNK_ROWS = 1_000_000
 HEAT_BINS = 2_000     # the heatmap keeps at most this many step columns (one bin = several steps)
 
 HEALTHY, FAULT = "healthy", "fault"  # the two verdicts

@@ -6,9 +6,11 @@ one step window of the same run (the third the classifier judged), the baseline 
 nanoseconds per row for each metric at every row (one thread: the window's order statistics,
 then median, scale and z) and their sum; the screen's (`screen.wanted`: which rows a rule can
 fire at) and the share of rows it leaves; the window's sort by names against `sort_series` and
-`series_order`; last, opening the trace (best of 5). The metric columns, the screen, the kernel
-and the compiled rules (`judge._hits`) run on the baseline's workers: their seconds are summed
-over the workers. The trace is a GPT sample trace grown to `--size` component-steps
+`series_order`; last, opening the trace (best of 5). Four kinds of thread run at once: the
+reader (`health_window`, `join_lr`: the next window), the main thread (`submit`: a window's sort
+and carry), the judging thread (`judge`: the window before) and the baseline's workers (the
+metric columns, the screen, the kernel and the compiled rules, `judge._hits`), whose seconds are
+summed over them: the parts add up to more than the wall time. The trace is a GPT sample trace grown to `--size` component-steps
 (bench/grow.py, the faulty one) unless `--trace` names one. Run:
 `python bench/engine_breakdown.py [--size 1e7 | --trace DIR]`."""
 
@@ -42,14 +44,14 @@ from warninglight.forensics import (  # noqa: E402
 from warninglight.forensics.conditions import Config  # noqa: E402
 from warninglight.forensics.store import open_trace  # noqa: E402
 
-PARTS = ((stream.Classifier, "feed", 0), (stream, "series_order", 1), (stream, "judge", 1), (judge, "prepare", 2),
-         (judge, "_column", 2), (screen, "wanted", 2), (quantiles, "baseline_at", 2), (quantiles, "baseline", 2),
-         (judge, "_hits", 2), (judge, "_heat", 2),
-         (stream.Classifier, "_carry", 1), (analysis, "health_window", 0), (analysis, "join_lr", 0),
-         (static_rules.StaticScan, "feed", 0))
+PARTS = ((stream.Classifier, "submit", 0), (stream, "series_order", 1), (stream.Classifier, "_carry", 1),
+         (stream, "judge", 0), (judge, "prepare", 1), (judge, "_column", 1), (screen, "wanted", 1),
+         (quantiles, "baseline_at", 1), (quantiles, "baseline", 1), (judge, "_hits", 1), (judge, "_heat", 1),
+         (analysis, "health_window", 0), (analysis, "join_lr", 0), (static_rules.StaticScan, "feed", 0))
 # run on the baseline's workers: their seconds are summed over them
 THREADS = {"_column", "wanted", "baseline_at", "baseline", "_hits"}
 READER = {"health_window", "join_lr"}  # run on the reader thread, beside the classifier
+JUDGE = {"judge"}  # runs on a thread of its own, beside `submit` sorting the next window
 WINDOW = 3  # the window whose unit costs are timed (the first ones are shorter: no history yet)
 
 
@@ -121,7 +123,8 @@ def main() -> None:
     for owner, name, indent in PARTS:
         key = _label(owner, name)
         threads = "  (summed over the threads running it)" if name in THREADS else (
-            "  (on the reader thread, beside the classifier)" if name in READER else "")
+            "  (on the reader thread, beside the classifier)" if name in READER else
+            "  (on the judging thread, beside submit)" if name in JUDGE else "")
         print(f"{'    ' * indent}{key:<28s} {totals[key]:7.2f} s{threads}")
     window = sorts[min(WINDOW, len(sorts)) - 1][0]
     frame, starts, _, lr = baseline.prepare(baseline.sort_series(window))  # with its metrics

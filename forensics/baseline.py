@@ -162,12 +162,9 @@ def _keyed(frame: pl.DataFrame, places: np.ndarray, n_names: int) -> tuple[pl.Da
         low, n_ranks = 0, len(ranks)
     if n_ranks * n_names >= 1 << (62 - _STEP_BITS) or step.max() - first >= 1 << _STEP_BITS:
         return _sorted_by_names(frame), None
-    series = (rank - low) * n_names + places
-    key = (series << _STEP_BITS) + (step - first)
-    order = np.empty(len(key), dtype=np.int64)
-    quantiles.series_order(series, n_ranks * n_names, order)
-    ordered = key[order]
-    if not (ordered[1:] >= ordered[:-1]).all():  # a series' rows out of step order
+    key, order = np.empty(len(step), dtype=np.int64), np.empty(len(step), dtype=np.int64)
+    if not quantiles.series_order(rank, step, places, int(low), n_names, int(first), _STEP_BITS,
+                                  n_ranks * n_names, key, order):  # a series' rows out of step order
         order = np.argsort(key, kind="stable")
     return frame.with_columns(pl.Series(SERIES_KEY, key)), order
 

@@ -309,19 +309,29 @@ def lr_rise(value: np.ndarray, missing: np.ndarray, starts: np.ndarray, before: 
 
 
 @numba.njit(cache=True, nogil=True)
-def series_order(series: np.ndarray, n_series: int, out: np.ndarray) -> None:  # pragma: no cover - compiled
-    """out = the rows ordered by `series` (0 <= series < n_series), rows of one series in the
-    order they come: a counting sort, one pass to count and one to place (a general sort of
-    the series key took ~10x as long on a large window, whose rows come step after step)."""
-    first = np.zeros(n_series + 1, dtype=np.int64)
-    for s in series:
-        first[s + 1] += 1
+def series_order(rank: np.ndarray, step: np.ndarray, place: np.ndarray, low: int, n_names: int, first: int,
+                 bits: int, n_series: int, key: np.ndarray, out: np.ndarray) -> bool:  # pragma: no cover - compiled
+    """Each row's series, (rank - low) * n_names + place, and key, series << bits + (step -
+    first); `out` = the rows ordered by series, the rows of one series in the order they come:
+    a counting sort, one pass to count and one to place (a general sort of the key took ~10x as
+    long on a large window, whose rows come step after step). Whether each series' rows came
+    in step order (keys not falling), so that `out` orders the keys too."""
+    first_row = np.zeros(n_series + 1, dtype=np.int64)
+    for i in range(len(step)):
+        s = (rank[i] - low) * n_names + place[i]
+        key[i] = (s << bits) + (step[i] - first)
+        first_row[s + 1] += 1
     for g in range(n_series):
-        first[g + 1] += first[g]
-    for i in range(len(series)):
-        s = series[i]
-        out[first[s]] = i
-        first[s] += 1
+        first_row[g + 1] += first_row[g]
+    in_order = True
+    last = np.full(n_series, -1, dtype=np.int64)  # each series' last key placed
+    for i in range(len(step)):
+        s = key[i] >> bits
+        in_order &= key[i] >= last[s]
+        last[s] = key[i]
+        out[first_row[s]] = i
+        first_row[s] += 1
+    return in_order
 
 
 @numba.njit(cache=True, nogil=True)

@@ -298,12 +298,19 @@ def test_a_column_read_through_an_order_equals_the_column_of_the_sorted_frame(se
             assert got[2:] == want[2:]
 
 
-@pytest.mark.parametrize("seed", range(3))
-def test_the_counting_order_of_series_is_the_stable_sort_of_them(seed: int) -> None:
-    # rows of each series keep the order they come in (a step window's, step after step)
+@pytest.mark.parametrize("seed", range(4))
+def test_the_counting_order_of_series_is_the_stable_sort_of_their_keys(seed: int) -> None:
+    # rows of each series keep the order they come in (a step window's, step after step), and
+    # it says whether that orders each series' steps too
     rng = np.random.default_rng(seed)
-    n_series = int(rng.integers(1, 50))
-    series = rng.integers(0, n_series, size=int(rng.integers(0, 3000))).astype(np.int64)
-    out = np.empty(len(series), dtype=np.int64)
-    quantiles.series_order(series, n_series + int(rng.integers(0, 3)), out)  # ids that no row has
+    n = int(rng.integers(0, 3000))
+    ranks, names = int(rng.integers(1, 4)), int(rng.integers(1, 40))
+    rank, place = rng.integers(5, 5 + ranks, size=n), rng.integers(0, names, size=n)
+    step = np.sort(rng.integers(100, 400, size=n)) if seed % 2 else rng.integers(100, 400, size=n)
+    key, out = np.empty(n, dtype=np.int64), np.empty(n, dtype=np.int64)
+    in_order = quantiles.series_order(rank, step, place, 5, names, 100, 40, (ranks + 1) * names, key, out)
+    series = (rank - 5) * names + place
+    assert np.array_equal(key, (series << 40) + step - 100)
     assert np.array_equal(out, np.argsort(series, kind="stable"))
+    assert in_order == bool((np.diff(key[out]) >= 0).all())
+    assert in_order if seed % 2 else (n < 200 or not in_order)  # steps sorted: in order; shuffled: not

@@ -335,38 +335,68 @@ def series_order(rank: np.ndarray, step: np.ndarray, place: np.ndarray, low: int
 
 
 @numba.njit(cache=True, nogil=True)
-def _gather(data: np.ndarray, validity: np.ndarray, offset: int, nullable: bool, order: np.ndarray,
+def first_marked(marked: np.ndarray, starts: np.ndarray, out: np.ndarray) -> None:  # pragma: no cover - compiled
+    """out[g] = the first marked row of series g (rows `starts[g]`..`starts[g + 1]`), or the
+    number of rows where it has none: a walk from each series' start, which stops at its first
+    mark (a window's carried rows, a few dozen), where finding every marked row took ~20 ms."""
+    n = starts[len(starts) - 1]
+    for g in range(len(starts) - 1):
+        out[g] = n
+        for i in range(starts[g], starts[g + 1]):
+            if marked[i]:
+                out[g] = i
+                break
+
+
+@numba.njit(cache=True, nogil=True)
+def _gather(data: np.ndarray, validity: np.ndarray, offset: int, nullable: bool, data2: np.ndarray,
+            validity2: np.ndarray, offset2: int, nullable2: bool, split: int, order: np.ndarray,
             out: np.ndarray, missing: np.ndarray) -> int:  # pragma: no cover - compiled
-    """out[k] = data[order[k]], NaN where that row is null (Arrow's validity bitmap from bit
-    `offset`, read when `nullable`), and missing[k] = whether it is; how many are. (Scattering
-    rows in the order they are read, to where `order` sends them, took 2-3x as long.)"""
+    """out[k] = the value of row order[k], NaN where that row is null, and missing[k] = whether
+    it is; how many are. Rows below `split` are `data`'s, the rest `data2`'s from 0 (two Arrow
+    chunks: validity bitmaps from bit `offset`, read when `nullable`). (Scattering rows in the
+    order they are read, to where `order` sends them, took 2-3x as long.)"""
     nulls = 0
     for k in range(len(order)):
         o = order[k]
-        null = False
-        if nullable:
-            bit = offset + o
-            null = (validity[bit >> 3] >> (bit & 7)) & 1 == 0
+        if o < split:
+            null = nullable and (validity[(offset + o) >> 3] >> ((offset + o) & 7)) & 1 == 0
+            v = data[o]
+        else:
+            o -= split
+            null = nullable2 and (validity2[(offset2 + o) >> 3] >> ((offset2 + o) & 7)) & 1 == 0
+            v = data2[o]
         missing[k] = null
-        out[k] = np.nan if null else data[o]
+        out[k] = np.nan if null else v
         nulls += null
     return nulls
 
 
-def gathered(values: pa.Array, order: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
-    """(values at rows `order`, NaN where null; where null, None if nowhere) of a float Arrow
-    array, in one pass over its buffers (`_gather`): what a fill of the nulls, a mask of them
-    and two gathers made in four."""
+def gathered(chunks: list[pa.Array], order: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
+    """(values at rows `order`, NaN where null; where null, None if nowhere) of a float column
+    given as its Arrow chunks (rows numbered across them), in one pass over their buffers
+    (`_gather`): what a fill of the nulls, a mask of them and two gathers made in four. A step
+    window comes in two chunks (the rows carried, the rows read), gathered from where they
+    are; more are joined first."""
     import pyarrow as pa  # loaded already: DuckDB hands its rows to Polars through Arrow
 
-    validity, data = values.buffers()[:2]
-    dtype = np.float32 if values.type == pa.float32() else np.float64
-    raw = np.frombuffer(data, dtype=dtype)[values.offset:values.offset + len(values)]
+    if len(chunks) > 2 or not chunks:
+        chunks = [pa.concat_arrays(chunks)] if chunks else [pa.array([], pa.float64())]
+    first, second = chunks[0], chunks[-1]
+    dtype = np.float32 if first.type == pa.float32() else np.float64
     out, missing = np.empty(len(order), dtype=dtype), np.empty(len(order), dtype=np.bool_)
-    nulls = _gather(raw, np.frombuffer(validity, dtype=np.uint8) if validity is not None else np.zeros(1, np.uint8),
-                    values.offset, validity is not None and values.null_count > 0, np.asarray(order, dtype=np.int64),
+    nulls = _gather(*_buffers(first, dtype), *_buffers(second, dtype), len(first), np.asarray(order, dtype=np.int64),
                     out, missing)
     return out, missing if nulls else None
+
+
+def _buffers(values: pa.Array, dtype: type) -> tuple[np.ndarray, np.ndarray, int, bool]:
+    """A float Arrow array's values, validity bitmap, offset into it and whether it has nulls."""
+    validity, data = values.buffers()[:2]
+    raw = np.frombuffer(data, dtype=dtype)[values.offset:values.offset + len(values)] if data is not None \
+        else np.empty(0, dtype=dtype)
+    bits = np.frombuffer(validity, dtype=np.uint8) if validity is not None else np.zeros(1, np.uint8)
+    return raw, bits, values.offset, validity is not None and values.null_count > 0
 
 
 def trailing(values: np.ndarray, starts: np.ndarray, window: int, lag: int, min_samples: int) -> np.ndarray:

@@ -163,8 +163,8 @@ def _keyed(frame: pl.DataFrame, places: np.ndarray, n_names: int) -> tuple[pl.Da
     if n_ranks * n_names >= 1 << (62 - _STEP_BITS) or step.max() - first >= 1 << _STEP_BITS:
         return _sorted_by_names(frame), None
     key, order = np.empty(len(step), dtype=np.int64), np.empty(len(step), dtype=np.int64)
-    if not quantiles.series_order(rank, step, places, int(low), n_names, int(first), _STEP_BITS,
-                                  n_ranks * n_names, key, order):  # a series' rows out of step order
+    if not quantiles.counting_order(rank, step, places, int(low), n_names, int(first), _STEP_BITS,
+                                    n_ranks * n_names, key, order):  # a series' rows out of step order
         order = np.argsort(key, kind="stable")
     spans = np.cumsum([0, *frame["step"].chunk_lengths()])  # the key in the frame's chunks: none copied
     return frame.with_columns(pl.concat([pl.Series(SERIES_KEY, key[a:b]) for a, b in zip(spans[:-1], spans[1:], strict=True)],

@@ -309,8 +309,8 @@ def lr_rise(value: np.ndarray, missing: np.ndarray, starts: np.ndarray, before: 
 
 
 @numba.njit(cache=True, nogil=True)
-def series_order(rank: np.ndarray, step: np.ndarray, place: np.ndarray, low: int, n_names: int, first: int,
-                 bits: int, n_series: int, key: np.ndarray, out: np.ndarray) -> bool:  # pragma: no cover - compiled
+def counting_order(rank: np.ndarray, step: np.ndarray, place: np.ndarray, low: int, n_names: int, first: int,
+                   bits: int, n_series: int, key: np.ndarray, out: np.ndarray) -> bool:  # pragma: no cover - compiled
     """Each row's series, (rank - low) * n_names + place, and key, series << bits + (step -
     first); `out` = the rows ordered by series, the rows of one series in the order they come:
     a counting sort, one pass to count and one to place (a general sort of the key took ~10x as

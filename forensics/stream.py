@@ -174,8 +174,8 @@ class Classifier:
             rows = rows.with_columns(pl.col("component").cast(pl.String))  # what the Polars classifier joins on
         if "role" not in rows.columns and not self._compiled:  # the compiled rules: see `feed`
             rows = self._with_roles(rows)
-        rank, step = rows["rank"], rows["step"]
-        firsts = ([(rank[0], step.min(), step.max())] if rank.min() == rank.max() else  # one rank: no grouping
+        ranks, steps = rows["rank"], rows["step"]
+        firsts = ([(ranks[0], steps.min(), steps.max())] if ranks.min() == ranks.max() else  # one rank: no grouping
                   rows.group_by("rank").agg(pl.col("step").min(), pl.col("step").max().alias("last")).iter_rows())
         for rank, first, last in firsts:
             seen = self._last_step.get(rank)

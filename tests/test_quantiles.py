@@ -308,7 +308,7 @@ def test_the_counting_order_of_series_is_the_stable_sort_of_their_keys(seed: int
     rank, place = rng.integers(5, 5 + ranks, size=n), rng.integers(0, names, size=n)
     step = np.sort(rng.integers(100, 400, size=n)) if seed % 2 else rng.integers(100, 400, size=n)
     key, out = np.empty(n, dtype=np.int64), np.empty(n, dtype=np.int64)
-    in_order = quantiles.series_order(rank, step, place, 5, names, 100, 40, (ranks + 1) * names, key, out)
+    in_order = quantiles.counting_order(rank, step, place, 5, names, 100, 40, (ranks + 1) * names, key, out)
     series = (rank - 5) * names + place
     assert np.array_equal(key, (series << 40) + step - 100)
     assert np.array_equal(out, np.argsort(series, kind="stable"))

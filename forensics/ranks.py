@@ -119,7 +119,7 @@ def _odd_ranks(trace: Trace, step: int, components: list[str], world: int) -> tu
 
 def _exact_drift(trace: Trace, step: int) -> list[tuple[int, str]]:
     """(rank, component) whose weights at step `step`'s forward differ from after step - 1."""
-    if "weight_checksum_fwd" not in trace.con.sql("SELECT * FROM replicas LIMIT 0").columns:
+    if "weight_checksum_fwd" not in trace.columns("replicas"):
         return []  # written before the forward checksum existed
     rows = trace.con.execute("""
         SELECT a.rank, a.component FROM replicas a JOIN replicas b

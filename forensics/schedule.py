@@ -27,10 +27,6 @@ from .store import Trace
 F = TypeVar("F", pl.DataFrame, pl.LazyFrame)
 
 
-def _columns(trace: Trace, view: str) -> set[str]:
-    return {d[0] for d in trace.con.execute(f"SELECT * FROM {view} LIMIT 0").description}
-
-
 @dataclass(frozen=True)
 class Schedule:
     """The lr of every step (and param group) and which group holds each parameter-owning
@@ -62,7 +58,7 @@ class Schedule:
 
 def component_lr(trace: Trace) -> Schedule | None:
     """The lr schedule of every parameter-owning component; None if no lr was recorded."""
-    steps, comps = _columns(trace, "steps"), _columns(trace, "components")
+    steps, comps = trace.columns("steps"), trace.columns("components")
     if "lr" not in steps:
         return None
     step_cols = ", ".join(c for c in ("rank", "step", "lr", "lr_groups") if c in steps)
@@ -97,7 +93,7 @@ def lr_of_components(steps: pl.DataFrame, components: pl.DataFrame) -> Schedule 
 
 def not_held(trace: Trace) -> list[str]:
     """Parameter-owning components whose parameters no optimizer param group holds."""
-    if "param_group" not in _columns(trace, "components") or "lr_groups" not in _columns(trace, "steps"):
+    if "param_group" not in trace.columns("components") or "lr_groups" not in trace.columns("steps"):
         return []
     if trace.one("SELECT count(*) FROM steps WHERE lr_groups IS NOT NULL")[0] == 0:
         return []  # the run was recorded without an optimizer: nothing to hold them

@@ -90,6 +90,10 @@ class Trace:
         assert rows, "an aggregate query returns one row"
         return rows[0]
 
+    def columns(self, view: str) -> list[str]:
+        """The column names of a view (no row read)."""
+        return self.con.sql(f"SELECT * FROM {view} LIMIT 0").columns
+
     def frame(self, view: str) -> pl.LazyFrame:
         """A view as a Polars lazy frame (materialised once through Arrow)."""
         import polars as pl
@@ -331,11 +335,11 @@ def health_window(trace: Trace, first: int, last: int, *, columns: list[str] | N
 
     files = window_files(trace, "health", first, last)
     enum = trace.component_enum if categorical else None
-    picked = "t.*" if columns is None else ", ".join(
-        ["t.step", "t.component", "t.rank", *(f't."{c}"' for c in dict.fromkeys(columns))])
-    if enum is not None:
-        picked = (f"{picked} REPLACE (TRY_CAST(t.component AS {enum}) AS component)" if columns is None
-                  else picked.replace("t.component", f"TRY_CAST(t.component AS {enum}) AS component", 1))
+    named = "t.component" if enum is None else f"TRY_CAST(t.component AS {enum}) AS component"
+    if columns is None:
+        picked = "t.*" if enum is None else f"t.* REPLACE ({named})"
+    else:
+        picked = ", ".join(["t.step", named, "t.rank", *(f't."{c}"' for c in dict.fromkeys(columns))])
     where = f"t.step BETWEEN {int(first)} AND {int(last)}"
     if names is not None:
         where += " AND t.component IN (" + (", ".join(_quote(n) for n in names) or "NULL") + ")"

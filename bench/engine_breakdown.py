@@ -126,13 +126,13 @@ def main() -> None:
             "  (on the reader thread, beside the classifier)" if name in READER else
             "  (on the judging thread, beside submit)" if name in JUDGE else "")
         print(f"{'    ' * indent}{key:<28s} {totals[key]:7.2f} s{threads}")
-    window = sorts[min(WINDOW, len(sorts)) - 1][0]
-    frame, starts, _, lr = baseline.prepare(baseline.sort_series(window))  # with its metrics
+    window, names = sorts[min(WINDOW, len(sorts)) - 1]  # with the trace's names, as the classifier sorts it
+    frame, starts, _, lr = baseline.prepare(baseline.sort_series(window, names))  # with its metrics
     cfg, metrics = Config().baseline, baseline.metrics_in(frame)
     print(f"window {min(WINDOW, len(prepared))}: {frame.height:,} rows; sort by names "
           f"{_best_s(lambda: window.sort([*baseline.KEYS, 'step'])) * 1e3:.0f} ms, sort_series "
-          f"{_best_s(lambda: baseline.sort_series(window)) * 1e3:.0f} ms, series_order (no row moved) "
-          f"{_best_s(lambda: baseline.series_order(window)) * 1e3:.0f} ms")
+          f"{_best_s(lambda: baseline.sort_series(window, names)) * 1e3:.0f} ms, series_order (no row moved) "
+          f"{_best_s(lambda: baseline.series_order(window, names)) * 1e3:.0f} ms")
     lr_values = frame["lr"].cast(pl.Float64).to_numpy() if lr else None
     rows = np.arange(frame.height)
     total = 0.0

@@ -5,7 +5,9 @@ from __future__ import annotations
 import subprocess
 import sys
 import threading
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import polars as pl
 import pytest
@@ -13,7 +15,13 @@ from warninglight.forensics.analysis import _read_ahead, classify_trace
 from warninglight.forensics.classify import classify
 from warninglight.forensics.conditions import Config
 from warninglight.forensics.schedule import with_lr
-from warninglight.forensics.store import health_frame, health_window, open_trace, window_files
+from warninglight.forensics.store import (
+    Trace,
+    health_frame,
+    health_window,
+    open_trace,
+    window_files,
+)
 from warninglight.forensics.stream import Classifier, StepOrderError, heat_of
 
 SAMPLES = Path(__file__).resolve().parent.parent / "sample_traces"
@@ -44,39 +52,39 @@ def test_feeding_in_any_chunks_gives_the_whole_trace_alarms(name: str) -> None:
         trace.close()
 
 
-def test_feed_returns_each_alarm_once_when_its_episode_begins() -> None:
-    cfg = Config()
+def _fed(feed: Callable[[Classifier, Trace], list[pl.DataFrame]],
+         **kwargs: Any) -> tuple[Classifier, pl.DataFrame, list[pl.DataFrame], int]:
+    """gpt_dying_layer fed to a `Classifier(Config(), components, **kwargs)` by `feed`: (the
+    classifier, the whole-trace classifier's alarms, what each call returned, the components)."""
     trace = open_trace(SAMPLES / "gpt_dying_layer")
     try:
         components = trace.frame("components").collect()
-        _, expected = classify(health_frame(trace), cfg)
-        clf = Classifier(cfg, components)
-        raised = [clf.feed(health_window(trace, s, s)) for s in range(1, 301)]
-        carried = len(clf._tail) if clf._tail is not None else 0
+        _, expected = classify(health_frame(trace), Config())
+        clf = Classifier(Config(), components, **kwargs)
+        return clf, expected, feed(clf, trace), len(components)
     finally:
         trace.close()
+
+
+def test_feed_returns_each_alarm_once_when_its_episode_begins() -> None:
+    clf, expected, raised, components = _fed(
+        lambda clf, trace: [clf.feed(health_window(trace, s, s)) for s in range(1, 301)])
+    carried = len(clf._tail) if clf._tail is not None else 0
     assert clf.alarms().equals(expected)
     steps = [int(a["step"]) for frame in raised for a in frame.iter_rows(named=True)]
     for step, frame in zip(range(1, 301), raised, strict=True):
         assert frame["step"].to_list() == [step] * len(frame)  # raised at its own step, not later
     assert sorted(steps) == clf.alarms()["step"].to_list()
     # the rows it carries: `history` steps of every component, however long the run
-    assert carried == clf.history * len(components)
+    assert carried == clf.history * components
 
 
 def test_windows_submitted_are_judged_one_behind_and_each_alarm_returned_once() -> None:
     # the compiled classifier judges a window on a thread of its own while the next is read:
     # what `submit` returns is the alarms of windows fed before it, and `drain` the rest
-    cfg = Config()
-    trace = open_trace(SAMPLES / "gpt_dying_layer")
-    try:
-        components = trace.frame("components").collect()
-        _, expected = classify(health_frame(trace), cfg)
-        clf = Classifier(cfg, components, keep_scored=False)
-        raised = [clf.submit(health_window(trace, s, s + 9)) for s in range(1, 301, 10)]
-        raised.append(clf.drain())
-    finally:
-        trace.close()
+    clf, expected, raised, _ = _fed(lambda clf, trace: [*(clf.submit(health_window(trace, s, s + 9))
+                                                          for s in range(1, 301, 10)), clf.drain()],
+                                    keep_scored=False)
     assert clf.alarms().equals(expected) and len(expected) > 0
     for k, frame in enumerate(raised[:-1]):
         assert frame.is_empty() or frame["step"].max() <= 10 * k  # of windows 0..k-1 only

@@ -3,9 +3,10 @@
 Grows the shipped GPT sample traces (bench/grow.py: components copied under new names, steps
 extended by walking the second half of the run back and forth; never a random number) to each
 size, one clean and one carrying the recorded weight corruption, and prints per size the wall
-time and peak RSS of `warninglight analyze`, `replay` and `report` (each in its own process, so
-each peak is its own) next to one DuckDB scan of the same health files, and the bytes a 1% step
-window (`--steps`) reads. The faulty trace must be named at the right component and step.
+time and peak RSS of `warninglight analyze`, `replay`, `report` and `eval --trace` (scoring the
+trace against the answer key grow.py leaves in it; each command in its own process, so each peak
+is its own) next to one DuckDB scan of the same health files, and the bytes a 1% step window
+(`--steps`) reads. The faulty trace must be named at the right component and step.
 
 Run: `python bench/engine_scale.py [--sizes 1e6 1e7] [--copies 56] [--keep]`. Traces are written
 under /tmp and deleted afterwards (a 1e8 trace is ~0.4-2 GB).
@@ -79,7 +80,7 @@ def window_bytes(trace: Path, steps: int) -> tuple[str, int, int]:
 
 
 def bench_size(target: float, copies: int, workdir: Path, keep: bool,
-               commands: tuple[str, ...] = ("analyze", "replay", "report"),
+               commands: tuple[str, ...] = ("analyze", "replay", "report", "eval"),
                kinds: tuple[str, ...] = ("clean", "fault")) -> list[dict[str, object]]:
     steps = grow.steps_for(target, 18 * copies)
     rows = []
@@ -107,6 +108,12 @@ def bench_size(target: float, copies: int, workdir: Path, keep: bool,
                 row["found"] = result["verdict"]
         if "replay" in commands:
             row["replay_s"], row["replay_gib"], _ = run_alone([*CLI, "replay", "--json", str(trace)])
+        if "eval" in commands:
+            scores = trace.parent / f"{trace.name}.scores.json"
+            row["eval_s"], row["eval_gib"], _ = run_alone([*CLI, "eval", "--trace", str(trace), "--json", str(scores)])
+            scored = json.loads(scores.read_text())[0]
+            row["eval_right"] = (scored["root_correct"] and scored["onset_error"] == 0) if faulty else not scored["fault_verdict"]
+            scores.unlink()
         if "report" in commands:
             report = trace.parent / f"{trace.name}.html"
             row["report_s"], row["report_gib"], _ = run_alone([*CLI, "report", str(trace), "-o", str(report)])
@@ -132,16 +139,18 @@ def _cell(r: dict[str, object], key: str) -> str:
 
 def table(rows: list[dict[str, object]]) -> str:
     head = ("| trace | component-steps | on disk | DuckDB scan (CPU) | analyze | peak RSS | replay | peak RSS | "
-            "report | peak RSS | analyze / scan, wall (CPU) | verdict |")
+            "report | peak RSS | eval --trace | peak RSS | analyze / scan, wall (CPU) | verdict |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
         ratio = (f"{r['analyze_s'] / r['scan_s']:.0f}x ({r['analyze_cpu_s'] / r['scan_cpu_s']:.0f}x)"  # type: ignore[operator]
                  if "analyze_s" in r else "—")
         found = f"{r['found']}{'' if r['named'] else ' (WRONG)'}" if "found" in r else "—"
+        if "eval_right" in r and not r["eval_right"]:
+            found += " (eval scored it WRONG)"
         lines.append(
             f"| {r['trace']} | {r['component_steps']:.2e} | {r['bytes'] / 2**20:.0f} MiB | "
             f"{r['scan_s']:.2f} s ({r['scan_cpu_s']:.1f} s) | "
-            f"{_cell(r, 'analyze')}{_cell(r, 'replay')}{_cell(r, 'report')}{ratio} | {found} |")
+            f"{_cell(r, 'analyze')}{_cell(r, 'replay')}{_cell(r, 'report')}{_cell(r, 'eval')}{ratio} | {found} |")
     return "\n".join(lines)
 
 
@@ -167,7 +176,7 @@ def main() -> None:
     parser.add_argument("--workdir", type=Path, default=None)
     parser.add_argument("--keep", action="store_true", help="keep the grown traces")
     parser.add_argument("--cli-only", action="store_true", help="time the quick CLI commands only")
-    parser.add_argument("--commands", nargs="*", default=["analyze", "replay", "report"],
+    parser.add_argument("--commands", nargs="*", default=["analyze", "replay", "report", "eval"],
                         help="whole-trace commands to time (none: only the scan and the 1%% window)")
     parser.add_argument("--traces", nargs="+", choices=["clean", "fault"], default=["clean", "fault"],
                         help="which grown traces to time (the faulty one also times the 1%% window)")

@@ -183,5 +183,20 @@ def grow(out: Path, steps: int, copies: int, faulty: bool, checkpoint_every: int
     path.write_text(json.dumps(manifest))
     truth = {"healthy": True} if not faulty else {"component": "h.0.mlp.c_fc", "step": fault_from,
                                                    "fault": "weight_corruption"}
+    _answer_key(out, steps, fault_from)
     return {**truth, "steps": steps, "components": len(names), "health_rows": steps * len(names),
             "bytes": size}
+
+
+def _answer_key(out: Path, steps: int, fault_from: int | None) -> None:
+    """The source's truth.json, its steps moved to where the grown run has them: `eval --trace`
+    scores the grown trace against it, and the report marks the injection."""
+    key = json.loads((SAMPLES / ("gpt_clean" if fault_from is None else "gpt_weight_corruption") / "truth.json").read_text())
+    shift = 0 if fault_from is None else fault_from - FAULT_SOURCE
+
+    def moved(entry: dict[str, object]) -> dict[str, object]:
+        return {k: v + shift if k in ("step", "last_step") and isinstance(v, int) else v for k, v in entry.items()}
+
+    key = {**moved(key), "scenario": f"grown-{'clean' if fault_from is None else 'fault'}", "steps": steps,
+           "faults": [moved(f) for f in key.get("faults", [])]}
+    (out / "truth.json").write_text(json.dumps(key))

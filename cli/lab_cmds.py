@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 from warninglight.cli.common import fail, refuse_overwrite
@@ -44,8 +44,13 @@ def eval_cmd(
     twins: Annotated[bool, typer.Option("--clean-twins/--no-clean-twins",
                                         help="Also run a drill-free copy of every training set-up no clean scenario covers.")] = True,
     force: Annotated[bool, typer.Option("--force", help="Overwrite the --json file if it exists.")] = False,
+    traces: Annotated[list[Path] | None, typer.Option("--trace", help="Score this recorded trace against its truth.json instead of training (repeatable).")] = None,
 ) -> None:
     """Run scenarios over seeds and print detection accuracy, onset error, lead over other detectors, rollback."""
+    if traces and not list_:  # nothing to train: the lab's models (and torch) are not loaded
+        _check_outputs(json_out, results, force)
+        _judge_recorded(traces, scenarios, results, json_out)
+        return
     from warninglight.lab import distributed, evaluation
     from warninglight.lab.rehearsal import SCENARIOS
 
@@ -55,11 +60,7 @@ def eval_cmd(
         for name, rs in distributed.SCENARIOS.items():
             typer.echo(f"{name}\tgpt, {rs.world_size} {rs.wrapper} ranks\t{rs.steps} steps")
         return
-    for flag, path in (("--json", json_out), ("--results", results)):  # checked before minutes of training
-        if path is not None and not path.parent.is_dir():
-            raise fail(f"{flag} {path}: folder {path.parent} does not exist — create it or pass another path")
-    if json_out is not None:
-        refuse_overwrite(json_out, force, "--json")
+    _check_outputs(json_out, results, force)  # before minutes of training
     if workdir is not None and workdir.exists() and (not workdir.is_dir() or any(workdir.iterdir())):
         raise fail(f"--workdir {workdir} is not an empty folder — the benchmark writes traces and "
                    "checkpoints there and would mix with what it holds; pass a new or empty folder")
@@ -68,16 +69,12 @@ def eval_cmd(
     if unknown:
         raise fail(f"unknown scenario {unknown[0]!r}; run `warninglight eval --list` for the names")
 
-    def progress(r: evaluation.RunScore) -> None:
-        verdict = f"root {r.root_component or r.root_scope} ({r.root_condition})" if r.fault_verdict else "no fault verdict"
-        typer.echo(f"  {r.scenario} seed {r.seed}: {verdict}, truth {r.truth_component or r.fault}, {r.seconds:.1f} s", err=True)
-
     from warninglight.lab import results as results_page
 
     at_commit = results_page.commit() if results is not None else None
     try:
         extra = evaluation.clean_twins(names) if twins else []
-        runs = evaluation.run_benchmark([*names, *extra], seeds, workdir, steps, progress)
+        runs = evaluation.run_benchmark([*names, *extra], seeds, workdir, steps, _progress)
     except evaluation.EvaluationError as e:
         raise fail(str(e)) from None
     typer.echo(evaluation.format_tables(runs))
@@ -86,3 +83,36 @@ def eval_cmd(
     if results is not None:
         command = "warninglight eval" + (f" {' '.join(scenarios)}" if scenarios else "") + f" --seeds {seeds}"
         results.write_text(results_page.document(runs, at_commit=at_commit, command=command + (f" --steps {steps}" if steps else "") + f" --results {results}"))
+
+
+def _check_outputs(json_out: Path | None, results: Path | None, force: bool) -> None:
+    """--json and --results can be written: their folders exist, and --json is new (or --force)."""
+    for flag, path in (("--json", json_out), ("--results", results)):
+        if path is not None and not path.parent.is_dir():
+            raise fail(f"{flag} {path}: folder {path.parent} does not exist — create it or pass another path")
+    if json_out is not None:
+        refuse_overwrite(json_out, force, "--json")
+
+
+def _progress(r: Any) -> None:
+    """One scored run, on stderr as it ends."""
+    verdict = f"root {r.root_component or r.root_scope} ({r.root_condition})" if r.fault_verdict else "no fault verdict"
+    typer.echo(f"  {r.scenario} seed {r.seed}: {verdict}, truth {r.truth_component or r.fault}, {r.seconds:.1f} s", err=True)
+
+
+def _judge_recorded(traces: list[Path], scenarios: list[str] | None, results: Path | None, json_out: Path | None) -> None:
+    """`eval --trace`: score traces already recorded against their truth.json, print the tables."""
+    from warninglight.lab import evaluation
+
+    if scenarios:
+        raise fail(f"--trace scores recorded traces; scenario {scenarios[0]!r} would train a new one — pass one or the other")
+    if results is not None:
+        raise fail("--results writes the results page of rehearsed scenarios over seeds, not of --trace runs — "
+                   "drop --results or run the scenarios")
+    try:
+        runs = evaluation.judge_recorded(traces, _progress)
+    except evaluation.EvaluationError as e:
+        raise fail(str(e)) from None
+    typer.echo(evaluation.format_tables(runs))
+    if json_out is not None:
+        json_out.write_text(json.dumps([r.to_dict() for r in runs], indent=1))

@@ -194,8 +194,6 @@ def run_one(scenario: Any, seed: int, workdir: Path, steps: int | None = None) -
     """
     from dataclasses import replace
 
-    from warninglight.forensics import analyze
-    from warninglight.forensics.static_rules import static_alarms
     from warninglight.lab import distributed
     from warninglight.lab.rehearsal import SCENARIOS, rehearse
 
@@ -210,20 +208,63 @@ def run_one(scenario: Any, seed: int, workdir: Path, steps: int | None = None) -
     else:
         truth = rehearse(sc, trace, seed=seed, **kwargs)
     trained = time.perf_counter() - t0
-    rows, comps = read_run(trace)
-    static = static_alarms(trace)
-    out = [score(sc.name, seed, truth, analyze(trace).to_dict(), static, rows,
-                 time.perf_counter() - t0, comps)]
+    out = [judge_trace(sc.name, seed, trace, truth, started=t0)]
     if sc.reference:
         ref = workdir / f"{sc.model}-reference-seed{seed}"
         if not ref.exists():  # one reference per set-up and seed, shared by its scenarios
             twin = replace(sc, name=f"{sc.model}-reference", drills=list, reference=False)
             rehearse(twin, ref, seed=REFERENCE_SEED + seed, checkpoint_every=0, **({"steps": steps} if steps else {}))
-        t1 = time.perf_counter()
-        result = analyze(trace, reference=ref).to_dict()
         out[0] = replace(out[0], reference=False)
-        out.append(replace(score(sc.name + REFERENCE_SUFFIX, seed, truth, result, static, rows,
-                                 trained + time.perf_counter() - t1, comps), reference=True))
+        judged = judge_trace(sc.name + REFERENCE_SUFFIX, seed, trace, truth, reference=ref)
+        out.append(replace(judged, seconds=trained + judged.seconds, reference=True))
+    return out
+
+
+def judge_trace(scenario: str, seed: int, trace: Path, truth: Mapping[str, Any], reference: Path | None = None,
+                started: float | None = None) -> RunScore:
+    """One recorded trace scored against its answer key, in one pass over it: `analyze` without
+    the report's heatmap, whose static rules ran beside the classifier (the same alarms as
+    `static_rules.static_alarms`, which read the trace again). `started`: when the run began
+    (its seconds count from there; else from here)."""
+    from warninglight.forensics import analyze
+
+    t0 = time.perf_counter() if started is None else started
+    rows, comps = read_run(trace)
+    result = analyze(trace, reference=reference, heat=False)
+    return score(scenario, seed, truth, result.to_dict(), result.static, rows, time.perf_counter() - t0, comps)
+
+
+def read_truth(trace: Path) -> dict[str, Any]:
+    """The answer key (truth.json) a rehearsal or drill left in `trace`; an `EvaluationError`
+    naming the fix where there is none."""
+    import json
+
+    path = Path(trace) / "truth.json"
+    if not Path(trace).is_dir():
+        raise EvaluationError(f"--trace {trace}: not a directory — pass a trace directory that holds a truth.json")
+    if not path.is_file():
+        raise EvaluationError(f"--trace {trace}: no truth.json there — eval scores a trace against its answer key "
+                              "(a rehearsal's); analyse a trace without one with `warninglight analyze`")
+    try:
+        truth = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise EvaluationError(f"--trace {trace}: truth.json is not readable JSON ({e}) — rewrite it or drop the trace") from None
+    if not isinstance(truth, dict) or (truth.get("fault") not in (None, CLEAN, "none") and "step" not in truth):
+        raise EvaluationError(f"--trace {trace}: truth.json names a fault without its step — add \"step\" "
+                              "(the first step the fault acted) or drop the trace")
+    return truth
+
+
+def judge_recorded(traces: Sequence[Path], progress: Callable[[RunScore], None] | None = None) -> list[RunScore]:
+    """`judge_trace` of traces already recorded, each with its truth.json (read first, all of them:
+    a bad one fails before any is analysed); scenario and seed are the answer key's."""
+    truths = [read_truth(t) for t in traces]
+    out = []
+    for trace, truth in zip(traces, truths, strict=True):
+        run = judge_trace(str(truth.get("scenario") or Path(trace).name), int(truth.get("seed") or 0), Path(trace), truth)
+        out.append(run)
+        if progress:
+            progress(run)
     return out
 
 

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from warninglight.forensics.analysis import FAULT, HEALTHY, Alarm, Detectors, Root
 from warninglight.forensics.rollback import LossOnlyChoice, Rollback
 from warninglight.forensics.static_rules import StaticAlarm
 from warninglight.lab import evaluation
 
+SAMPLES = Path(__file__).resolve().parents[1] / "sample_traces"
 TRUTH_ABRUPT = {"fault": "weight_corruption", "component": "2", "step": 150, "kind": "abrupt", "healthy": False}
 TRUTH_GRADUAL = {"fault": "bias_drift", "component": "2", "step": 150, "kind": "gradual", "healthy": False}
 TRUTH_CLEAN = {"scenario": "mlp_clean", "healthy": True, "faults": []}
@@ -190,3 +193,47 @@ def test_a_data_parallel_root_must_name_the_rank_too(named_rank: int | None, tru
 def test_single_rank_runs_have_no_rank_column_value() -> None:
     r = evaluation.score("s", 0, TRUTH_ABRUPT, result(), [], 100)
     assert r.rank_correct is None and evaluation.summarise_faults([r])["rank right"] == "—"
+
+
+@pytest.mark.parametrize("name", ["gpt_nan", "mlp_saturation_gradual", "cnn_clean"])
+def test_a_recorded_trace_scores_in_one_pass_as_in_two(name: str) -> None:
+    # eval reads a trace once: analyze without the heatmap, the static rules from the same pass;
+    # the score is the one the two passes (the report's analysis, then the static rules alone) gave
+    from dataclasses import replace
+
+    from warninglight.forensics import analyze
+    from warninglight.forensics.static_rules import static_alarms
+
+    path = SAMPLES / name
+    truth = evaluation.read_truth(path)
+    rows, comps = evaluation.read_run(path)
+    static = static_alarms(path)
+    want = evaluation.score(name, 0, truth, analyze(path).to_dict(), static, rows, 0.0, comps)
+    got = evaluation.judge_trace(name, 0, path, truth)
+    assert replace(got, seconds=0.0) == want
+    assert analyze(path, heat=False).static == static
+
+
+def test_eval_scores_recorded_traces_without_training(tmp_path) -> None:
+    import json
+    import shutil
+
+    from typer.testing import CliRunner
+    from warninglight.cli.main import app
+
+    out, bare = tmp_path / "runs.json", tmp_path / "no-key"
+    shutil.copytree(SAMPLES / "mlp_clean", bare)
+    (bare / "truth.json").unlink()
+    res = CliRunner().invoke(app, ["eval", "--trace", str(SAMPLES / "gpt_nan"), "--trace", str(bare), "--json", str(out)])
+    assert res.exit_code == 2 and not out.exists()  # every answer key is read before any trace is analysed
+    assert res.stderr.strip() == (f"error: --trace {bare}: no truth.json there — eval scores a trace against its answer "
+                                  "key (a rehearsal's); analyse a trace without one with `warninglight analyze`")
+    res = CliRunner().invoke(app, ["eval", "--trace", str(SAMPLES / "gpt_nan"), "--trace", str(SAMPLES / "mlp_clean"),
+                                   "--json", str(out)])
+    assert res.exit_code == 0, res.output
+    runs = json.loads(out.read_text())
+    assert [(r["scenario"], r["root_component"], r["root_correct"], r["injected"]) for r in runs] == [
+        ("gpt_nan", "h.0.mlp.c_fc", True, 150), ("mlp_clean", None, None, None)]
+    assert "| gpt_nan | 1 | 1/1 |" in res.output
+    res = CliRunner().invoke(app, ["eval", "mlp_clean", "--trace", str(SAMPLES / "gpt_nan")])
+    assert res.exit_code == 2 and "pass one or the other" in res.stderr

@@ -135,3 +135,46 @@ def test_a_window_read_with_categorical_names_holds_the_rows_read_with_strings(c
     strings, named = both()
     assert named.schema["component"] == pl.Categorical and (named["component"] == lost).sum() > 0
     assert named.with_columns(pl.col("component").cast(pl.String)).equals(strings)
+
+
+def _both_reads(path: Path, first: int, last: int) -> tuple[pl.DataFrame | None, pl.DataFrame]:
+    """(Arrow's read of a window's metric columns, DuckDB's), with the component as text."""
+    from warninglight.forensics import store
+
+    t = open_trace(path)
+    metrics = list(schema.HEALTH_METRICS)
+    try:
+        fast = store._arrow_window(t, first, last, metrics)
+        saved, store._arrow_window = store._arrow_window, lambda *_: None  # type: ignore[assignment]
+        try:
+            duck = health_window(t, first, last, columns=metrics, categorical=True)
+        finally:
+            store._arrow_window = saved  # type: ignore[assignment]
+    finally:
+        t.close()
+    assert duck.schema["component"] == pl.Categorical
+    return fast, duck
+
+
+@pytest.mark.parametrize("span", [(1, 300), (20, 60), (100, 100), (51, 150), (299, 400)])
+def test_arrow_reads_a_window_as_duckdb_does(span: tuple[int, int]) -> None:
+    # the classifier's windows are read by Arrow's Parquet reader: the rows, order and types of
+    # DuckDB's read, whether the window cuts a segment or holds it whole
+    for name in ("gpt_nan", "cnn_corrupt_batches"):
+        fast, duck = _both_reads(Path(__file__).resolve().parents[1] / "sample_traces" / name, *span)
+        assert fast is not None and fast.schema == duck.schema and duck.height > 0
+        text = pl.col("component").cast(pl.String)
+        assert fast.with_columns(text).equals(duck.with_columns(text))
+
+
+def test_a_window_whose_files_differ_in_columns_is_read_by_duckdb(copy: Path) -> None:
+    # one segment written without a metric (an older recorder): DuckDB unifies the files by name
+    seg = sorted((copy / "health").rglob("part-*.parquet"))[1]
+    pl.read_parquet(seg, hive_partitioning=False).drop("update_cos").write_parquet(seg)
+    fast, duck = _both_reads(copy, 1, 300)
+    assert fast is None and duck["update_cos"].null_count() > 0 and duck["update_cos"].drop_nulls().len() > 0
+    t = open_trace(copy)
+    try:  # what the classifier calls: DuckDB's read where Arrow's cannot be
+        assert health_window(t, 1, 300, columns=list(schema.HEALTH_METRICS), categorical=True).equals(duck)
+    finally:
+        t.close()

@@ -4,8 +4,10 @@
 boolean column per rule, then filters the rows where any fired: on a large run's step window
 that is ~55 float columns and ~30 boolean ones made and read again for a handful of hits. Here
 the rules of a metric are judged on the worker that computed its baseline, straight from the
-kernel's arrays (`quantiles.baseline`), with their persistence, and only the rows that fired
-leave it. The heatmap's cells are binned from the same arrays. No column is made.
+kernel's arrays (`quantiles.baseline_at`, at the rows the screen leaves), with their
+persistence, and only the rows that fired leave it. No column is made. The heatmap (`report`)
+needs every row's |z| of every metric: it is folded into the cells by a pass of its own
+(`quantiles.fold_baseline`) that keeps no column either.
 
 The two are one classifier: the rules here read `conditions.Rule` exactly as `classify._rule_expr`
 does, with Polars' arithmetic (a division by a constant is a product with its inverse) and
@@ -237,21 +239,30 @@ def judge(window: pl.DataFrame, config: Config, judged: str, lead: int, heat_wid
     cfg = config.baseline
     lr_values = rows["lr"].cast(pl.Float64).to_numpy() if lr else None
 
-    # without a heatmap, a metric gets a baseline only where a rule compares with one
+    # a metric gets a baseline only where a rule compares with one (and, for a heatmap, every
+    # row's |z| in a pass of its own that keeps no column)
     compared = {r.metric for rules in by_metric.values() for _, r in rules if r.direction != NONFINITE}
     if heat_width is None:
         metrics = [m for m in metrics if m in by_metric]
+    slot = quantiles.slots(rows.height, kept) if heat_width is not None else None
 
     def one(metric: str) -> _Judged:
         col = metric_of.column(metric, lr)
+        if slot is not None:
+            cells = heat.get(threading.get_ident())
+            if cells is None:
+                cells = heat[threading.get_ident()] = np.full(len(kept), np.nan)
+            quantiles.fold_baseline(col, lr_values, starts, slot, cfg.window, cfg.lag, cfg.min_samples, _SCALES, cells)
         rules = by_metric.get(metric, [])
+        if not rules:
+            return _Judged([], None, None)
         table = rt.table(rules, role_sets)
         raw = np.ascontiguousarray(col.raw)
         missing = col.missing if col.missing is not None else np.zeros(len(col.raw), dtype=np.bool_)
 
         def rules_on(want: np.ndarray | None) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, bool]:
             """(rows taken, their median, z and z valid, `_hits`' out, whether a peers rule held)."""
-            if heat_width is None and metric not in compared:  # non-finite rules read the values alone
+            if metric not in compared:  # non-finite rules read the values alone
                 taken, med, z, z_valid = np.empty(0, dtype=np.int64), np.empty(0), np.empty(0), np.empty(0, np.bool_)
             elif want is None:
                 taken = np.arange(len(kept))
@@ -265,7 +276,7 @@ def judge(window: pl.DataFrame, config: Config, judged: str, lead: int, heat_wid
             return taken, med, z, z_valid, out, bool(out[table[:, rt.PEERS] > 0].any())  # a peers rule held somewhere
 
         want, whole = None, None
-        if heat_width is None and metric in compared:  # a baseline only where a rule may fire
+        if metric in compared:  # a baseline only where a rule may fire
             want, whole = screen.wanted(col, lr_values, starts, kept, cfg.window, cfg.lag, cfg.min_samples,
                                         _SCALES, table, roles)
         taken, med, z, z_valid, out, peers_held = rules_on(want)
@@ -273,13 +284,6 @@ def judge(window: pl.DataFrame, config: Config, judged: str, lead: int, heat_wid
             # the peers' median reads the median of every component at the steps where the rest
             # of a rule held: taken again for every row (rare: a collapse of the update)
             taken, med, z, z_valid, out, peers_held = rules_on(None)
-        if heat_width is not None:
-            cells = heat.get(threading.get_ident())
-            if cells is None:
-                cells = heat[threading.get_ident()] = np.full(len(kept), np.nan)
-            quantiles.fold_heat(cells, z, z_valid)  # every row taken (a heatmap is drawn only without `want`)
-        if not rules:
-            return _Judged([], None, None)
         fired = [_fired(np.flatnonzero(row), taken, med, z, z_valid) for row in out]
         if not peers_held:
             return _Judged(fired, None, None)

@@ -90,7 +90,7 @@ def heatmap(scores: pl.DataFrame, order: Sequence[str], marks: Sequence[Mark] = 
     index = {c: i for i, c in enumerate(order)}
     grid = np.full((len(order), len(steps)), np.nan)
     rows = scores.filter(pl.col("component").is_in(list(order)))
-    r = np.array([index[c] for c in rows["component"]], dtype=int)
+    r = rows["component"].replace_strict(index, return_dtype=pl.Int64).to_numpy()
     s = (rows["step"].to_numpy() - first) // step_width
     grid[r, s] = np.clip(np.abs(rows["score"].fill_null(np.nan).to_numpy()), 0, Z_CAP + 1)
     height = min(14.0, 1.6 + 0.28 * len(order))

@@ -16,7 +16,8 @@ tests/test_quantiles.py holds the kernel to Polars' rolling functions on random 
 
 `baseline` runs the same pass over one metric's raw values and writes, for the rows asked for,
 the median, robust scale and z the baseline reports (`baseline.py` owns their definitions);
-`baseline_many` runs metrics on all cores.
+`baseline_many` runs metrics on all cores. `fold_baseline` runs it for the heatmap, folding each
+row's |z| into the row's cell as it comes: no column is written and read back.
 """
 
 from __future__ import annotations
@@ -65,8 +66,12 @@ def _rank2(buf: np.ndarray, a: float, b: float) -> tuple[int, int]:  # pragma: n
 
 @numba.njit(cache=True, nogil=True)
 def _trailing(values: np.ndarray, starts: np.ndarray, window: int, lag: int, min_samples: int,
-              out: np.ndarray, wanted: np.ndarray, skip: bool) -> None:  # pragma: no cover - compiled
-    """`out[:, i]` = (q25, median, q75) of the series window ending `lag` rows before row i.
+              out: np.ndarray, wanted: np.ndarray, skip: bool, fold: bool,
+              heat: tuple) -> None:  # pragma: no cover - compiled
+    """`out[:, i]` = (q25, median, q75) of the series window ending `lag` rows before row i; with
+    `fold`, nothing is written: each row's |z| (`_z_of`) goes into its heatmap cell instead, as
+    the statistics come (`heat`: raw, missing, lr, logged, each row's cell (-1: none), the cells,
+    then `_z_of`'s constants).
 
     With `skip`, only rows `wanted` (ascending) are sure to be written: where the next wanted
     row of a series is a window or more ahead, the ring is emptied and filled again from the
@@ -82,6 +87,11 @@ def _trailing(values: np.ndarray, starts: np.ndarray, window: int, lag: int, min
     still, as counts of non-finite values and many learning rates do, costs a comparison a row).
 
     Helpers are inlined at compile time: one cached function to load when a command starts."""
+    # the heatmap's inputs, taken out of their tuple once (per row, each array taken out of it
+    # was counted in and out again)
+    h_raw, h_missing, h_lr, h_logged, h_slot, h_cells, h_log, h_scaled, h_floor, h_rel, h_log_floor, h_tiny, \
+        h_per_iqr = heat
+    m_q50 = m_exp = m_log = np.nan  # the last unscaled log median's exp and log (`_z_of`)
     cap = 1
     while cap < window:  # a window holds at most `window` values, and a place opens only after one left
         cap <<= 1
@@ -94,6 +104,7 @@ def _trailing(values: np.ndarray, starts: np.ndarray, window: int, lag: int, min
         buf[:] = np.inf
         signed_zero = False  # has a -0.0 entered (then an equal value may be a zero of the other sign)
         since = first  # the first row whose value may be in the ring: none before it leaves
+        q25 = q50 = q75 = np.nan  # the last row's statistics
         i = first
         while i < end:
             if skip:
@@ -111,62 +122,71 @@ def _trailing(values: np.ndarray, starts: np.ndarray, window: int, lag: int, min
             entering, leaving = not math.isnan(x_in), not math.isnan(x_out)
             if entering and x_in == 0.0 and math.copysign(1.0, x_in) < 0:
                 signed_zero = True
-            if entering and leaving and x_in == x_out and (x_in != 0.0 or not signed_zero):
-                out[0, i], out[1, i], out[2, i] = out[0, i - 1], out[1, i - 1], out[2, i - 1]
-                i += 1
-                continue  # the same values (and row i - 1 had a whole window: one left)
-            at = lo = 0
-            if entering and leaving:
-                at, lo = _rank2(buf, x_in, x_out)  # lo: the leaving value's place (the first holding it)
-            elif entering:
-                at = _rank(buf, x_in)
-            elif leaving:
-                lo = _rank(buf, x_out)
-            if leaving:
-                if entering:
-                    if at > lo:
-                        at -= 1  # its place once the leaving value is gone
-                    between = at - lo if at > lo else lo - at
-                    if between <= min(lo, n - 1 - lo) + min(at, n - 1 - at):
-                        # fewer moves: shift the values between the two places by one
+            # the same values leaving and entering (and row i - 1 had a whole window: one left):
+            # the statistics of row i - 1
+            if not (entering and leaving and x_in == x_out and (x_in != 0.0 or not signed_zero)):
+                at = lo = 0
+                if entering and leaving:
+                    at, lo = _rank2(buf, x_in, x_out)  # lo: the leaving value's place (the first holding it)
+                elif entering:
+                    at = _rank(buf, x_in)
+                elif leaving:
+                    lo = _rank(buf, x_out)
+                if leaving:
+                    if entering:
                         if at > lo:
-                            for k in range(lo, at):
-                                buf[(head + k) & mask] = buf[(head + k + 1) & mask]
-                        else:
-                            for k in range(lo, at, -1):
+                            at -= 1  # its place once the leaving value is gone
+                        between = at - lo if at > lo else lo - at
+                        if between <= min(lo, n - 1 - lo) + min(at, n - 1 - at):
+                            # fewer moves: shift the values between the two places by one
+                            if at > lo:
+                                for k in range(lo, at):
+                                    buf[(head + k) & mask] = buf[(head + k + 1) & mask]
+                            else:
+                                for k in range(lo, at, -1):
+                                    buf[(head + k) & mask] = buf[(head + k - 1) & mask]
+                            buf[(head + at) & mask] = x_in
+                            leaving = entering = False  # both done
+                    if leaving:  # close the gap from its shorter side
+                        if lo < n - 1 - lo:
+                            for k in range(lo, 0, -1):
                                 buf[(head + k) & mask] = buf[(head + k - 1) & mask]
-                        buf[(head + at) & mask] = x_in
-                        leaving = entering = False  # both done
-                if leaving:  # close the gap from its shorter side
-                    if lo < n - 1 - lo:
-                        for k in range(lo, 0, -1):
-                            buf[(head + k) & mask] = buf[(head + k - 1) & mask]
-                        buf[head] = np.inf  # free again
-                        head = (head + 1) & mask
-                    else:
-                        for k in range(lo, n - 1):
+                            buf[head] = np.inf  # free again
+                            head = (head + 1) & mask
+                        else:
+                            for k in range(lo, n - 1):
+                                buf[(head + k) & mask] = buf[(head + k + 1) & mask]
+                            buf[(head + n - 1) & mask] = np.inf
+                        n -= 1
+                if entering:  # open a place at `at` from its shorter side
+                    if at < n - at:
+                        head = (head - 1) & mask
+                        for k in range(at):
                             buf[(head + k) & mask] = buf[(head + k + 1) & mask]
-                        buf[(head + n - 1) & mask] = np.inf
-                    n -= 1
-            if entering:  # open a place at `at` from its shorter side
-                if at < n - at:
-                    head = (head - 1) & mask
-                    for k in range(at):
-                        buf[(head + k) & mask] = buf[(head + k + 1) & mask]
+                    else:
+                        for k in range(n, at, -1):
+                            buf[(head + k) & mask] = buf[(head + k - 1) & mask]
+                    buf[(head + at) & mask] = x_in
+                    n += 1
+                if n >= min_samples and n > 0:
+                    q25 = buf[(head + min(int(math.floor((n - 1) * 0.25 + 0.5)), n - 1)) & mask]  # nearest rank
+                    mid_at = (n - 1) * 0.5  # the median interpolates linearly
+                    lo_i, hi_i = int(math.floor(mid_at)), int(math.ceil(mid_at))
+                    m_lo = buf[(head + lo_i) & mask]
+                    q50 = m_lo if lo_i == hi_i else m_lo + (buf[(head + hi_i) & mask] - m_lo) * (mid_at - lo_i)
+                    q75 = buf[(head + min(int(math.floor((n - 1) * 0.75 + 0.5)), n - 1)) & mask]
                 else:
-                    for k in range(n, at, -1):
-                        buf[(head + k) & mask] = buf[(head + k - 1) & mask]
-                buf[(head + at) & mask] = x_in
-                n += 1
-            if n >= min_samples and n > 0:
-                out[0, i] = buf[(head + min(int(math.floor((n - 1) * 0.25 + 0.5)), n - 1)) & mask]  # nearest rank
-                mid_at = (n - 1) * 0.5  # the median interpolates linearly
-                lo_i, hi_i = int(math.floor(mid_at)), int(math.ceil(mid_at))
-                m_lo = buf[(head + lo_i) & mask]
-                out[1, i] = m_lo if lo_i == hi_i else m_lo + (buf[(head + hi_i) & mask] - m_lo) * (mid_at - lo_i)
-                out[2, i] = buf[(head + min(int(math.floor((n - 1) * 0.75 + 0.5)), n - 1)) & mask]
-            else:
-                out[0, i] = out[1, i] = out[2, i] = np.nan
+                    q25 = q50 = q75 = np.nan
+            if not fold:
+                out[0, i], out[1, i], out[2, i] = q25, q50, q75
+            elif h_slot[i] >= 0 and not math.isnan(q50) and not h_missing[i]:  # a kept row with a baseline, not null
+                _, _, z, m_q50, m_exp, m_log = _z_of(q25, q50, q75, np.float64(h_raw[i]), h_logged[i], h_lr[i], h_log,
+                                                     h_scaled, h_floor, h_rel, h_log_floor, h_tiny, h_per_iqr,
+                                                     m_q50, m_exp, m_log)
+                if math.isfinite(z):  # `fold_heat` of the row
+                    a = abs(z)
+                    if not h_cells[h_slot[i]] >= a:  # a NaN cell takes the first value
+                        h_cells[h_slot[i]] = a
             i += 1
 
 
@@ -194,6 +214,29 @@ def _transform(raw: np.ndarray, lr: np.ndarray, i: int, log: bool, scaled: bool,
         values[i] = np.nan
 
 
+@numba.njit(nogil=True, inline="always")
+def _z_of(q25: float, q50: float, q75: float, x: float, logged_x: float, f: float, log: bool, scaled: bool,
+          floor: float, rel_floor: float, log_floor: float, tiny: float, per_iqr: float, memo_q50: float,
+          memo_exp: float, memo_log: float) -> tuple[float, float, float, float, float, float]:  # pragma: no cover - compiled
+    """(median, scale, z, memo) of a row whose window has a median (`q50` not NaN): its value `x`
+    (`logged_x`: log(max(x, tiny)) of a log metric) and lr `f`. The memo: the last unscaled log
+    median's q50, exp and log, kept while it holds (a still series costs no exp); NaN at first."""
+    if log:
+        if scaled:
+            m = math.exp(q50) * (f if math.isfinite(f) and f > 0 else 1.0)
+            log_m = _log_floored(m, tiny)
+        else:
+            if q50 != memo_q50:
+                memo_q50, memo_exp = q50, math.exp(q50)
+                memo_log = _log_floored(memo_exp, tiny)
+            m, log_m = memo_exp, memo_log
+        s = max((q75 - q25) * per_iqr, log_floor)
+        # a NaN is floored like any other value (far below its baseline); a null has no z
+        return m, s, (logged_x - log_m) / s, memo_q50, memo_exp, memo_log
+    s = max((q75 - q25) * per_iqr, abs(q50) * rel_floor, floor)
+    return q50, s, (x - q50) / s, memo_q50, memo_exp, memo_log
+
+
 @numba.njit(cache=True, nogil=True)
 def _baseline(raw: np.ndarray, missing: np.ndarray, lr: np.ndarray, starts: np.ndarray, kept: np.ndarray,
               window: int, lag: int, min_samples: int, log: bool, scaled: bool, floor: float,
@@ -218,33 +261,43 @@ def _baseline(raw: np.ndarray, missing: np.ndarray, lr: np.ndarray, starts: np.n
     else:
         for i in range(n):
             _transform(raw, lr, i, log, scaled, tiny, values, logged)
-    _trailing(values, starts, window, lag, min_samples, q, wanted, skip)
-    last_q50, last_m, last_log_m = np.nan, np.nan, np.nan  # a log median's exp and log, kept while it holds
+    _trailing(values, starts, window, lag, min_samples, q, wanted, skip, False, _no_heat(raw))
+    m_q50 = m_exp = m_log = np.nan
     for j in range(len(taken)):
         i = kept[taken[j]]
         q25, q50, q75 = q[0, i], q[1, i], q[2, i]
         if math.isnan(q50):  # no baseline yet: the scale is its floor, the rest null
             med[j], scale[j], z[j], z_valid[j] = np.nan, log_floor if log else floor, np.nan, False
-        elif log:
-            if scaled:
-                f = lr[i]
-                m = math.exp(q50) * (f if math.isfinite(f) and f > 0 else 1.0)
-                log_m = _log_floored(m, tiny)
-            else:
-                if q50 != last_q50:
-                    last_q50, last_m = q50, math.exp(q50)
-                    last_log_m = _log_floored(last_m, tiny)
-                m, log_m = last_m, last_log_m
-            s = max((q75 - q25) * per_iqr, log_floor)
-            med[j], scale[j] = m, s
-            # a NaN is floored like any other value (far below its baseline); a null has no z
-            z[j] = (logged[i] - log_m) / s
-            z_valid[j] = not missing[i]
         else:
-            s = max((q75 - q25) * per_iqr, abs(q50) * rel_floor, floor)
-            med[j], scale[j] = q50, s
-            z[j] = (np.float64(raw[i]) - q50) / s
+            med[j], scale[j], z[j], m_q50, m_exp, m_log = _z_of(q25, q50, q75, np.float64(raw[i]), logged[i], lr[i],
+                                                                log, scaled, floor, rel_floor, log_floor, tiny,
+                                                                per_iqr, m_q50, m_exp, m_log)
             z_valid[j] = not missing[i]
+
+
+@numba.njit(nogil=True, inline="always")
+def _no_heat(raw: np.ndarray) -> tuple:  # pragma: no cover - compiled
+    """`_trailing`'s `heat` where it writes the statistics (`fold` False): typed, never read."""
+    none = np.empty(0)
+    return (raw[:0], np.empty(0, dtype=np.bool_), none, none, np.empty(0, dtype=np.int64), none,
+            False, False, 0.0, 0.0, 0.0, 0.0, 0.0)
+
+
+@numba.njit(cache=True, nogil=True)
+def _fold_baseline(raw: np.ndarray, missing: np.ndarray, lr: np.ndarray, starts: np.ndarray, slot: np.ndarray,
+                   window: int, lag: int, min_samples: int, log: bool, scaled: bool, floor: float,
+                   rel_floor: float, log_floor: float, tiny: float, iqr_to_sigma: float, scratch: np.ndarray,
+                   cells: np.ndarray) -> None:  # pragma: no cover - compiled
+    """`_baseline`'s z of every row, folded into the heatmap's `cells` (row i's is cells[slot[i]];
+    -1: none) as the window's statistics come: no column per row is written. `scratch` holds at
+    least 2 floats per row."""
+    n = len(raw)
+    values, logged = scratch[:n], scratch[n:2 * n]
+    for i in range(n):
+        _transform(raw, lr, i, log, scaled, tiny, values, logged)
+    heat = (raw, missing, lr, logged, slot, cells, log, scaled, floor, rel_floor, log_floor, tiny, 1.0 / iqr_to_sigma)
+    _trailing(values, starts, window, lag, min_samples, np.empty((3, 0)), np.empty(0, dtype=np.int64), False, True,
+              heat)
 
 
 @numba.njit(cache=True, nogil=True)
@@ -407,9 +460,14 @@ def trailing(values: np.ndarray, starts: np.ndarray, window: int, lag: int, min_
     step order; `starts`: the first row of every series, then the number of rows.
     """
     out = np.empty((3, len(values)))
-    _trailing(np.ascontiguousarray(values, dtype=np.float64), np.asarray(starts, dtype=np.int64),
-              window, lag, min_samples, out, np.empty(0, dtype=np.int64), False)
+    values = np.ascontiguousarray(values, dtype=np.float64)
+    _trailing(values, np.asarray(starts, dtype=np.int64), window, lag, min_samples, out, np.empty(0, dtype=np.int64),
+              False, False, _NO_HEAT)
     return out
+
+
+_NO_HEAT = (np.empty(0), np.empty(0, dtype=np.bool_), np.empty(0), np.empty(0), np.empty(0, dtype=np.int64),
+            np.empty(0), False, False, 0.0, 0.0, 0.0, 0.0, 0.0)  # `trailing`'s (no fold)
 
 
 class Column(NamedTuple):
@@ -464,6 +522,37 @@ def baseline_at(col: Column, lr: np.ndarray | None, starts: np.ndarray, kept: np
     return (taken, *_run(col, lr, starts, kept, window, lag, min_samples, scales, taken, wanted))
 
 
+def fold_baseline(col: Column, lr: np.ndarray | None, starts: np.ndarray, slot: np.ndarray, window: int, lag: int,
+                  min_samples: int, scales: Scales, cells: np.ndarray) -> None:
+    """`fold_heat(cells, z, z_valid)` of `baseline`'s z of the kept rows, in one pass that keeps no
+    column per row (a large window's median, scale, z and order statistics, written for every
+    metric and read back, cost more than the pass that made them). `slot`: each row's place
+    among the kept rows, -1 where not kept (`slots`)."""
+    n = len(col.raw)
+    raw = col.raw if col.raw.dtype == np.float32 else col.raw.astype(np.float64, copy=False)
+    _fold_baseline(np.ascontiguousarray(raw), col.missing if col.missing is not None else np.zeros(n, dtype=np.bool_),
+                   lr if lr is not None else ones(n), np.asarray(starts, dtype=np.int64), slot, window, lag,
+                   min_samples, col.log, col.scaled and lr is not None, col.floor, scales.rel_floor, scales.log_floor,
+                   scales.tiny, scales.iqr_to_sigma, _scratch(2 * n), cells)
+
+
+def slots(n: int, kept: np.ndarray) -> np.ndarray:
+    """Each of `n` rows' place among `kept` (ascending rows), -1 where it is not among them."""
+    slot = np.full(n, -1, dtype=np.int64)
+    slot[kept] = np.arange(len(kept))
+    return slot
+
+
+def ones(n: int) -> np.ndarray:
+    """n ones (float64), read only: this thread's, kept from call to call (an lr of 1 for every
+    row of a metric not judged against the lr; a fresh one per metric and window faulted its
+    pages in each time)."""
+    buf = getattr(_local, "ones", None)
+    if buf is None or len(buf) < n:
+        buf = _local.ones = np.ones(n)  # writable, so kernels compile for one array type
+    return buf[:n]
+
+
 def _run(col: Column, lr: np.ndarray | None, starts: np.ndarray, kept: np.ndarray, window: int, lag: int,
          min_samples: int, scales: Scales, taken: np.ndarray,
          wanted: np.ndarray | None) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
@@ -473,7 +562,7 @@ def _run(col: Column, lr: np.ndarray | None, starts: np.ndarray, kept: np.ndarra
     z_valid = np.empty(k, dtype=np.bool_)
     n = len(col.raw)
     missing = col.missing if col.missing is not None else np.zeros(n, dtype=np.bool_)
-    lr_values = lr if lr is not None else np.ones(n)
+    lr_values = lr if lr is not None else ones(n)
     raw = col.raw if col.raw.dtype == np.float32 else col.raw.astype(np.float64, copy=False)
     _baseline(np.ascontiguousarray(raw), missing, lr_values, np.asarray(starts, dtype=np.int64),
               np.asarray(kept, dtype=np.int64), window, lag, min_samples, col.log, col.scaled and lr is not None,
@@ -559,8 +648,9 @@ def warm() -> None:
         for readonly in (False, True):  # columns read from Arrow without a copy are read-only
             raw = np.ones(2, dtype=dtype)
             raw.setflags(write=not readonly)
-            baseline(Column(raw, None, True, True, 0.0), lr, starts, kept, 1, 0, 1,
-                     Scales(0.1, 0.1, 1e-12, 1.349))  # any values: only the types compile
+            col, scales = Column(raw, None, True, True, 0.0), Scales(0.1, 0.1, 1e-12, 1.349)
+            baseline(col, lr, starts, kept, 1, 0, 1, scales)  # any values: only the types compile
+            fold_baseline(col, lr, starts, slots(2, kept), 1, 0, 1, scales, np.zeros(2))
     fold_heat(np.zeros(2), np.zeros(2), np.ones(2, dtype=np.bool_))
 
 

@@ -46,10 +46,11 @@ from warninglight.forensics.store import open_trace  # noqa: E402
 
 PARTS = ((stream.Classifier, "submit", 0), (stream, "series_order", 1), (stream.Classifier, "_carry", 1),
          (stream, "judge", 0), (judge, "prepare", 1), (judge, "_column", 1), (screen, "wanted", 1),
-         (quantiles, "baseline_at", 1), (quantiles, "baseline", 1), (judge, "_hits", 1), (judge, "_heat", 1),
+         (quantiles, "baseline_at", 1), (quantiles, "baseline", 1), (judge, "_hits", 1),
+         (quantiles, "fold_baseline", 1), (judge, "_heat", 1), (stream.Classifier, "heat", 0),
          (analysis, "health_window", 0), (analysis, "join_lr", 0), (static_rules.StaticScan, "feed", 0))
 # run on the baseline's workers: their seconds are summed over them
-THREADS = {"_column", "wanted", "baseline_at", "baseline", "_hits"}
+THREADS = {"_column", "wanted", "baseline_at", "baseline", "_hits", "fold_baseline"}
 READER = {"health_window", "join_lr"}  # run on the reader thread, beside the classifier
 JUDGE = {"judge"}  # runs on a thread of its own, beside `submit` sorting the next window
 WINDOW = 3  # the window whose unit costs are timed (the first ones are shorter: no history yet)
@@ -101,6 +102,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--size", type=float, default=1e7, help="component-steps of the grown trace")
     ap.add_argument("--trace", type=Path, default=None, help="a trace to analyse instead of growing one")
+    ap.add_argument("--heat", action="store_true", help="with the heatmap, as `warninglight report` analyses")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         trace = args.trace
@@ -115,10 +117,11 @@ def main() -> None:
         stream.series_order = _kept(sorts, stream.series_order)
         judge.prepare = _returned(prepared, judge.prepare)
         t0 = time.perf_counter()
-        result = analysis.analyze(trace, heat=False)  # what `warninglight analyze` runs: no heatmap
+        result = analysis.analyze(trace, heat=args.heat)  # `analyze` runs it without the heatmap, `report` with
         total = time.perf_counter() - t0
         opened = _best_s(lambda: open_trace(trace).close(), repeat=5)
-    print(f"analyze {trace.name}: {total:.1f} s in all, {len(prepared)} step windows; "
+    print(f"analyze {trace.name}{' with the heatmap' if args.heat else ''}: {total:.1f} s in all, "
+          f"{len(prepared)} step windows; "
           f"root {result.root.attributed_to if result.root else None}")
     for owner, name, indent in PARTS:
         key = _label(owner, name)
@@ -143,6 +146,13 @@ def main() -> None:
         total += s
         print(f"    baseline kernel {m:<22s} {s / frame.height * 1e9:6.1f} ns/row")
     print(f"    baseline kernel, all {len(metrics)} metrics  {total / frame.height * 1e9:6.1f} ns/row")
+    slot, total = quantiles.slots(frame.height, rows), 0.0
+    for m in metrics:  # the heatmap's pass (`report`): every row's |z| folded into its cell
+        col, cells = baseline._column(frame, m, lr), np.full(frame.height, np.nan)
+        s = _best_s(lambda col=col, cells=cells: quantiles.fold_baseline(
+            col, lr_values, starts, slot, cfg.window, cfg.lag, cfg.min_samples, baseline._SCALES, cells))
+        total += s
+    print(f"    heatmap fold, all {len(metrics)} metrics  {total / frame.height * 1e9:6.1f} ns/row")
     config = Config()  # the screen (`screen.wanted`), every row given every role its rules read
     total = 0.0
     for m in metrics:

@@ -22,7 +22,6 @@ from warninglight.cli.common import (
     warn,
 )
 from warninglight.cli.main import app
-from warninglight.forensics.conditions import registry_rows
 
 FAULT_EXIT = 1  # --exit-code: a fault was found
 
@@ -94,5 +93,7 @@ def replay_cmd(
 @app.command("conditions")
 def conditions_cmd(config: ConfigOpt = None, overrides: SetOpt = None) -> None:
     """The registry of conditions: signal, trigger thresholds, persistence and correction ceiling."""
+    from warninglight.forensics.conditions import registry_rows
+
     rows = registry_rows(config_from(config, overrides))
     typer.echo(table(rows, ["condition", "metric", "direction", "thresholds", "persistence", "ceiling", "roles"]))

@@ -9,10 +9,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
-from warninglight.forensics.conditions import Config, ConfigError, load_config
 
-if TYPE_CHECKING:  # the engine (DuckDB, Polars) loads when a command that reads a trace runs
+if TYPE_CHECKING:  # the engine (DuckDB, Polars) and the conditions load when a command needs them
     from warninglight.forensics.analysis import Analysis
+    from warninglight.forensics.conditions import Config
 
 BAD_INPUT = 2  # exit code for input we cannot use (not a trace, bad SQL, bad option)
 
@@ -75,9 +75,11 @@ def refuse_overwrite(path: Path, force: bool, flag: str = "-o") -> None:
 
 
 # Input errors the engine raises, by the module that defines them: looked up only in modules
-# already loaded (an error cannot come from one that is not), so `conditions` loads no engine.
+# already loaded (an error cannot come from one that is not), so `conditions` loads no engine
+# and `info` no thresholds.
 _INPUT_ERRORS = {"warninglight.forensics.store": "TraceError", "warninglight.forensics.rollback": "CheckpointError",
-                 "warninglight.forensics.analysis": "StepWindowError"}
+                 "warninglight.forensics.analysis": "StepWindowError",
+                 "warninglight.forensics.conditions": "ConfigError"}
 
 
 @contextmanager
@@ -85,8 +87,6 @@ def bad_input() -> Iterator[None]:
     """Turn the library's input errors into a one-line message and exit code 2."""
     try:
         yield
-    except ConfigError as exc:
-        raise fail(str(exc)) from None
     except Exception as exc:
         known = tuple(getattr(sys.modules[m], name) for m, name in _INPUT_ERRORS.items() if m in sys.modules)
         if known and isinstance(exc, known):
@@ -101,6 +101,8 @@ def bad_input() -> Iterator[None]:
 
 def config_from(path: Path | None, overrides: list[str] | None) -> Config:
     """The thresholds the command runs with."""
+    from warninglight.forensics.conditions import load_config
+
     with bad_input():
         return load_config(path, overrides)
 

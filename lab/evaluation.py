@@ -275,7 +275,10 @@ def read_run(trace: Path) -> tuple[int, Comparators]:
 
     opened = open_trace(trace)
     try:
-        rows = int(opened.one("SELECT count(*) FROM health")[0])
+        if opened.restarted:  # the effective timeline leaves superseded rows out: counted
+            rows = int(opened.one("SELECT count(*) FROM health")[0])
+        else:  # every row of every segment counts: their footers say how many (a 1e8 trace: no scan)
+            rows = sum(s.rows for s in opened.spans if s.table == "health")
         series = opened.sql("SELECT step, loss, grad_norm_total_l2 FROM steps ORDER BY step").fetchall()
     finally:
         opened.close()

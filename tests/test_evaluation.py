@@ -201,7 +201,7 @@ def test_a_recorded_trace_scores_in_one_pass_as_in_two(name: str) -> None:
     # the score is the one the two passes (the report's analysis, then the static rules alone) gave
     from dataclasses import replace
 
-    from warninglight.forensics import analyze
+    from warninglight.forensics import analyze, open_trace
     from warninglight.forensics.static_rules import static_alarms
 
     path = SAMPLES / name
@@ -212,6 +212,11 @@ def test_a_recorded_trace_scores_in_one_pass_as_in_two(name: str) -> None:
     got = evaluation.judge_trace(name, 0, path, truth)
     assert replace(got, seconds=0.0) == want
     assert analyze(path, heat=False).static == static
+    opened = open_trace(path)
+    try:  # the denominator, counted from the segments' footers, is the rows the health view holds
+        assert rows == opened.one("SELECT count(*) FROM health")[0] > 0
+    finally:
+        opened.close()
 
 
 def test_eval_scores_recorded_traces_without_training(tmp_path) -> None:

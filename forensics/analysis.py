@@ -340,8 +340,9 @@ def classify_trace(trace: Trace, config: Config, components: pl.DataFrame, heat_
     def read(start: int) -> pl.DataFrame:
         return join_lr(health_window(trace, start, min(start + chunk - 1, last), columns=metrics,
                                      categorical=True), lr)
-    # the reads on one DuckDB thread: they run beside the classifier's threads, which keep the
-    # cores busy (DuckDB's own threads cost 3-9% more CPU for the whole analysis, and no time)
+    # the reads DuckDB still makes (a restarted run's, files that differ in columns: most are
+    # Arrow's, `store._arrow_window`) on one thread: they run beside the classifier's threads,
+    # which keep the cores busy (DuckDB's own threads cost 3-9% more CPU, and no time)
     threads = trace.one("SELECT current_setting('threads')")[0]
     trace.con.execute("SET threads = 1")
     try:

@@ -313,10 +313,15 @@ def health_steps(trace: Trace) -> tuple[int, int] | None:
     return min(s.first for s in spans), max(s.last for s in spans)  # type: ignore[type-var]
 
 
-def window_files(trace: Trace, table: str, first: int, last: int) -> list[Path]:
+def window_spans(trace: Trace, table: str, first: int, last: int) -> list[SegmentSpan]:
     """The segments of `table` that may hold steps first..last (their names or footers say so)."""
-    return [s.path for s in trace.spans if s.table == table and s.rows and s.first is not None
+    return [s for s in trace.spans if s.table == table and s.rows and s.first is not None
             and s.first <= last and s.last >= first]  # type: ignore[operator]
+
+
+def window_files(trace: Trace, table: str, first: int, last: int) -> list[Path]:
+    """The files of `window_spans`."""
+    return [s.path for s in window_spans(trace, table, first, last)]
 
 
 def health_window(trace: Trace, first: int, last: int, *, columns: list[str] | None = None,
@@ -378,8 +383,7 @@ def _arrow_window(trace: Trace, first: int, last: int, columns: list[str]) -> pl
     from polars import from_arrow
     from pyarrow.fs import LocalFileSystem
 
-    spans = [s for s in trace.spans if s.table == "health" and s.rows and s.first is not None
-             and s.first <= last and s.last >= first]  # type: ignore[operator]
+    spans = window_spans(trace, "health", first, last)
     if not spans:
         return None
     want = ["step", "component", *dict.fromkeys(columns)]

@@ -261,7 +261,7 @@ def _baseline(raw: np.ndarray, missing: np.ndarray, lr: np.ndarray, starts: np.n
     else:
         for i in range(n):
             _transform(raw, lr, i, log, scaled, tiny, values, logged)
-    _trailing(values, starts, window, lag, min_samples, q, wanted, skip, False, _no_heat(raw))
+    _trailing(values, starts, window, lag, min_samples, q, wanted, skip, False, _no_heat())
     m_q50 = m_exp = m_log = np.nan
     for j in range(len(taken)):
         i = kept[taken[j]]
@@ -275,11 +275,11 @@ def _baseline(raw: np.ndarray, missing: np.ndarray, lr: np.ndarray, starts: np.n
             z_valid[j] = not missing[i]
 
 
-@numba.njit(nogil=True, inline="always")
-def _no_heat(raw: np.ndarray) -> tuple:  # pragma: no cover - compiled
+@numba.njit(cache=True, nogil=True)
+def _no_heat() -> tuple:  # pragma: no cover - compiled
     """`_trailing`'s `heat` where it writes the statistics (`fold` False): typed, never read."""
     none = np.empty(0)
-    return (raw[:0], np.empty(0, dtype=np.bool_), none, none, np.empty(0, dtype=np.int64), none,
+    return (none, np.empty(0, dtype=np.bool_), none, none, np.empty(0, dtype=np.int64), none,
             False, False, 0.0, 0.0, 0.0, 0.0, 0.0)
 
 
@@ -462,12 +462,8 @@ def trailing(values: np.ndarray, starts: np.ndarray, window: int, lag: int, min_
     out = np.empty((3, len(values)))
     values = np.ascontiguousarray(values, dtype=np.float64)
     _trailing(values, np.asarray(starts, dtype=np.int64), window, lag, min_samples, out, np.empty(0, dtype=np.int64),
-              False, False, _NO_HEAT)
+              False, False, _no_heat())
     return out
-
-
-_NO_HEAT = (np.empty(0), np.empty(0, dtype=np.bool_), np.empty(0), np.empty(0), np.empty(0, dtype=np.int64),
-            np.empty(0), False, False, 0.0, 0.0, 0.0, 0.0, 0.0)  # `trailing`'s (no fold)
 
 
 class Column(NamedTuple):

@@ -208,28 +208,29 @@ def run_one(scenario: Any, seed: int, workdir: Path, steps: int | None = None) -
     else:
         truth = rehearse(sc, trace, seed=seed, **kwargs)
     trained = time.perf_counter() - t0
-    out = [judge_trace(sc.name, seed, trace, truth, started=t0)]
+    run = read_run(trace)  # once: the twin against the reference reads the same trace
+    out = [judge_trace(sc.name, seed, trace, truth, started=t0, run=run)]
     if sc.reference:
         ref = workdir / f"{sc.model}-reference-seed{seed}"
         if not ref.exists():  # one reference per set-up and seed, shared by its scenarios
             twin = replace(sc, name=f"{sc.model}-reference", drills=list, reference=False)
             rehearse(twin, ref, seed=REFERENCE_SEED + seed, checkpoint_every=0, **({"steps": steps} if steps else {}))
         out[0] = replace(out[0], reference=False)
-        judged = judge_trace(sc.name + REFERENCE_SUFFIX, seed, trace, truth, reference=ref)
+        judged = judge_trace(sc.name + REFERENCE_SUFFIX, seed, trace, truth, reference=ref, run=run)
         out.append(replace(judged, seconds=trained + judged.seconds, reference=True))
     return out
 
 
 def judge_trace(scenario: str, seed: int, trace: Path, truth: Mapping[str, Any], reference: Path | None = None,
-                started: float | None = None) -> RunScore:
+                started: float | None = None, run: tuple[int, Comparators] | None = None) -> RunScore:
     """One recorded trace scored against its answer key, in one pass over it: `analyze` without
     the report's heatmap, whose static rules ran beside the classifier (the same alarms as
     `static_rules.static_alarms`, which read the trace again). `started`: when the run began
-    (its seconds count from there; else from here)."""
+    (its seconds count from there; else from here); `run`: its `read_run`, if read already."""
     from warninglight.forensics import analyze
 
     t0 = time.perf_counter() if started is None else started
-    rows, comps = read_run(trace)
+    rows, comps = run if run is not None else read_run(trace)
     result = analyze(trace, reference=reference, heat=False)
     return score(scenario, seed, truth, result.to_dict(), result.static, rows, time.perf_counter() - t0, comps)
 

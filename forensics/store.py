@@ -379,7 +379,6 @@ def _arrow_window(trace: Trace, first: int, last: int, columns: list[str]) -> pl
     whose columns are missing or differ in type from another's (DuckDB unifies them by name)."""
     import pyarrow as pa
     import pyarrow.dataset as ds
-    import pyarrow.lib
     from polars import from_arrow
     from pyarrow.fs import LocalFileSystem
 
@@ -404,7 +403,7 @@ def _arrow_window(trace: Trace, first: int, last: int, columns: list[str]) -> pl
             edge = s.first < first or s.last > last  # type: ignore[operator]
             table = fragment.to_table(columns=want, filter=inside if edge else None, use_threads=False)
             tables.append(table.add_column(2, "rank", pa.repeat(pa.scalar(s.rank, pa.int64()), table.num_rows)))
-    except (OSError, pyarrow.lib.ArrowException):
+    except (OSError, pa.ArrowException):
         return None  # DuckDB reads it, or names the file it cannot
     frame: pl.DataFrame = from_arrow(pa.concat_tables(tables)).rechunk()  # type: ignore[assignment]
     return frame

@@ -63,10 +63,9 @@ def manifest_ranks(trace: Trace) -> set[int]:
 
 
 def data_ranks(trace: Trace) -> list[int]:
-    """Ranks that recorded health or step rows."""
-    rows = trace.con.execute("SELECT DISTINCT rank FROM (SELECT rank FROM health_all UNION ALL "
-                             "SELECT rank FROM steps_all) ORDER BY rank").fetchall()
-    return [int(r) for (r,) in rows if r is not None]
+    """Ranks that recorded health or step rows, from the segments' footers (a scan of every file
+    took 0.6 s on a trace of 1e8 component-steps)."""
+    return sorted({s.rank for s in trace.spans if s.table in ("health", "steps") and s.rows})
 
 
 def _manifest_warnings(trace: Trace) -> list[str]:
@@ -104,8 +103,9 @@ def _step_warnings(trace: Trace) -> list[str]:
 
 
 def _column_warnings(trace: Trace) -> list[str]:
-    have = {r[0] for r in trace.con.execute("DESCRIBE health_all").fetchall()}
-    missing = [m for m in schema.HEALTH_METRICS if m not in have]
+    files = [s.columns for s in trace.spans if s.table == "health"]
+    have = set().union(*files)  # the columns of `health_all`, without binding it again
+    missing = [m for m in schema.HEALTH_METRICS if m not in have] if files else []
     if not missing:
         return []
     return [f"missing metric columns: health has no {', '.join(missing)}; the conditions that "

@@ -38,7 +38,7 @@ if TYPE_CHECKING:  # Polars loads with the first frame asked for: `info` needs n
     import polars as pl
 
 from . import checks
-from .footers import SegmentSpan, read_files, read_spans
+from .footers import SegmentSpan, read_files, read_spans, same_schema
 from .segments import list_segments
 
 _DUCK_TYPES = {"int64": "BIGINT", "float": "FLOAT", "double": "DOUBLE", "string": "VARCHAR",
@@ -156,9 +156,10 @@ def _empty_select(table: str) -> str:
     return f"SELECT {', '.join(cols)}, CAST(NULL AS BIGINT) AS rank, CAST(NULL AS BIGINT) AS incarnation WHERE false"
 
 
-def _raw_view(con: duckdb.DuckDBPyConnection, table: str, files: list[Path]) -> None:
+def _raw_view(con: duckdb.DuckDBPyConnection, table: str, files: list[Path], spans: list[SegmentSpan]) -> None:
     # an explicit list of literal names: never another run's files
-    src = f"SELECT * FROM {read_files(files)}" if files else _empty_select(table)
+    same = same_schema([s for s in spans if s.table == table])
+    src = f"SELECT * FROM {read_files(files, same)}" if files else _empty_select(table)
     con.execute(f"CREATE VIEW {table}_all AS {src}")
 
 
@@ -240,7 +241,7 @@ def open_trace(path: str | Path) -> Trace:
         con.close()
         raise
     for table in schema.TABLES:
-        _raw_view(con, table, by_table[table])
+        _raw_view(con, table, by_table[table], spans)
     _superseded(con, spans)
     _timeline_views(con)
     trace = Trace(root=root, con=con, manifests=manifests, segments=segments, spans=spans)
@@ -354,7 +355,7 @@ def health_window(trace: Trace, first: int, last: int, *, columns: list[str] | N
         where += " AND t.component IN (" + (", ".join(_quote(n) for n in names) or "NULL") + ")"
     if rank is not None:
         where += f" AND t.rank = {int(rank)}"
-    source = f"{read_files(files) if files else 'health_all'} t"
+    source = f"{read_files(files, same_schema(window_spans(trace, 'health', first, last))) if files else 'health_all'} t"
     if trace.restarted:  # the effective timeline; with no step superseded the join keeps every
         # row, and took a third of a large window's read
         source += " JOIN _superseded s ON t.rank = s.rank AND t.incarnation = s.incarnation"

@@ -13,7 +13,7 @@ import polars as pl
 import pytest
 from typer.testing import CliRunner
 from warninglight.cli.main import app
-from warninglight.forensics import analyze, open_trace
+from warninglight.forensics import analyze, checks, open_trace
 from warninglight.lab.distributed import CHECKPOINT_EVERY, run_group
 
 TWO_RANKS = ["ddp_weight_scale", "ddp_grad_corrupt", "ddp_unwrapped_steps", "fsdp_clean"]
@@ -82,6 +82,10 @@ def test_a_clean_four_rank_run_is_healthy_with_no_alarm(runs: Path) -> None:
     trace = open_trace(runs / "ddp_clean_4ranks")
     try:
         fingerprints, local = trace.one("SELECT max(fingerprints), count(local_grad_norm_median) FROM ranks")
+        scanned = [r for (r,) in trace.con.execute(
+            "SELECT DISTINCT rank FROM (SELECT rank FROM health_all UNION ALL SELECT rank FROM steps_all) "
+            "ORDER BY rank").fetchall()]
+        assert checks.data_ranks(trace) == scanned == [0, 1, 2, 3]  # from the footers, no scan
     finally:
         trace.close()
     assert fingerprints == 1 and local > 0  # replicas equal at every step; local norms recorded

@@ -178,3 +178,44 @@ def test_a_window_whose_files_differ_in_columns_is_read_by_duckdb(copy: Path) ->
         assert health_window(t, 1, 300, columns=list(schema.HEALTH_METRICS), categorical=True).equals(duck)
     finally:
         t.close()
+
+
+def _view_sql(t, view: str) -> str:  # noqa: ANN001
+    return t.one(f"SELECT sql FROM duckdb_views() WHERE view_name = '{view}'")[0]
+
+
+def test_files_of_one_schema_are_read_without_unifying_them() -> None:
+    # every segment has the same columns and types: the view reads them as they are (binding a
+    # union by name read every footer again), and holds the rows a union reads
+    from warninglight.forensics.footers import read_files
+
+    t = open_trace(trace("mlp_clean"))
+    try:
+        assert "union_by_name" not in _view_sql(t, "health_all")
+        files = [s.path for s in t.spans if s.table == "health"]
+        order = "ORDER BY step, component"
+        plain = t.sql(f"SELECT * FROM health_all {order}").pl()
+        unified = t.sql(f"SELECT * FROM {read_files(files)} {order}").pl()
+        assert "union_by_name" in read_files(files) and plain.height == 7 * 300 and plain.equals(unified)
+    finally:
+        t.close()
+
+
+def test_files_whose_columns_differ_in_order_or_type_are_unified_by_name(copy: Path) -> None:
+    # one segment rewritten with its columns reversed and a FLOAT metric as DOUBLE: each value is
+    # still read under its own name
+    seg = sorted((copy / "health").rglob("part-*.parquet"))[1]
+    before = pl.read_parquet(seg, hive_partitioning=False)
+    assert before.schema["out_rms"] == pl.Float32
+    before.select(reversed(before.columns)).with_columns(pl.col("out_rms").cast(pl.Float64)).write_parquet(seg)
+    t = open_trace(copy)
+    try:
+        assert "union_by_name" in _view_sql(t, "health_all")
+        first, last = before["step"].min(), before["step"].max()
+        got = t.sql(f"SELECT step, component, out_rms, grad_norm_l2 FROM health_all WHERE step BETWEEN {first} AND "
+                    f"{last} ORDER BY step, component").pl()
+        want = before.select("step", "component", pl.col("out_rms").cast(pl.Float64), "grad_norm_l2").sort(
+            "step", "component")
+        assert got.height == before.height and got.equals(want)
+    finally:
+        t.close()

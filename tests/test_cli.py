@@ -195,3 +195,20 @@ def test_a_healthy_verdict_on_a_trace_too_short_to_judge_says_so(tmp_path: Path)
     assert r.stdout.splitlines()[-1].startswith(
         "note: only 5 steps recorded; a component is first judged against its baseline at its recorded step 67 ")
     assert "note:" not in run("analyze", trace("mlp_clean")).stdout
+
+
+def test_the_installed_command_answers_and_exits_with_the_apps_codes(tmp_path: Path) -> None:
+    # `warninglight` as pip installs it (pyproject's script: `run`, the app with the collector set
+    # for a short process), in a fresh interpreter
+    import subprocess
+    import sys
+    import tomllib
+
+    scripts = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())["project"]["scripts"]
+    assert scripts["warninglight"] == "warninglight.cli.main:run"
+    command = [sys.executable, "-c", "import sys; from warninglight.cli.main import run; sys.exit(run())"]
+    ok = subprocess.run([*command, "query", trace("mlp_clean"), "SELECT count(*) AS n FROM health", "--format", "csv"],
+                        capture_output=True, text=True, timeout=120)
+    assert (ok.returncode, ok.stdout) == (0, "n\n2100\n"), ok.stderr
+    bad = subprocess.run([*command, "info", tmp_path / "missing"], capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and bad.stdout == "" and bad.stderr.startswith("error: ") and "not a directory" in bad.stderr

@@ -148,6 +148,9 @@ class Analysis:
     static: list[StaticAlarm] = field(default_factory=list)  # what fixed-threshold rules saw
     config: Config = field(default_factory=Config, repr=False)
     heat_width: int = 1  # steps per heat bin (1 up to HEAT_BINS steps)
+    # health rows in the segments, from their footers (None: a restarted run, whose effective
+    # timeline leaves some out): what `eval` divides false alarms by
+    health_rows: int | None = None
 
     def alarm_list(self) -> list[Alarm]:
         """The alarms as records, in step order (non-finite floats as None)."""
@@ -442,6 +445,7 @@ def analyze(trace_dir: str | Path, *, config: Config | str | Path | None = None,
         missing = checks.checkpoint_warning(rollback.checkpoint_path, rollback.checkpoint_step,
                                             trace.root)
         warnings += [missing] if missing else []
+        health_rows = None if trace.restarted else sum(s.rows for s in trace.spans if s.table == "health")
     finally:
         trace.close()
     alarms = located_frame(located).select(ALARM_KEYS)
@@ -458,4 +462,4 @@ def analyze(trace_dir: str | Path, *, config: Config | str | Path | None = None,
     return Analysis(Path(trace_dir), FAULT if top else HEALTHY, top, affected,
                     alarms, rollback, Detectors(**found, **leads, first_alarm_step=first_light),
                     clf.heat(), summary, components, table, cfg.baseline.min_samples + cfg.baseline.lag,
-                    warnings, panel, static.alarms(), cfg, width)
+                    warnings, panel, static.alarms(), cfg, width, health_rows)

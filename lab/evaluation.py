@@ -208,30 +208,30 @@ def run_one(scenario: Any, seed: int, workdir: Path, steps: int | None = None) -
     else:
         truth = rehearse(sc, trace, seed=seed, **kwargs)
     trained = time.perf_counter() - t0
-    run = read_run(trace)  # once: the twin against the reference reads the same trace
-    out = [judge_trace(sc.name, seed, trace, truth, started=t0, run=run)]
+    out = [judge_trace(sc.name, seed, trace, truth, started=t0)]
     if sc.reference:
         ref = workdir / f"{sc.model}-reference-seed{seed}"
         if not ref.exists():  # one reference per set-up and seed, shared by its scenarios
             twin = replace(sc, name=f"{sc.model}-reference", drills=list, reference=False)
             rehearse(twin, ref, seed=REFERENCE_SEED + seed, checkpoint_every=0, **({"steps": steps} if steps else {}))
         out[0] = replace(out[0], reference=False)
-        judged = judge_trace(sc.name + REFERENCE_SUFFIX, seed, trace, truth, reference=ref, run=run)
+        judged = judge_trace(sc.name + REFERENCE_SUFFIX, seed, trace, truth, reference=ref)
         out.append(replace(judged, seconds=trained + judged.seconds, reference=True))
     return out
 
 
 def judge_trace(scenario: str, seed: int, trace: Path, truth: Mapping[str, Any], reference: Path | None = None,
-                started: float | None = None, run: tuple[int, Comparators] | None = None) -> RunScore:
+                started: float | None = None) -> RunScore:
     """One recorded trace scored against its answer key, in one pass over it: `analyze` without
     the report's heatmap, whose static rules ran beside the classifier (the same alarms as
-    `static_rules.static_alarms`, which read the trace again). `started`: when the run began
-    (its seconds count from there; else from here); `run`: its `read_run`, if read already."""
+    `static_rules.static_alarms`, which read the trace again), and the denominator and the
+    comparators' firings from what it read (`run_of`). `started`: when the run began (its
+    seconds count from there; else from here)."""
     from warninglight.forensics import analyze
 
     t0 = time.perf_counter() if started is None else started
-    rows, comps = run if run is not None else read_run(trace)
     result = analyze(trace, reference=reference, heat=False)
+    rows, comps = run_of(result)
     return score(scenario, seed, truth, result.to_dict(), result.static, rows, time.perf_counter() - t0, comps)
 
 
@@ -269,22 +269,33 @@ def judge_recorded(traces: Sequence[Path], progress: Callable[[RunScore], None] 
     return out
 
 
-def read_run(trace: Path) -> tuple[int, Comparators]:
-    """Health rows (the false-alarm denominator) and every firing of the two comparator rules."""
+def run_of(result: Any) -> tuple[int, Comparators]:
+    """Health rows (the false-alarm denominator) and every firing of the two comparator rules on
+    the trace `result` (an `Analysis`) was reached from: its rows from the segments' footers and
+    the loss and gradient norm of the steps table it read, every row in step order (a restarted
+    run's rows are counted on its effective timeline). Opening the trace again for them took
+    ~2 s of `eval --trace` on a trace of 1e8 component-steps."""
     import numpy as np
+    import polars as pl
     from warninglight.forensics import detectors, open_trace
 
-    opened = open_trace(trace)
-    try:
-        if opened.restarted:  # the effective timeline leaves superseded rows out: counted
+    rows = result.health_rows
+    if rows is None:
+        opened = open_trace(result.trace_dir)
+        try:
             rows = int(opened.one("SELECT count(*) FROM health")[0])
-        else:  # every row of every segment counts: their footers say how many (a 1e8 trace: no scan)
-            rows = sum(s.rows for s in opened.spans if s.table == "health")
-        series = opened.sql("SELECT step, loss, grad_norm_total_l2 FROM steps ORDER BY step").fetchall()
-    finally:
-        opened.close()
-    step = np.array([r[0] for r in series], dtype=np.int64)
-    loss, grad = (np.array([np.nan if r[i] is None else r[i] for r in series], dtype=np.float64) for i in (1, 2))
+        finally:
+            opened.close()
+    table: pl.DataFrame = result.steps
+    table = table.sort([c for c in ("step", "rank") if c in table.columns], maintain_order=True)
+
+    def column(name: str, dtype: Any, missing: float | int) -> np.ndarray:
+        if name not in table.columns:
+            return np.full(table.height, missing, dtype=np.float64)
+        return table[name].cast(dtype).fill_null(missing).to_numpy()
+
+    step = column("step", pl.Int64, 0).astype(np.int64)
+    loss, grad = column("loss", pl.Float64, np.nan), column("grad_norm_total_l2", pl.Float64, np.nan)
     return rows, Comparators(tuple(detectors.loss_spikes(step, loss)), tuple(detectors.grad_norm_spikes(step, grad)))
 
 

@@ -195,28 +195,60 @@ def test_single_rank_runs_have_no_rank_column_value() -> None:
     assert r.rank_correct is None and evaluation.summarise_faults([r])["rank right"] == "—"
 
 
-@pytest.mark.parametrize("name", ["gpt_nan", "mlp_saturation_gradual", "cnn_clean"])
+def _read_run(path: Path) -> tuple[int, evaluation.Comparators]:
+    """The false-alarm denominator and the comparators' firings read from the trace on their own:
+    every row the health view holds, and the two rules over the steps view's loss and norm."""
+    import numpy as np
+    from warninglight.forensics import detectors, open_trace
+
+    opened = open_trace(path)
+    try:
+        rows = int(opened.one("SELECT count(*) FROM health")[0])
+        series = opened.sql("SELECT step, loss, grad_norm_total_l2 FROM steps ORDER BY step, rank").fetchall()
+    finally:
+        opened.close()
+    step = np.array([r[0] for r in series], dtype=np.int64)
+    loss, grad = (np.array([np.nan if r[i] is None else r[i] for r in series], dtype=np.float64) for i in (1, 2))
+    return rows, evaluation.Comparators(tuple(detectors.loss_spikes(step, loss)),
+                                        tuple(detectors.grad_norm_spikes(step, grad)))
+
+
+@pytest.mark.parametrize("name", ["gpt_nan", "mlp_saturation_gradual", "cnn_clean", "cnn_corrupt_batches"])
 def test_a_recorded_trace_scores_in_one_pass_as_in_two(name: str) -> None:
-    # eval reads a trace once: analyze without the heatmap, the static rules from the same pass;
-    # the score is the one the two passes (the report's analysis, then the static rules alone) gave
+    # eval reads a trace once: analyze without the heatmap, the static rules, the denominator and
+    # the comparators' firings from the same pass; the score is the one the separate passes (the
+    # report's analysis, the static rules alone, the rows and the steps read again) gave
     from dataclasses import replace
 
-    from warninglight.forensics import analyze, open_trace
+    from warninglight.forensics import analyze
     from warninglight.forensics.static_rules import static_alarms
 
     path = SAMPLES / name
     truth = evaluation.read_truth(path)
-    rows, comps = evaluation.read_run(path)
+    rows, comps = _read_run(path)
     static = static_alarms(path)
     want = evaluation.score(name, 0, truth, analyze(path).to_dict(), static, rows, 0.0, comps)
     got = evaluation.judge_trace(name, 0, path, truth)
     assert replace(got, seconds=0.0) == want
-    assert analyze(path, heat=False).static == static
-    opened = open_trace(path)
-    try:  # the denominator, counted from the segments' footers, is the rows the health view holds
-        assert rows == opened.one("SELECT count(*) FROM health")[0] > 0
-    finally:
-        opened.close()
+    assert rows > 0 and comps.grad  # the gradient-norm rule fires on each (the loss rule on two)
+    result = analyze(path, heat=False)
+    assert result.static == static and evaluation.run_of(result) == (rows, comps)
+
+
+def test_a_restarted_runs_denominator_counts_its_effective_timeline(tmp_path: Path) -> None:
+    # a restart supersedes what the first incarnation recorded from its first step on: those rows
+    # are not judged, so they are not counted (the footers would count them)
+    from warninglight.forensics import analyze
+    from warninglight.lab.rehearsal import rehearse
+
+    out, ckpt = tmp_path / "restarted", tmp_path / "ckpt"
+    rehearse("mlp_clean", out, steps=120, checkpoint_every=50, checkpoint_dir=ckpt)
+    rehearse("mlp_clean", out, steps=160, checkpoint_every=50, checkpoint_dir=ckpt,
+             resume_from=ckpt / "step-000100.pt", start_step=100)
+    result = analyze(out, heat=False)
+    assert result.health_rows is None  # restarted: not from the footers
+    rows, comps = evaluation.run_of(result)
+    assert (rows, comps) == _read_run(out) and rows == 160 * result.summary["components"]
 
 
 def test_eval_scores_recorded_traces_without_training(tmp_path) -> None:

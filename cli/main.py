@@ -32,8 +32,10 @@ def run() -> None:
     hundred thousand objects, none of them garbage; the collector's default (a pass every 700 new
     objects) walked them again and again, and the interpreter's exit walked them all once more:
     ~0.1 s of a quick command's ~0.5 s (`warninglight info` on a sample trace). A pass every
-    20,000 new objects still collects a long analysis's cycles, and what is alive at the end is
-    frozen out of the exit's passes (`gc.freeze`); memory is freed as before.
+    20,000 new objects still collects a long analysis's cycles (a cycle waits for more new
+    objects before it is freed), and what is alive at the end is frozen out of the exit's
+    passes (`gc.freeze`): no object of the engine needs a collector's pass to flush or close,
+    and the `atexit` handlers (the recorder's) run as before.
     """
     gc.set_threshold(20_000, 10, 10)
     try:

@@ -149,7 +149,7 @@ class Analysis:
     config: Config = field(default_factory=Config, repr=False)
     heat_width: int = 1  # steps per heat bin (1 up to HEAT_BINS steps)
     # health rows in the segments, from their footers (None: a restarted run, whose effective
-    # timeline leaves some out): what `eval` divides false alarms by
+    # timeline leaves some out, or an incident window): what `eval` divides false alarms by
     health_rows: int | None = None
 
     def alarm_list(self) -> list[Alarm]:
@@ -445,7 +445,8 @@ def analyze(trace_dir: str | Path, *, config: Config | str | Path | None = None,
         missing = checks.checkpoint_warning(rollback.checkpoint_path, rollback.checkpoint_step,
                                             trace.root)
         warnings += [missing] if missing else []
-        health_rows = None if trace.restarted else sum(s.rows for s in trace.spans if s.table == "health")
+        health_rows = (None if trace.restarted or steps is not None else
+                       sum(s.rows for s in trace.spans if s.table == "health"))
     finally:
         trace.close()
     alarms = located_frame(located).select(ALARM_KEYS)

@@ -103,9 +103,9 @@ def _step_warnings(trace: Trace) -> list[str]:
 
 
 def _column_warnings(trace: Trace) -> list[str]:
-    files = [s.columns for s in trace.spans if s.table == "health"]
-    have = set().union(*files)  # the columns of `health_all`, without binding it again
-    missing = [m for m in schema.HEALTH_METRICS if m not in have] if files else []
+    schemas = [s.columns for s in trace.spans if s.table == "health"]
+    have = set().union(*schemas)  # the columns of `health_all`, without binding it again
+    missing = [m for m in schema.HEALTH_METRICS if m not in have] if schemas else []
     if not missing:
         return []
     return [f"missing metric columns: health has no {', '.join(missing)}; the conditions that "

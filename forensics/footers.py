@@ -20,9 +20,9 @@ from .checks import KEY_COLUMNS
 
 @dataclass(frozen=True)
 class SegmentSpan:
-    """One segment file, the first and last step it holds (None: it holds no step), the names of
-    its columns (its footer's; the hive columns rank and incarnation are not among them) and their
-    Parquet types (`same_schema`)."""
+    """One segment file, the first and last step it holds (None: it holds no step), and its
+    footer's schema: the name of each element (the root's, each column's; the hive columns rank
+    and incarnation are not among them) and each one's Parquet type (`same_schema`)."""
 
     table: str
     rank: int
@@ -46,14 +46,14 @@ def literal(path: Path) -> str:
     return "'" + escape_glob(str(path)).replace("'", "''") + "'"
 
 
-def read_files(files: list[Path], same_schema: bool = False) -> str:
+def read_files(files: list[Path], one_schema: bool = False) -> str:
     """DuckDB's table function reading exactly `files`, with their rank and incarnation folders.
-    Columns are matched by name across files unless `same_schema` says every file has the same
+    Columns are matched by name across files unless `one_schema` says every file has the same
     columns of the same types in the same order: binding the union read every file's footer
     again, each time a view over it was made (~0.9 s of opening a trace of 2,000 files)."""
     return (f"read_parquet([{', '.join(literal(p) for p in files)}], hive_partitioning = true, "
             "hive_types = {'rank': BIGINT, 'incarnation': BIGINT}"
-            + (")" if same_schema else ", union_by_name = true)"))
+            + (")" if one_schema else ", union_by_name = true)"))
 
 
 def same_schema(spans: list[SegmentSpan]) -> bool:
@@ -140,14 +140,18 @@ def read_spans(con: duckdb.DuckDBPyConnection, by_table: dict[str, list[Path]]) 
         return spans
     # one query each for every table's files (~3 ms a query on a small trace, where a quick
     # command's whole answer is due in 0.5 s)
-    names = _query(con, "SELECT file_name, list(name), list(concat_ws(' ', type, type_length, repetition_type, "
-                        "converted_type, scale, precision, logical_type)) FROM parquet_schema({files}) "
-                        "GROUP BY file_name", every)
+    # each element's name and type, as one string per element with every field in its place; the
+    # lists come in each file's schema order (one file's rows are one run of the table function):
+    # were they not, two files would only look different, and be unified by name (`same_schema`)
+    fields = ", ".join(f"coalesce(CAST({f} AS VARCHAR), '')" for f in (
+        "type", "type_length", "repetition_type", "converted_type", "scale", "precision", "logical_type"))
+    names = _query(con, f"SELECT file_name, list(name), list(concat_ws('|', {fields})) "
+                        "FROM parquet_schema({files}) GROUP BY file_name", every)
     rows = _query(con, "SELECT file_name, num_rows FROM parquet_file_metadata({files})", every)
     unnamed = [p for p in every if schema.segment_steps(p.name) is None
                and rows[str(p)][0] and "step" in names[str(p)][0]]
     ranges = _step_ranges(con, unnamed) if unnamed else {}
-    shared: dict[tuple[str, ...], tuple[str, ...]] = {}  # one tuple per distinct list of names
+    shared: dict[tuple[str, ...], tuple[str, ...]] = {}  # one tuple per distinct list of names or types
     for table, files in ((t, by_table.get(t, [])) for t in schema.TABLES):
         for path in files:
             missing = [k for k in KEY_COLUMNS[table] if k not in names.get(str(path), ((),))[0]]

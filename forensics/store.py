@@ -343,7 +343,8 @@ def health_window(trace: Trace, first: int, last: int, *, columns: list[str] | N
         read = _arrow_window(trace, first, last, columns)
         if read is not None:
             return read
-    files = window_files(trace, "health", first, last)
+    spans = window_spans(trace, "health", first, last)
+    files = [s.path for s in spans]
     enum = trace.component_enum if categorical else None
     named = "t.component" if enum is None else f"TRY_CAST(t.component AS {enum}) AS component"
     if columns is None:
@@ -355,7 +356,7 @@ def health_window(trace: Trace, first: int, last: int, *, columns: list[str] | N
         where += " AND t.component IN (" + (", ".join(_quote(n) for n in names) or "NULL") + ")"
     if rank is not None:
         where += f" AND t.rank = {int(rank)}"
-    source = f"{read_files(files, same_schema(window_spans(trace, 'health', first, last))) if files else 'health_all'} t"
+    source = f"{read_files(files, same_schema(spans)) if files else 'health_all'} t"
     if trace.restarted:  # the effective timeline; with no step superseded the join keeps every
         # row, and took a third of a large window's read
         source += " JOIN _superseded s ON t.rank = s.rank AND t.incarnation = s.incarnation"

@@ -15,9 +15,12 @@ import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from warninglight.forensics.static_rules import StaticAlarm
+
+if TYPE_CHECKING:
+    from warninglight.forensics import Analysis
 
 ONSET_TOLERANCE = {"abrupt": 2, "gradual": 10}  # steps; the issue's targets
 GRADUAL_LEAD_TARGET = 100  # steps the alarm must precede the loss-spike rule on gradual faults
@@ -269,12 +272,12 @@ def judge_recorded(traces: Sequence[Path], progress: Callable[[RunScore], None] 
     return out
 
 
-def run_of(result: Any) -> tuple[int, Comparators]:
+def run_of(result: Analysis) -> tuple[int, Comparators]:
     """Health rows (the false-alarm denominator) and every firing of the two comparator rules on
-    the trace `result` (an `Analysis`) was reached from: its rows from the segments' footers and
-    the loss and gradient norm of the steps table it read, every row in step order (a restarted
-    run's rows are counted on its effective timeline). Opening the trace again for them took
-    ~2 s of `eval --trace` on a trace of 1e8 component-steps."""
+    the trace an analysis of the whole run was reached from: its rows from the segments' footers
+    and the loss and gradient norm of the steps table it read, every row in step order. A
+    restarted run's rows are counted on its effective timeline (the trace is opened again for
+    that). Opening it again every time took ~2 s of `eval --trace` at 1e8 component-steps."""
     import numpy as np
     import polars as pl
     from warninglight.forensics import detectors, open_trace

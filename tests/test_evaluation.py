@@ -230,7 +230,7 @@ def test_a_recorded_trace_scores_in_one_pass_as_in_two(name: str) -> None:
     want = evaluation.score(name, 0, truth, analyze(path).to_dict(), static, rows, 0.0, comps)
     got = evaluation.judge_trace(name, 0, path, truth)
     assert replace(got, seconds=0.0) == want
-    assert rows > 0 and comps.grad  # the gradient-norm rule fires on each (the loss rule on two)
+    assert rows > 0 and comps.grad  # the gradient-norm rule fires on each of them
     result = analyze(path, heat=False)
     assert result.static == static and evaluation.run_of(result) == (rows, comps)
 

@@ -134,3 +134,17 @@ def test_the_report_shows_a_rank_by_step_panel(runs: Path, tmp_path: Path) -> No
     diverged = analyze(runs / "ddp_unwrapped_steps").ranks_panel
     assert diverged.filter(pl.col("step") < 25)["diverged"].any() is False
     assert diverged.filter(pl.col("step") == 25)["diverged"].to_list() == [True, True]
+
+
+def test_eval_counts_every_ranks_rows_and_fires_the_comparators_on_every_ranks_steps(runs: Path) -> None:
+    # eval's denominator and comparator firings, taken from the analysis, are what reading the
+    # multi-rank trace apart gives: every rank's health rows, the steps of every rank in order
+    from test_evaluation import _read_run
+    from warninglight.lab.evaluation import run_of
+
+    fired = 0
+    for path in sorted(p for p in runs.iterdir() if (p / "health").is_dir()):
+        rows, comps = run_of(analyze(path, heat=False))
+        assert (rows, comps) == _read_run(path) and rows > 0, path.name
+        fired += len(comps.loss) + len(comps.grad)
+    assert fired > 0

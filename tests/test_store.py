@@ -201,20 +201,27 @@ def test_files_of_one_schema_are_read_without_unifying_them() -> None:
         t.close()
 
 
-def test_files_whose_columns_differ_in_order_or_type_are_unified_by_name(copy: Path) -> None:
-    # one segment rewritten with its columns reversed and a FLOAT metric as DOUBLE: each value is
-    # still read under its own name
+@pytest.mark.parametrize("change", ["order", "type", "both"])
+def test_files_whose_columns_differ_in_order_or_type_are_unified_by_name(change: str, copy: Path) -> None:
+    # one segment rewritten (by pyarrow, as the recorder writes) with its columns reversed, a FLOAT
+    # metric as DOUBLE holding values no FLOAT can, or both: each value is read under its own name
+    # and type (read as the other files' FLOAT, the DOUBLE values would be rounded)
+    import pyarrow.parquet as pq
+
     seg = sorted((copy / "health").rglob("part-*.parquet"))[1]
     before = pl.read_parquet(seg, hive_partitioning=False)
     assert before.schema["out_rms"] == pl.Float32
-    before.select(reversed(before.columns)).with_columns(pl.col("out_rms").cast(pl.Float64)).write_parquet(seg)
+    after = before.select(reversed(before.columns)) if change != "type" else before
+    if change != "order":
+        after = after.with_columns(pl.col("out_rms").cast(pl.Float64) * (1 + 2**-40))
+    pq.write_table(after.to_arrow(), seg)
     t = open_trace(copy)
     try:
         assert "union_by_name" in _view_sql(t, "health_all")
         first, last = before["step"].min(), before["step"].max()
         got = t.sql(f"SELECT step, component, out_rms, grad_norm_l2 FROM health_all WHERE step BETWEEN {first} AND "
                     f"{last} ORDER BY step, component").pl()
-        want = before.select("step", "component", pl.col("out_rms").cast(pl.Float64), "grad_norm_l2").sort(
+        want = after.select("step", "component", pl.col("out_rms").cast(pl.Float64), "grad_norm_l2").sort(
             "step", "component")
         assert got.height == before.height and got.equals(want)
     finally:

@@ -1,6 +1,7 @@
 """`warninglight analyze`, `rollback`, `replay`, `conditions`: thin shells over forensics."""
 
-from __future__ import annotations
+# Annotations stay evaluated (no `from __future__ import annotations`): Typer reads every
+# command's signature at each start, and a string annotation costs it an eval (a test holds it).
 
 import json
 from typing import Annotated

@@ -1,6 +1,7 @@
 """`warninglight demo` and `eval`: thin shells over the lab's demo and detection benchmark."""
 
-from __future__ import annotations
+# Annotations stay evaluated (no `from __future__ import annotations`): Typer reads every
+# command's signature at each start, and a string annotation costs it an eval (a test holds it).
 
 import json
 from pathlib import Path

@@ -1,6 +1,7 @@
 """`warninglight report`: a thin shell over forensics.report."""
 
-from __future__ import annotations
+# Annotations stay evaluated (no `from __future__ import annotations`): Typer reads every
+# command's signature at each start, and a string annotation costs it an eval (a test holds it).
 
 from enum import StrEnum
 from pathlib import Path

@@ -1,6 +1,7 @@
 """`warninglight info` and `warninglight query`: what a trace holds, and SQL over its views."""
 
-from __future__ import annotations
+# Annotations stay evaluated (no `from __future__ import annotations`): Typer reads every
+# command's signature at each start, and a string annotation costs it an eval (a test holds it).
 
 from enum import StrEnum
 from typing import Annotated

@@ -231,9 +231,8 @@ def median_bounds(col: Column, lr: np.ndarray | None, starts: np.ndarray, kept: 
     n, k = len(col.raw), len(kept)
     work = Workspace(n, len(starts) - 1)
     lo, hi = np.empty(k), np.empty(k)
-    raw = col.raw if col.raw.dtype == np.float32 else col.raw.astype(np.float64, copy=False)
-    _median_bounds(np.ascontiguousarray(raw), lr if lr is not None else np.ones(n),
-                   np.asarray(starts, dtype=np.int64), np.asarray(kept, dtype=np.int64), window, lag,
-                   min_samples, col.log, col.scaled and lr is not None, scales.tiny, lo, hi,
-                   work.blocks, work.count, work.finite, work.base, work.plain)
+    raw, _, lr_values, scaled = col.arrays(lr)
+    _median_bounds(raw, lr_values, np.asarray(starts, dtype=np.int64), np.asarray(kept, dtype=np.int64), window, lag,
+                   min_samples, col.log, scaled, scales.tiny, lo, hi, work.blocks, work.count, work.finite,
+                   work.base, work.plain)
     return lo, hi, work.plain

@@ -257,8 +257,7 @@ def judge(window: pl.DataFrame, config: Config, judged: str, lead: int, heat_wid
         if not rules:
             return _Judged([], None, None)
         table = rt.table(rules, role_sets)
-        raw = np.ascontiguousarray(col.raw)
-        missing = col.missing if col.missing is not None else np.zeros(len(col.raw), dtype=np.bool_)
+        raw, missing, _, _ = col.arrays(lr_values)
 
         def rules_on(want: np.ndarray | None) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, bool]:
             """(rows taken, their median, z and z valid, `_hits`' out, whether a peers rule held)."""

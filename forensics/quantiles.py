@@ -476,6 +476,15 @@ class Column(NamedTuple):
     scaled: bool   # relative to the step's lr
     floor: float   # the scale's absolute floor (metric units; not used on log metrics)
 
+    def arrays(self, lr: np.ndarray | None) -> tuple[np.ndarray, np.ndarray, np.ndarray, bool]:
+        """What the kernels take of the column: its values contiguous (float32 as stored, else
+        float64), where they are null (nowhere: all False), the lr (none: this thread's ones)
+        and whether the metric is judged relative to it."""
+        n = len(self.raw)
+        raw = self.raw if self.raw.dtype == np.float32 else self.raw.astype(np.float64, copy=False)
+        missing = self.missing if self.missing is not None else np.zeros(n, dtype=np.bool_)
+        return np.ascontiguousarray(raw), missing, lr if lr is not None else ones(n), self.scaled and lr is not None
+
 
 @dataclass(frozen=True)
 class Scales:
@@ -524,12 +533,10 @@ def fold_baseline(col: Column, lr: np.ndarray | None, starts: np.ndarray, slot: 
     column per row (a large window's median, scale, z and order statistics, written for every
     metric and read back, cost more than the pass that made them). `slot`: each row's place
     among the kept rows, -1 where not kept (`slots`)."""
-    n = len(col.raw)
-    raw = col.raw if col.raw.dtype == np.float32 else col.raw.astype(np.float64, copy=False)
-    _fold_baseline(np.ascontiguousarray(raw), col.missing if col.missing is not None else np.zeros(n, dtype=np.bool_),
-                   lr if lr is not None else ones(n), np.asarray(starts, dtype=np.int64), slot, window, lag,
-                   min_samples, col.log, col.scaled and lr is not None, col.floor, scales.rel_floor, scales.log_floor,
-                   scales.tiny, scales.iqr_to_sigma, _scratch(2 * n), cells)
+    raw, missing, lr_values, scaled = col.arrays(lr)
+    _fold_baseline(raw, missing, lr_values, np.asarray(starts, dtype=np.int64), slot, window, lag, min_samples,
+                   col.log, scaled, col.floor, scales.rel_floor, scales.log_floor, scales.tiny, scales.iqr_to_sigma,
+                   _scratch(2 * len(raw)), cells)
 
 
 def slots(n: int, kept: np.ndarray) -> np.ndarray:
@@ -556,14 +563,11 @@ def _run(col: Column, lr: np.ndarray | None, starts: np.ndarray, kept: np.ndarra
     k = len(taken)
     med, scale, z = np.empty(k), np.empty(k), np.empty(k)
     z_valid = np.empty(k, dtype=np.bool_)
-    n = len(col.raw)
-    missing = col.missing if col.missing is not None else np.zeros(n, dtype=np.bool_)
-    lr_values = lr if lr is not None else ones(n)
-    raw = col.raw if col.raw.dtype == np.float32 else col.raw.astype(np.float64, copy=False)
-    _baseline(np.ascontiguousarray(raw), missing, lr_values, np.asarray(starts, dtype=np.int64),
-              np.asarray(kept, dtype=np.int64), window, lag, min_samples, col.log, col.scaled and lr is not None,
+    raw, missing, lr_values, scaled = col.arrays(lr)
+    _baseline(raw, missing, lr_values, np.asarray(starts, dtype=np.int64),
+              np.asarray(kept, dtype=np.int64), window, lag, min_samples, col.log, scaled,
               col.floor, scales.rel_floor, scales.log_floor, scales.tiny, scales.iqr_to_sigma, med, scale, z,
-              z_valid, _scratch(5 * n), np.asarray(taken, dtype=np.int64),
+              z_valid, _scratch(5 * len(raw)), np.asarray(taken, dtype=np.int64),
               wanted if wanted is not None else np.empty(0, dtype=np.int64), wanted is not None)
     return med, scale, z, z_valid
 

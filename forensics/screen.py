@@ -18,7 +18,7 @@ import numpy as np
 
 from . import bounds
 from . import ruletable as rt
-from .quantiles import Column, Scales, ones
+from .quantiles import Column, Scales
 
 # A metric's baseline is taken only at the rows where one of its rules may fire, unless more
 # than one row in this many may: each such row reads its whole window, and the rows between
@@ -191,9 +191,8 @@ def wanted(col: Column, lr: np.ndarray | None, starts: np.ndarray, kept: np.ndar
     n = len(col.raw)
     work = bounds.Workspace(n, len(starts) - 1)
     want = np.empty(len(kept), dtype=np.bool_)
-    may = candidates(np.ascontiguousarray(col.raw), col.missing if col.missing is not None else np.zeros(n, dtype=np.bool_),
-                     lr if lr is not None else ones(n), np.asarray(starts, dtype=np.int64),
-                     np.asarray(kept, dtype=np.int64), window, lag, min_samples, col.log, col.scaled and lr is not None,
-                     scales.tiny, rules, roles, want, work.blocks, work.count, work.finite, work.base, work.plain,
-                     work.quiet)
+    raw, missing, lr_values, scaled = col.arrays(lr)
+    may = candidates(raw, missing, lr_values, np.asarray(starts, dtype=np.int64), np.asarray(kept, dtype=np.int64),
+                     window, lag, min_samples, col.log, scaled, scales.tiny, rules, roles, want, work.blocks,
+                     work.count, work.finite, work.base, work.plain, work.quiet)
     return (None if may * SPARSE > len(kept) else want), (None if work.plain.all() else ~work.plain)

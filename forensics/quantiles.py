@@ -183,10 +183,7 @@ def _trailing(values: np.ndarray, starts: np.ndarray, window: int, lag: int, min
                 _, _, z, m_q50, m_exp, m_log = _z_of(q25, q50, q75, np.float64(h_raw[i]), h_logged[i], h_lr[i], h_log,
                                                      h_scaled, h_floor, h_rel, h_log_floor, h_tiny, h_per_iqr,
                                                      m_q50, m_exp, m_log)
-                if math.isfinite(z):  # `fold_heat` of the row
-                    a = abs(z)
-                    if not h_cells[h_slot[i]] >= a:  # a NaN cell takes the first value
-                        h_cells[h_slot[i]] = a
+                h_cells[h_slot[i]] = _worse(h_cells[h_slot[i]], z)
             i += 1
 
 
@@ -300,16 +297,24 @@ def _fold_baseline(raw: np.ndarray, missing: np.ndarray, lr: np.ndarray, starts:
               heat)
 
 
+@numba.njit(nogil=True, inline="always")
+def _worse(cell: float, z: float) -> float:  # pragma: no cover - compiled
+    """A heatmap cell after a z of its row: the larger of the cell and |z| where z is finite (a
+    NaN cell, none yet, takes the first)."""
+    if math.isfinite(z):
+        a = abs(z)
+        if not cell >= a:
+            return a
+    return cell
+
+
 @numba.njit(cache=True, nogil=True)
 def fold_heat(heat: np.ndarray, z: np.ndarray, z_valid: np.ndarray) -> None:  # pragma: no cover - compiled
     """heat = fmax(heat, |z|) where z is valid and finite, in place: the heatmap's cell, the
     worst |z| of a row over its metrics (NaN where none has one yet)."""
     for j in range(len(heat)):
-        v = z[j]
-        if z_valid[j] and math.isfinite(v):
-            a = abs(v)
-            if not heat[j] >= a:  # a NaN cell takes the first value
-                heat[j] = a
+        if z_valid[j]:
+            heat[j] = _worse(heat[j], z[j])
 
 
 @numba.njit(nogil=True, inline="always")

@@ -156,10 +156,10 @@ def _empty_select(table: str) -> str:
     return f"SELECT {', '.join(cols)}, CAST(NULL AS BIGINT) AS rank, CAST(NULL AS BIGINT) AS incarnation WHERE false"
 
 
-def _raw_view(con: duckdb.DuckDBPyConnection, table: str, files: list[Path], spans: list[SegmentSpan]) -> None:
-    # an explicit list of literal names: never another run's files
-    same = same_schema([s for s in spans if s.table == table])
-    src = f"SELECT * FROM {read_files(files, same)}" if files else _empty_select(table)
+def _raw_view(con: duckdb.DuckDBPyConnection, table: str, spans: list[SegmentSpan]) -> None:
+    # an explicit list of literal names (the table's segments): never another run's files
+    mine = [s for s in spans if s.table == table]
+    src = f"SELECT * FROM {read_files([s.path for s in mine], same_schema(mine))}" if mine else _empty_select(table)
     con.execute(f"CREATE VIEW {table}_all AS {src}")
 
 
@@ -241,7 +241,7 @@ def open_trace(path: str | Path) -> Trace:
         con.close()
         raise
     for table in schema.TABLES:
-        _raw_view(con, table, by_table[table], spans)
+        _raw_view(con, table, spans)
     _superseded(con, spans)
     _timeline_views(con)
     trace = Trace(root=root, con=con, manifests=manifests, segments=segments, spans=spans)
@@ -339,11 +339,11 @@ def health_window(trace: Trace, first: int, last: int, *, columns: list[str] | N
     """
     import polars as pl
 
+    spans = window_spans(trace, "health", first, last)
     if categorical and columns is not None and names is None and rank is None and not trace.restarted:
-        read = _arrow_window(trace, first, last, columns)
+        read = _arrow_window(spans, first, last, columns)
         if read is not None:
             return read
-    spans = window_spans(trace, "health", first, last)
     files = [s.path for s in spans]
     enum = trace.component_enum if categorical else None
     named = "t.component" if enum is None else f"TRY_CAST(t.component AS {enum}) AS component"
@@ -373,9 +373,10 @@ def health_window(trace: Trace, first: int, last: int, *, columns: list[str] | N
     return frame
 
 
-def _arrow_window(trace: Trace, first: int, last: int, columns: list[str]) -> pl.DataFrame | None:
-    """`health_window(categorical=True)` of a whole run's metric columns, read by Arrow's Parquet
-    reader straight into the frame: the component's dictionary pages come as Categorical codes,
+def _arrow_window(spans: list[SegmentSpan], first: int, last: int, columns: list[str]) -> pl.DataFrame | None:
+    """`health_window(categorical=True)` of a whole run's metric columns in steps first..last, from
+    the window's segments `spans` (`window_spans`), read by Arrow's Parquet reader straight into
+    the frame: the component's dictionary pages come as Categorical codes,
     and no step is copied through DuckDB's result into Arrow (which took about twice the CPU of
     scanning the files). None where DuckDB must read it: a file that is not readable here, or
     whose columns are missing or differ in type from another's (DuckDB unifies them by name)."""
@@ -384,7 +385,6 @@ def _arrow_window(trace: Trace, first: int, last: int, columns: list[str]) -> pl
     from polars import from_arrow
     from pyarrow.fs import LocalFileSystem
 
-    spans = window_spans(trace, "health", first, last)
     if not spans:
         return None
     want = ["step", "component", *dict.fromkeys(columns)]

@@ -144,7 +144,7 @@ def _both_reads(path: Path, first: int, last: int) -> tuple[pl.DataFrame | None,
     t = open_trace(path)
     metrics = list(schema.HEALTH_METRICS)
     try:
-        fast = store._arrow_window(t, first, last, metrics)
+        fast = store._arrow_window(store.window_spans(t, "health", first, last), first, last, metrics)
         saved, store._arrow_window = store._arrow_window, lambda *_: None  # type: ignore[assignment]
         try:
             duck = health_window(t, first, last, columns=metrics, categorical=True)

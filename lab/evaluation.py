@@ -289,16 +289,15 @@ def run_of(result: Analysis) -> tuple[int, Comparators]:
             rows = int(opened.one("SELECT count(*) FROM health")[0])
         finally:
             opened.close()
-    table: pl.DataFrame = result.steps
-    table = table.sort([c for c in ("step", "rank") if c in table.columns], maintain_order=True)
+    table = result.steps.sort("step", "rank", maintain_order=True)  # every view has both
 
-    def column(name: str, dtype: Any, missing: float | int) -> np.ndarray:
+    def values(name: str) -> np.ndarray:  # NaN where not logged (a trace may lack the column)
         if name not in table.columns:
-            return np.full(table.height, missing, dtype=np.float64)
-        return table[name].cast(dtype).fill_null(missing).to_numpy()
+            return np.full(table.height, np.nan)
+        return table[name].cast(pl.Float64).fill_null(np.nan).to_numpy()
 
-    step = column("step", pl.Int64, 0).astype(np.int64)
-    loss, grad = column("loss", pl.Float64, np.nan), column("grad_norm_total_l2", pl.Float64, np.nan)
+    step = table["step"].cast(pl.Int64).to_numpy()
+    loss, grad = values("loss"), values("grad_norm_total_l2")
     return rows, Comparators(tuple(detectors.loss_spikes(step, loss)), tuple(detectors.grad_norm_spikes(step, grad)))
 
 

@@ -34,6 +34,7 @@ import grow  # noqa: E402
 from warninglight.forensics import (  # noqa: E402
     analysis,
     baseline,
+    heatbins,
     judge,
     quantiles,
     ruletable,
@@ -47,10 +48,10 @@ from warninglight.forensics.store import open_trace  # noqa: E402
 PARTS = ((stream.Classifier, "submit", 0), (stream, "series_order", 1), (stream.Classifier, "_carry", 1),
          (stream, "judge", 0), (judge, "prepare", 1), (judge, "_column", 1), (screen, "wanted", 1),
          (quantiles, "baseline_at", 1), (quantiles, "baseline", 1), (judge, "_hits", 1),
-         (quantiles, "fold_baseline", 1), (judge, "_heat", 1), (stream.Classifier, "heat", 0),
+         (quantiles, "fold_baseline", 1), (heatbins, "fold", 1), (judge, "_heat", 1), (stream.Classifier, "heat", 0),
          (analysis, "health_window", 0), (analysis, "join_lr", 0), (static_rules.StaticScan, "feed", 0))
 # run on the baseline's workers: their seconds are summed over them
-THREADS = {"_column", "wanted", "baseline_at", "baseline", "_hits", "fold_baseline"}
+THREADS = {"_column", "wanted", "baseline_at", "baseline", "_hits", "fold_baseline", "fold"}
 READER = {"health_window", "join_lr"}  # run on the reader thread, beside the classifier
 JUDGE = {"judge"}  # runs on a thread of its own, beside `submit` sorting the next window
 WINDOW = 3  # the window whose unit costs are timed (the first ones are shorter: no history yet)

@@ -46,7 +46,9 @@ from .stream import Classifier
 # health rows judged per step window: peak 1.15 GiB for analyze, 1.35 for report on a grown 1e7
 # trace (0.80 and 1.10 at 500k rows, which took ~5% more CPU: each window re-reads the rows carried)
 CHUNK_ROWS = 1_000_000
-HEAT_BINS = 2_000     # the heatmap keeps at most this many step columns (one bin = several steps)
+# the heatmap keeps at most this many step columns (one bin = several steps): about the pixels its
+# figure has across (~850), so no column is dropped when the image is drawn
+HEAT_BINS = 800
 
 HEALTHY, FAULT = "healthy", "fault"  # the two verdicts
 

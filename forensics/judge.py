@@ -6,8 +6,9 @@ that is ~55 float columns and ~30 boolean ones made and read again for a handful
 the rules of a metric are judged on the worker that computed its baseline, straight from the
 kernel's arrays (`quantiles.baseline_at`, at the rows the screen leaves), with their
 persistence, and only the rows that fired leave it. No column is made. The heatmap (`report`)
-needs every row's |z| of every metric: it is folded into the cells by a pass of its own
-(`quantiles.fold_baseline`) that keeps no column either.
+needs every row's |z| of every metric at one step a cell: it is folded into the cells by a pass
+of its own (`quantiles.fold_baseline`) that keeps no column either; at several steps a cell,
+each bin is judged against its first row's baseline (`heatbins`).
 
 The two are one classifier: the rules here read `conditions.Rule` exactly as `classify._rule_expr`
 does, with Polars' arithmetic (a division by a constant is a product with its inverse) and
@@ -33,7 +34,7 @@ import numpy as np
 import polars as pl
 from warninglight.tracer.schema import COUNT_METRICS
 
-from . import quantiles, screen
+from . import heatbins, quantiles, screen
 from . import ruletable as rt
 from .baseline import _SCALES, KEYS, _column, metrics_in, prepare
 from .classify import finish_hits
@@ -208,7 +209,7 @@ class _Metrics:
 
 def judge(window: pl.DataFrame, config: Config, judged: str, lead: int, heat_width: int | None = None,
           components: pl.DataFrame | None = None, source: pl.DataFrame | None = None,
-          order: np.ndarray | None = None) -> tuple[pl.DataFrame, pl.DataFrame | None]:
+          order: np.ndarray | None = None, opened: heatbins.Open | None = None) -> tuple[pl.DataFrame, pl.DataFrame | None]:
     """(hits, heat) of the rows of `window` marked by the boolean column `judged`, each reading
     at most `lead` rows before it: what `classify.hits(classify.score(window, config, judged=
     judged))` and `stream.heat_of` of its judged rows give, without the scored frame. A window
@@ -216,7 +217,11 @@ def judge(window: pl.DataFrame, config: Config, judged: str, lead: int, heat_wid
 
     `source` and `order`: the window's metrics are `source`'s columns, its rows `source`'s in
     that order (`window`, sorted by series, is `source[order]` less the metrics): each metric is
-    read through the order by the worker that judges it, instead of the whole frame sorted."""
+    read through the order by the worker that judges it, instead of the whole frame sorted.
+
+    A heatmap of `heat_width` > 1 steps a cell is `heatbins`': `opened` holds the statistics
+    the last window's open bins were judged against, read and replaced here (a fresh one if
+    None: the window's first bin of each series is then judged from its own first row)."""
     rows, starts, keep, lr = prepare(window, judged, lead)
     metric_of = _Metrics(rows, source, order)
     kept = np.arange(rows.height) if keep is None else np.flatnonzero(keep)
@@ -244,15 +249,30 @@ def judge(window: pl.DataFrame, config: Config, judged: str, lead: int, heat_wid
     compared = {r.metric for rules in by_metric.values() for _, r in rules if r.direction != NONFINITE}
     if heat_width is None:
         metrics = [m for m in metrics if m in by_metric]
-    slot = quantiles.slots(rows.height, kept) if heat_width is not None else None
+    slot = quantiles.slots(rows.height, kept) if heat_width == 1 else None
+    where = None
+    if heat_width is not None and heat_width > 1:  # a cell holds several steps: `heatbins`
+        where = heatbins.bins(rows["step"].cast(pl.Int64).to_numpy(), rows[judged].to_numpy(), starts, heat_width)
+        opened = opened if opened is not None else heatbins.Open()
+        names = _series_names(rows, starts[:-1])
+        ranks = rows["rank"].gather(starts[:-1]).to_list() if "rank" in rows.columns else [0] * len(names)
+        keys = list(zip(ranks, names.to_list(), strict=True))
+        places, carry_bin = opened.places(keys)
+        open_q: dict[str, np.ndarray] = {}
+    n_cells = len(kept) if where is None else int(where.cell_start[-1])
 
     def one(metric: str) -> _Judged:
         col = metric_of.column(metric, lr)
-        if slot is not None:
+        if heat_width is not None:
             cells = heat.get(threading.get_ident())
             if cells is None:
-                cells = heat[threading.get_ident()] = np.full(len(kept), np.nan)
-            quantiles.fold_baseline(col, lr_values, starts, slot, cfg.window, cfg.lag, cfg.min_samples, _SCALES, cells)
+                cells = heat[threading.get_ident()] = np.full(n_cells, np.nan)
+            if where is None:
+                quantiles.fold_baseline(col, lr_values, starts, slot, cfg.window, cfg.lag, cfg.min_samples, _SCALES,
+                                        cells)
+            else:
+                open_q[metric] = heatbins.fold(col, lr_values, starts, where, carry_bin, opened.stats(places, metric),
+                                               cfg.window, cfg.lag, cfg.min_samples, _SCALES, cells)
         rules = by_metric.get(metric, [])
         if not rules:
             return _Judged([], None, None)
@@ -303,8 +323,11 @@ def judge(window: pl.DataFrame, config: Config, judged: str, lead: int, heat_wid
     hits = finish_hits(pl.concat(parts) if parts else None)
     if heat_width is None:
         return hits, None
-    cells = functools.reduce(np.fmax, heat.values()) if heat else np.full(len(kept), np.nan)
-    return hits, _heat(rows, kept, kstarts, marked, cells, heat_width)
+    cells = functools.reduce(np.fmax, heat.values()) if heat else np.full(n_cells, np.nan)
+    if where is None:
+        return hits, _heat(rows, kept, kstarts, marked, cells, heat_width)
+    opened.update(keys, where.last_bin, open_q)
+    return hits, heatbins.frame(names, where, cells).group_by("component", "step").agg(pl.col("score").max())
 
 
 def _roles(rows: pl.DataFrame, starts: np.ndarray, kept: np.ndarray,
@@ -368,9 +391,14 @@ def _heat(rows: pl.DataFrame, kept: np.ndarray, kstarts: np.ndarray, marked: np.
     series, start, worst = np.empty(n, dtype=np.int64), np.empty(n, dtype=np.int64), np.empty(n)
     step = rows["step"].cast(pl.Int64).to_numpy()[kept]
     k = _bins(heat, step, kstarts, marked, width, series, start, worst)
-    # the names made afresh, one per series: a gather of the window's own would keep the
-    # window's string buffers alive in every heat frame kept (~30 MB a window on a large run)
-    names = pl.Series(rows["component"].gather(kept[np.minimum(kstarts[:-1], n - 1)]).to_list(), dtype=pl.String)
+    names = _series_names(rows, kept[np.minimum(kstarts[:-1], n - 1)])
     return (pl.DataFrame({"component": names.gather(series[:k]), "step": start[:k],
                           "score": pl.Series(worst[:k], dtype=pl.Float64, nan_to_null=True)})
             .group_by("component", "step").agg(pl.col("score").max()))
+
+
+def _series_names(rows: pl.DataFrame, at: np.ndarray) -> pl.Series:
+    """The components of rows `at` (one per series), made afresh: a gather of the window's own
+    would keep the window's string buffers alive in every heat frame kept (~30 MB a window on a
+    large run)."""
+    return pl.Series(rows["component"].gather(at).to_list(), dtype=pl.String)

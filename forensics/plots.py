@@ -110,7 +110,8 @@ def heatmap(scores: pl.DataFrame, order: Sequence[str], marks: Sequence[Mark] = 
         ax.legend(loc="upper left", fontsize=8, framealpha=0.9)
     bar = fig.colorbar(im, ax=ax, shrink=0.9, ticks=Z_LEVELS[:-1])
     bar.ax.set_yticklabels([f"{v:g}" for v in Z_LEVELS[:-2]] + [f"≥ {Z_CAP:g}"])
-    bar.set_label(colour_label, fontsize=9)
+    bar.set_label(colour_label if step_width == 1 else f"{colour_label}\n(bins of {step_width} steps, each against "
+                  "its first step's baseline)", fontsize=9)
     return fig
 
 

@@ -31,7 +31,8 @@ _ROLLBACK_HEADERS = {"choice": "choice", "alarm_step": "alarm step", "checkpoint
 _CAPTIONS = {  # figure stem -> (heading, note under the image)
     "heatmap": ("Where: every component at every step",
                 "Each cell: the largest |robust z| of any recorded metric of that component at that step, "
-                "against the component's own trailing baseline. Grey: no baseline yet (warm-up)."),
+                "against the component's own trailing baseline (a cell of several steps: each against the "
+                "baseline of its first). Grey: no baseline yet (warm-up)."),
     "root_metric": ("The root component against its baseline", ""),
     "loss": ("When: the light against the loss and gradient-norm rules",
              "Vertical lines: the fault's onset and our alarm, the comparators' first firing at or after "

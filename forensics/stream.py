@@ -10,8 +10,11 @@ by the alarms themselves). Fed a whole trace at once or one step at a
 time, it raises the same alarms at the same steps.
 
 With `since`, rows of earlier steps only fill the trailing history (an incident window's
-warm-up): nothing before `since` is judged. It can also keep the report's heatmap, bounded: the worst |robust z| per component and bin of
-`heat_width` steps (width 1 keeps every step).
+warm-up): nothing before `since` is judged. It can also keep the report's heatmap, bounded: the
+worst |robust z| per component and bin of `heat_width` steps (width 1 keeps every step; a wider
+bin's rows are judged against the baseline of its first, `heatbins`, whose statistics a bin fed
+across calls carries, so the cells too are the same in any chunks). The Polars classifier (a
+reference run's baseline, or the scored rows kept) keeps each row's own worst |z| at any width.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from .baseline import (
 )
 from .classify import ALARM_SCHEMA, alarms, hits, lead, score
 from .conditions import Config
+from .heatbins import Open
 from .judge import judge
 
 GROUP = ["rank", "component", "condition"]
@@ -72,6 +76,8 @@ class Classifier:
         self._alarms: list[pl.DataFrame] = []
         self.heat_width = heat_width
         self._heat: list[pl.DataFrame] = []
+        # the statistics the open bins of a heatmap of several steps a cell were judged against
+        self._opened = Open() if heat_width is not None and heat_width > 1 else None
         self.since = since  # steps before it are history only: read, never judged
         self._judged: pl.LazyFrame | None = None  # the last call's judged rows, scored
         self._judging: ThreadPoolExecutor | None = None  # where the compiled rules run (`submit`)
@@ -117,7 +123,7 @@ class Classifier:
                 self._judging = ThreadPoolExecutor(1, thread_name_prefix="warninglight-judge")
             self._pending.append(self._judging.submit(
                 judge, window, self.config, _JUDGED, lead(self.config), self.heat_width, self._components,
-                source if order is not None else None, order))
+                source if order is not None else None, order, self._opened))
         else:
             # the judged rows, never copied out of the scored frame: each reader takes its columns of them
             judged_rows = (score(window.lazy(), self.config, self.reference, judged=_JUDGED)

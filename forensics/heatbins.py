@@ -1,0 +1,335 @@
+"""The report's heatmap where one cell holds several steps: each bin against its first row's baseline.
+
+A run longer than the heatmap has columns (`analysis.HEAT_BINS`) gets bins of `width` steps.
+A cell is then, for each metric, the worst |z| of the bin's judged rows against the baseline
+the classifier gives the bin's first judged row (its first with a baseline, in warm-up): the
+window's median and quartiles, on the metric's scale (log, lr-relative), each row's z taken
+with its own lr. The cell is the worst over the metrics and ranks. At one step per bin that is
+each row's own z, the definition `quantiles.fold_baseline` computes; over a bin it asks how far
+the component went within the bin from where it stood when the bin opened.
+
+It costs a fraction of every row's z: one window's order statistics per bin (`_stats_at`,
+~0.6 us for a window of 64) and a pass that keeps each bin's largest and smallest value, since
+against one baseline the worst |z| is at one of them. Every row's z reads its own window (the
+sorted ring, ~40 ns a row and metric); on a 1e8 component-step run that was ~60 s of `report`.
+
+A bin can span two step windows of the classifier: the baseline of each series' last bin goes
+out with the window's cells (`Open`) and the next window's rows of that bin are judged against
+it, so fed in any chunks the cells are the same. tests/test_heatbins.py holds the cells to the
+definition, computed from the classifier's own per-row baselines, and the kernel at one step
+per bin to `quantiles.fold_baseline`.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import numba
+import numpy as np
+import polars as pl
+
+from .bounds import _sort8, lr_factor
+from .quantiles import Column, Scales, _log_floored, _scratch, _worse, _z_of
+
+NONE = np.iinfo(np.int64).min  # no bin open
+
+
+@numba.njit(nogil=True, inline="always")
+def _merge_runs(a: np.ndarray, size: int) -> None:  # pragma: no cover - compiled
+    """a[:64]'s sorted runs of `size` merged into sorted runs of twice that: each pair made one
+    bitonic run (the second reversed) and sorted by half-cleaners, no branch on the data."""
+    for s0 in range(0, 64, 2 * size):
+        for k in range(size // 2):
+            p, q = s0 + size + k, s0 + 2 * size - 1 - k
+            a[p], a[q] = a[q], a[p]
+        d = size
+        while d >= 1:
+            for blk in range(s0, s0 + 2 * size, 2 * d):
+                for k in range(blk, blk + d):
+                    x, y = a[k], a[k + d]
+                    a[k] = min(x, y)
+                    a[k + d] = max(x, y)
+            d >>= 1
+
+
+@numba.njit(nogil=True, inline="always")
+def _sort(buf: np.ndarray, n: int) -> None:  # pragma: no cover - compiled
+    """buf[:n] sorted in place (up to 64 values by a network: buf[n:64] padded with +inf)."""
+    if n > 64:
+        buf[:n].sort()
+        return
+    for k in range(n, 64):
+        buf[k] = np.inf
+    for q in range(8):
+        _sort8(buf, 8 * q)
+    _merge_runs(buf, 8)
+    _merge_runs(buf, 16)
+    _merge_runs(buf, 32)
+
+
+@numba.njit(nogil=True, inline="always")
+def _value(k: float, log: bool) -> float:  # pragma: no cover - compiled
+    """A sorted key on the baseline's scale: a log metric's keys are max(value, tiny) (/ lr)."""
+    return math.log(k) if log else k
+
+
+@numba.njit(nogil=True)
+def _stats_at(raw: np.ndarray, lr: np.ndarray, i: int, first: int, window: int, lag: int, min_samples: int,
+              log: bool, scaled: bool, tiny: float, buf: np.ndarray) -> tuple[bool, float, float, float]:  # pragma: no cover - compiled
+    """(whether row i has a baseline, q25, median, q75 of its window) on the baseline's scale,
+    read as `quantiles._trailing` reads its sorted ring: the quartiles at the nearest rank, the
+    median between the two middle values. The values are sorted by a key in the same order (a
+    log metric's max(value, tiny), / its lr where judged relative to it; log taken after): an
+    lr-relative one's statistics can differ from the ring's in the last bits."""
+    e = i - lag
+    if e < first:
+        return False, np.nan, np.nan, np.nan
+    n = 0
+    for r in range(max(e - window + 1, first), e + 1):
+        x = np.float64(raw[r])
+        if math.isfinite(x):
+            if log:
+                k = x if x > tiny else tiny
+                if scaled:
+                    k = k / lr_factor(lr, r)
+            elif scaled:
+                k = x - math.log(lr_factor(lr, r))
+            else:
+                k = x
+            buf[n] = k
+            n += 1
+    if n < min_samples or n == 0:
+        return False, np.nan, np.nan, np.nan
+    _sort(buf, n)
+    q25 = _value(buf[min(int(math.floor((n - 1) * 0.25 + 0.5)), n - 1)], log)
+    mid_at = (n - 1) * 0.5
+    lo_i, hi_i = int(math.floor(mid_at)), int(math.ceil(mid_at))
+    m_lo = _value(buf[lo_i], log)
+    q50 = m_lo if lo_i == hi_i else m_lo + (_value(buf[hi_i], log) - m_lo) * (mid_at - lo_i)
+    q75 = _value(buf[min(int(math.floor((n - 1) * 0.75 + 0.5)), n - 1)], log)
+    return True, q25, q50, q75
+
+
+@numba.njit(nogil=True, inline="always")
+def _finite(raw: np.ndarray, a: int, b: int) -> int:  # pragma: no cover - compiled
+    """How many of rows a..b - 1 hold a finite value (none where b <= a)."""
+    n = 0
+    for r in range(a, b):
+        n += math.isfinite(np.float64(raw[r]))
+    return n
+
+
+@numba.njit(nogil=True)
+def _z_at(raw: np.ndarray, lr: np.ndarray, i: int, q25: float, q50: float, q75: float, log: bool, scaled: bool,
+          floor: float, rel_floor: float, log_floor: float, tiny: float, per_iqr: float) -> float:  # pragma: no cover - compiled
+    """Row i's z against the statistics given (`quantiles._z_of`)."""
+    x = np.float64(raw[i])
+    logged = _log_floored(x, tiny) if log else np.nan
+    return _z_of(q25, q50, q75, x, logged, lr[i], log, scaled, floor, rel_floor, log_floor, tiny, per_iqr,
+                 np.nan, np.nan, np.nan)[2]
+
+
+@numba.njit(cache=True, nogil=True)
+def layout(starts: np.ndarray, step: np.ndarray, judged: np.ndarray, width: int, first_bin: np.ndarray,
+           cell_start: np.ndarray) -> np.ndarray:  # pragma: no cover - compiled
+    """Each series' cells: its bins from the one of its first judged row to its last's
+    (`first_bin`, `NONE` where it has none; from cell `cell_start[g]`, `cell_start[-1]` of them),
+    and which cells hold a judged row. A bin is (step - 1) // width: its first step bin * width + 1."""
+    total = 0
+    for g in range(len(starts) - 1):
+        cell_start[g] = total
+        first_bin[g] = NONE
+        for i in range(starts[g], starts[g + 1]):
+            if judged[i]:
+                b = (step[i] - 1) // width
+                if first_bin[g] == NONE:
+                    first_bin[g] = b
+                total = cell_start[g] + b - first_bin[g] + 1
+    cell_start[len(starts) - 1] = total
+    seen = np.zeros(total, dtype=np.bool_)
+    for g in range(len(starts) - 1):
+        for i in range(starts[g], starts[g + 1]):
+            if judged[i]:
+                seen[cell_start[g] + (step[i] - 1) // width - first_bin[g]] = True
+    return seen
+
+
+@numba.njit(nogil=True, inline="always")
+def _extremes(raw: np.ndarray, missing: np.ndarray, judged: np.ndarray, lr: np.ndarray, i0: int, i1: int,
+              log: bool, scaled: bool, tiny: float) -> tuple[int, int]:  # pragma: no cover - compiled
+    """The rows of rows i0..i1 - 1 (judged, not null, with a finite z) whose value is largest and
+    smallest on the baseline's scale (-1, -1: none): against one baseline the worst |z| is at one
+    of them. A log metric's z reads log(max(x, tiny)): a NaN is floored like any value, +inf has none."""
+    hi, lo = -np.inf, np.inf
+    hi_row = lo_row = -1
+    for i in range(i0, i1):
+        if not judged[i] or missing[i]:
+            continue
+        x = np.float64(raw[i])
+        if log:
+            if x == np.inf:
+                continue
+            k = x if x > tiny else tiny
+            if scaled:
+                k = k / lr_factor(lr, i)
+        elif not math.isfinite(x):
+            continue
+        elif scaled:  # (an lr-relative metric not on the log scale: x - log(lr), in the same order)
+            k = x - math.log(lr_factor(lr, i))
+        else:
+            k = x
+        if k > hi:
+            hi, hi_row = k, i
+        if k < lo:
+            lo, lo_row = k, i
+    return hi_row, lo_row
+
+
+@numba.njit(cache=True, nogil=True)
+def _fold_bins(raw: np.ndarray, missing: np.ndarray, lr: np.ndarray, starts: np.ndarray, step: np.ndarray,
+               judged: np.ndarray, width: int, window: int, lag: int, min_samples: int, log: bool, scaled: bool,
+               floor: float, rel_floor: float, log_floor: float, tiny: float, per_iqr: float,
+               carry_bin: np.ndarray, carry_q: np.ndarray, first_bin: np.ndarray, cell_start: np.ndarray,
+               cells: np.ndarray, open_q: np.ndarray, buf: np.ndarray) -> None:  # pragma: no cover - compiled
+    """One metric's worst |z| per (series, bin) folded into `cells` (`_worse`), each bin's rows
+    against the statistics of its first judged row with a baseline; a series' first bin here
+    takes `carry_q[g]` where it is the bin `carry_bin[g]` the statistics were taken for (NaN:
+    none yet). `open_q[g]`: the statistics of series g's last bin (NaN: none)."""
+    for g in range(len(starts) - 1):
+        open_q[g, 0] = open_q[g, 1] = open_q[g, 2] = np.nan
+        if first_bin[g] == NONE:
+            continue
+        first, end = starts[g], starts[g + 1]
+        i = first
+        while not judged[i]:  # a series with a cell has a judged row
+            i += 1
+        fresh = True  # the series' first bin in this window
+        have = False
+        q25 = q50 = q75 = np.nan
+        while i < end:
+            b = (step[i] - 1) // width
+            ends = (b + 1) * width + 1  # the first step of the next bin
+            i1 = i + 1
+            while i1 < end and step[i1] < ends:
+                i1 += 1
+            have = fresh and b == carry_bin[g] and not math.isnan(carry_q[g, 1])
+            if have:
+                q25, q50, q75 = carry_q[g, 0], carry_q[g, 1], carry_q[g, 2]
+            fresh = False
+            r = i
+            if not have:  # the bin's first judged row with a baseline: its window's finite values
+                n = _finite(raw, max(r - lag - window + 1, first), r - lag + 1)  # counted as r moves
+                while r < i1:
+                    if judged[r] and n >= min_samples and n > 0:
+                        have, q25, q50, q75 = _stats_at(raw, lr, r, first, window, lag, min_samples, log, scaled,
+                                                        tiny, buf)
+                        break
+                    r += 1
+                    n += _finite(raw, max(r - lag, first), r - lag + 1) - _finite(raw, max(r - lag - window, first),
+                                                                                 r - lag - window + 1)
+            if have:
+                hi_row, lo_row = _extremes(raw, missing, judged, lr, r, i1, log, scaled, tiny)
+                if hi_row >= 0:
+                    c = cell_start[g] + b - first_bin[g]
+                    for row in (hi_row, lo_row):
+                        cells[c] = _worse(cells[c], _z_at(raw, lr, row, q25, q50, q75, log, scaled, floor, rel_floor,
+                                                          log_floor, tiny, per_iqr))
+            i = i1
+        if have:
+            open_q[g, 0], open_q[g, 1], open_q[g, 2] = q25, q50, q75
+
+
+class Bins(NamedTuple):
+    """A step window's heatmap cells: its rows' steps and judged marks, each series' first bin
+    and first cell (`layout`), which cells hold a judged row, and the bin each series' last
+    judged row is in (`NONE`: it has none), whose statistics go to the next window."""
+
+    step: np.ndarray
+    judged: np.ndarray
+    width: int
+    first_bin: np.ndarray
+    cell_start: np.ndarray
+    seen: np.ndarray
+    last_bin: np.ndarray
+
+
+def bins(step: np.ndarray, judged: np.ndarray, starts: np.ndarray, width: int) -> Bins:
+    """`Bins` of a window's rows (sorted by series, then step) in bins of `width` steps."""
+    step = np.ascontiguousarray(step, dtype=np.int64)
+    judged = np.ascontiguousarray(judged, dtype=np.bool_)
+    starts = np.asarray(starts, dtype=np.int64)
+    series = len(starts) - 1
+    first_bin, cell_start = np.empty(series, dtype=np.int64), np.empty(series + 1, dtype=np.int64)
+    seen = layout(starts, step, judged, width, first_bin, cell_start)
+    counts = np.diff(cell_start)
+    last_bin = np.where(counts > 0, first_bin + counts - 1, NONE)
+    return Bins(step, judged, width, first_bin, cell_start, seen, last_bin)
+
+
+def fold(col: Column, lr: np.ndarray | None, starts: np.ndarray, where: Bins, carry_bin: np.ndarray,
+         carry_q: np.ndarray, window: int, lag: int, min_samples: int, scales: Scales,
+         cells: np.ndarray) -> np.ndarray:
+    """One metric's worst |z| per cell of `where` folded into `cells` (`_fold_bins`); the
+    statistics of each series' last bin, (series, 3), NaN where none, for the next window."""
+    raw, missing, lr_values, scaled = col.arrays(lr)
+    open_q = np.empty((len(starts) - 1, 3))
+    _fold_bins(raw, missing, lr_values, np.asarray(starts, dtype=np.int64), where.step, where.judged, where.width,
+               window, lag, min_samples, col.log, scaled, col.floor, scales.rel_floor, scales.log_floor, scales.tiny,
+               1.0 / scales.iqr_to_sigma, carry_bin, np.ascontiguousarray(carry_q), where.first_bin, where.cell_start,
+               cells, open_q, _scratch(max(64, window), "heat_window"))
+    return open_q
+
+
+def frame(names: pl.Series, where: Bins, cells: np.ndarray) -> pl.DataFrame:
+    """The cells that hold a judged row as `stream.heat_of`'s frame: component, step (the bin's
+    first), score (null: no metric had a z there). `names`: each series' component."""
+    counts = np.diff(where.cell_start)
+    series = np.repeat(np.arange(len(counts)), counts)
+    start = (where.first_bin[series] + np.arange(len(series)) - where.cell_start[series]) * where.width + 1
+    keep = where.seen
+    return pl.DataFrame({"component": names.gather(series[keep]), "step": start[keep],
+                         "score": pl.Series(cells[keep], dtype=pl.Float64, nan_to_null=True)})
+
+
+class Open:
+    """The statistics each series' last bin was judged against, handed from one step window to
+    the next (`judge` reads and replaces them: the windows are judged one after another)."""
+
+    def __init__(self) -> None:
+        self.keys: dict[tuple[int, str], int] = {}  # (rank, component) -> place in `bin`, `q`
+        self.bin = np.empty(0, dtype=np.int64)
+        self.q: dict[str, np.ndarray] = {}  # metric -> (places, 3)
+
+    def places(self, keys: list[tuple[int, str]]) -> tuple[np.ndarray, np.ndarray]:
+        """(places, bins): where each of `keys` is held (-1: nowhere) and the bin its statistics
+        were taken for (`NONE`: none)."""
+        at = np.array([self.keys.get(k, -1) for k in keys], dtype=np.int64)
+        carry_bin = np.full(len(keys), NONE, dtype=np.int64)
+        carry_bin[at >= 0] = self.bin[at[at >= 0]]
+        return at, carry_bin
+
+    def stats(self, at: np.ndarray, metric: str) -> np.ndarray:
+        """The statistics of `metric` held at places `at` (`places`), (len(at), 3); NaN: none."""
+        out = np.full((len(at), 3), np.nan)
+        q = self.q.get(metric)
+        if q is not None:
+            out[at >= 0] = q[at[at >= 0]]
+        return out
+
+    def update(self, keys: list[tuple[int, str]], last_bin: np.ndarray, q: dict[str, np.ndarray]) -> None:
+        """Each series with a judged row in the window: its last bin and that bin's statistics."""
+        fresh = [k for k, b in zip(keys, last_bin, strict=True) if b != NONE]
+        rows = np.flatnonzero(last_bin != NONE)
+        places = [self.keys.setdefault(k, len(self.keys)) for k in fresh]
+        grow = len(self.keys) - len(self.bin)
+        if grow > 0:
+            self.bin = np.concatenate([self.bin, np.full(grow, NONE, dtype=np.int64)])
+            self.q = {m: np.concatenate([v, np.full((grow, 3), np.nan)]) for m, v in self.q.items()}
+        self.bin[places] = last_bin[rows]
+        for m, stats in q.items():
+            if m not in self.q:
+                self.q[m] = np.full((len(self.keys), 3), np.nan)
+            self.q[m][places] = stats[rows]
+        for m in self.q.keys() - q.keys():  # a metric the window did not have: nothing carried for it
+            self.q[m][places] = np.nan

@@ -86,6 +86,8 @@ def _stats_at(raw: np.ndarray, lr: np.ndarray, i: int, first: int, window: int, 
     if e < first:
         return False, np.nan, np.nan, np.nan
     n = 0
+    rises = falls = 0  # neighbours in order and out of it: a window that holds still or trends needs no sort
+    last = np.nan
     for r in range(max(e - window + 1, first), e + 1):
         x = np.float64(raw[r])
         if math.isfinite(x):
@@ -98,10 +100,19 @@ def _stats_at(raw: np.ndarray, lr: np.ndarray, i: int, first: int, window: int, 
             else:
                 k = x
             buf[n] = k
+            rises += k > last
+            falls += k < last
+            last = k
             n += 1
     if n < min_samples or n == 0:
         return False, np.nan, np.nan, np.nan
-    _sort(buf, n)
+    if falls == 0:
+        pass  # in order already (equal values: any order of them is the same values)
+    elif rises == 0:
+        for k in range(n // 2):
+            buf[k], buf[n - 1 - k] = buf[n - 1 - k], buf[k]
+    else:
+        _sort(buf, n)
     q25 = _value(buf[min(int(math.floor((n - 1) * 0.25 + 0.5)), n - 1)], log)
     mid_at = (n - 1) * 0.5
     lo_i, hi_i = int(math.floor(mid_at)), int(math.ceil(mid_at))

@@ -40,6 +40,10 @@ def test_a_cell_of_several_steps_is_its_bins_rows_against_the_first_ones_baselin
 
 
 def _series(rng: np.random.Generator, kind: str, n: int) -> np.ndarray:
+    if kind in ("rising", "falling", "still"):  # windows in order, reversed, or all equal: no sort
+        x = np.exp(np.linspace(-3, 2, n)) if kind != "still" else np.full(n, 0.25)
+        x[rng.random(n) < 0.01] = np.nan
+        return x if kind != "falling" else x[::-1].copy()
     if kind == "norm":  # a positive norm with zeros (log's floor), NaN, +inf and ties
         x = np.exp(rng.normal(0, 0.4, n))
         x[rng.random(n) < 0.05] = 0.0
@@ -57,10 +61,11 @@ def _series(rng: np.random.Generator, kind: str, n: int) -> np.ndarray:
 @pytest.mark.parametrize(("log", "scaled"), [(False, False), (True, False), (True, True)])
 def test_at_one_step_a_cell_each_row_has_its_own_z(window: int, log: bool, scaled: bool) -> None:
     rng = np.random.default_rng(window + 2 * log + scaled)
-    lengths = [260, 3, 120, 400]
+    noisy = "norm" if log else "signed"
+    kinds, lengths = [noisy, noisy, "rising", noisy, "falling", "still", noisy], [260, 3, 150, 120, 150, 100, 400]
     starts = np.r_[0, np.cumsum(lengths)].astype(np.int64)
     n = int(starts[-1])
-    raw = np.concatenate([_series(rng, "norm" if log else "signed", k) for k in lengths])
+    raw = np.concatenate([_series(rng, kind, k) for kind, k in zip(kinds, lengths, strict=True)])
     raw = raw.astype(np.float32) if window == 64 else raw  # float32 columns go as they are stored
     missing = rng.random(n) < 0.01
     raw[missing] = np.nan  # a null reaches the kernels as NaN, marked

@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import polars as pl
 import pytest
 from typer.testing import CliRunner
@@ -138,3 +139,17 @@ def test_the_condition_map_of_a_long_run_is_drawn_in_bins_of_steps() -> None:
     short = plots.condition_map(alarms.head(1).with_columns(pl.lit(150).alias("onset_step"),
                                                             pl.lit(152).alias("last_step")), ["a"], last_step=300)
     assert short.axes[0].images[0].get_array().shape == (1, 300)  # a step per column, as before
+
+
+def test_a_long_line_is_drawn_from_each_runs_lowest_and_highest_point() -> None:
+    step = np.arange(1, 100_001)
+    value = np.sin(step / 500.0)
+    value[5_000], value[60_000] = 50.0, -40.0  # one-step spikes
+    value[7_000:7_200] = np.nan  # nothing recorded: a gap
+    x, y = plots._envelope(step, value)
+    assert len(x) == len(y) <= 2 * plots.STEP_COLUMNS
+    assert np.nanmax(y) == 50.0 and np.nanmin(y) == -40.0 and 5_001 in x and 60_001 in x
+    assert (np.diff(x) >= 0).all()  # in step order
+    assert np.isnan(y[(x >= 7_050) & (x <= 7_150)]).all() and np.isnan(y).sum() >= 2
+    short = np.arange(10.0)
+    assert plots._envelope(short, short)[1] is short  # a short line is drawn as it is

@@ -197,16 +197,46 @@ def _extremes(raw: np.ndarray, missing: np.ndarray, judged: np.ndarray, lr: np.n
     return hi_row, lo_row
 
 
+@numba.njit(nogil=True, inline="always")
+def _span(raw: np.ndarray, i0: int, i1: int, log: bool, tiny: float) -> tuple[float, float]:  # pragma: no cover - compiled
+    """`_extremes` where every row of i0..i1 - 1 is judged and none is null, and the metric is not
+    judged relative to the lr: the largest and smallest value on the baseline's scale (a log
+    metric's max(x, tiny): its z reads nothing else), -inf and inf where none has a z. No branch
+    on the data: ~1 ns a row, where finding the rows took ~5."""
+    hi, lo = -np.inf, np.inf
+    for i in range(i0, i1):
+        x = np.float64(raw[i])
+        if log:
+            k = x if x > tiny else tiny
+            ok = x != np.inf
+        else:
+            k = x
+            ok = math.isfinite(x)
+        hi = max(hi, k if ok else -np.inf)
+        lo = min(lo, k if ok else np.inf)
+    return hi, lo
+
+
+@numba.njit(nogil=True, inline="always")
+def _count(flags: np.ndarray, i0: int, i1: int) -> int:  # pragma: no cover - compiled
+    """How many rows of i0..i1 - 1 are flagged (a sum, with no branch)."""
+    c = 0
+    for i in range(i0, i1):
+        c += flags[i]
+    return c
+
+
 @numba.njit(cache=True, nogil=True)
 def _fold_bins(raw: np.ndarray, missing: np.ndarray, lr: np.ndarray, starts: np.ndarray, step: np.ndarray,
                judged: np.ndarray, width: int, window: int, lag: int, min_samples: int, log: bool, scaled: bool,
                floor: float, rel_floor: float, log_floor: float, tiny: float, per_iqr: float,
                carry_bin: np.ndarray, carry_q: np.ndarray, first_bin: np.ndarray, cell_start: np.ndarray,
-               cells: np.ndarray, open_q: np.ndarray, buf: np.ndarray) -> None:  # pragma: no cover - compiled
+               cells: np.ndarray, open_q: np.ndarray, buf: np.ndarray, nulls: bool) -> None:  # pragma: no cover - compiled
     """One metric's worst |z| per (series, bin) folded into `cells` (`_worse`), each bin's rows
     against the statistics of its first judged row with a baseline; a series' first bin here
     takes `carry_q[g]` where it is the bin `carry_bin[g]` the statistics were taken for (NaN:
-    none yet). `open_q[g]`: the statistics of series g's last bin (NaN: none)."""
+    none yet). `open_q[g]`: the statistics of series g's last bin (NaN: none). `nulls`: whether
+    `missing` marks any row."""
     for g in range(len(starts) - 1):
         open_q[g, 0] = open_q[g, 1] = open_q[g, 2] = np.nan
         if first_bin[g] == NONE:
@@ -215,6 +245,8 @@ def _fold_bins(raw: np.ndarray, missing: np.ndarray, lr: np.ndarray, starts: np.
         i = first
         while not judged[i]:  # a series with a cell has a judged row
             i += 1
+        # every row from the first judged one on is judged (the rows fed, from `since` on)
+        tail = _count(judged, i, end) == end - i
         fresh = True  # the series' first bin in this window
         have = False
         q25 = q50 = q75 = np.nan
@@ -239,10 +271,17 @@ def _fold_bins(raw: np.ndarray, missing: np.ndarray, lr: np.ndarray, starts: np.
                     r += 1
                     n += _finite(raw, max(r - lag, first), r - lag + 1) - _finite(raw, max(r - lag - window, first),
                                                                                  r - lag - window + 1)
-            if have:
+            c = cell_start[g] + b - first_bin[g]
+            if have and tail and not scaled and (not nulls or _count(missing, r, i1) == 0):
+                hi, lo = _span(raw, r, i1, log, tiny)
+                for k in (hi, lo):
+                    if math.isfinite(k):
+                        cells[c] = _worse(cells[c], _z_of(q25, q50, q75, k, math.log(k) if log else np.nan, 1.0, log,
+                                                          False, floor, rel_floor, log_floor, tiny, per_iqr,
+                                                          np.nan, np.nan, np.nan)[2])
+            elif have:
                 hi_row, lo_row = _extremes(raw, missing, judged, lr, r, i1, log, scaled, tiny)
                 if hi_row >= 0:
-                    c = cell_start[g] + b - first_bin[g]
                     for row in (hi_row, lo_row):
                         cells[c] = _worse(cells[c], _z_at(raw, lr, row, q25, q50, q75, log, scaled, floor, rel_floor,
                                                           log_floor, tiny, per_iqr))
@@ -288,7 +327,7 @@ def fold(col: Column, lr: np.ndarray | None, starts: np.ndarray, where: Bins, ca
     _fold_bins(raw, missing, lr_values, np.asarray(starts, dtype=np.int64), where.step, where.judged, where.width,
                window, lag, min_samples, col.log, scaled, col.floor, scales.rel_floor, scales.log_floor, scales.tiny,
                1.0 / scales.iqr_to_sigma, carry_bin, np.ascontiguousarray(carry_q), where.first_bin, where.cell_start,
-               cells, open_q, _scratch(max(64, window), "heat_window"))
+               cells, open_q, _scratch(max(64, window), "heat_window"), col.missing is not None)
     return open_q
 
 

@@ -9,7 +9,9 @@ baseline, what fixed-threshold rules saw, and the rehearsal's answer key if the 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -33,9 +35,14 @@ class ReportData:
     order: list[str]  # components in forward order
     kinds: dict[str, str]  # component -> module class, for axis labels
     scores: pl.DataFrame  # component, step (bin start), score (worst |robust z| over the metrics)
-    root_band: pl.DataFrame | None
-    static: list[StaticAlarm]
+    band: Future[pl.DataFrame | None] = field(repr=False)  # the root metric's band, read beside the drawing
+    static: list[StaticAlarm] = field(default_factory=list)
     truth: dict[str, Any] | None = None
+
+    @property
+    def root_band(self) -> pl.DataFrame | None:
+        """The root metric against its baseline over the run (None: no such root), once read."""
+        return self.band.result()
 
     @property
     def trace(self) -> Path:
@@ -56,14 +63,19 @@ def read_truth(trace: Path) -> dict[str, Any] | None:
 
 
 def gather(analysis: Analysis) -> ReportData:
-    """Everything the report needs, from one analysis (the trace is not read again)."""
+    """Everything the report needs, from one analysis: only the root component's metric is read
+    back from the trace, on a thread of its own while the other figures are drawn (the read
+    waits on DuckDB, which holds no lock the drawing needs: ~2 s of a 1e8 component-step trace)."""
     components = analysis.components
     root = analysis.root
-    # the metric was measured on `observed_on` (e.g. the ReLU after the root Linear)
-    band = None  # a rank finding's metric (replicas table) has no baseline band
+    band: Future[pl.DataFrame | None] = Future()
+    band.set_result(None)  # a rank finding's metric (replicas table) has no baseline band
     if root is not None and root.metric in schema.HEALTH_METRICS:
         rank = root.rank if root.rank is not None else (root.ranks or [0])[0]
-        band = analysis.baseline_frame(root.observed_on, root.metric, rank=rank)
+        # the metric was measured on `observed_on` (e.g. the ReLU after the root Linear)
+        pool = ThreadPoolExecutor(1, thread_name_prefix="warninglight-band")
+        band = pool.submit(analysis.baseline_frame, root.observed_on, root.metric, rank=rank)
+        pool.shutdown(wait=False)  # the thread ends with the read
     return ReportData(analysis, component_order(components),
                       dict(zip(components["component"], components["kind"], strict=True)),
                       analysis.heat, band, analysis.static, read_truth(analysis.trace_dir))
@@ -96,27 +108,48 @@ def never_fired(data: ReportData) -> list[str]:
     return out + ([] if data.static else ["static rules"])
 
 
-def figures(data: ReportData) -> dict[str, Figure]:
-    """The report's figures by file stem, in the order the report shows them."""
+_SHOWN = ("heatmap", "root_metric", "loss", "ranks", "conditions")  # the order the report shows them in
+
+
+def _drawers(data: ReportData) -> list[tuple[str, Callable[[], Figure | None]]]:
+    """Each figure's stem and what draws it (None: nothing to draw); the root metric's last, so
+    the others are drawn while its band is read."""
     m = marks(data)
     near = [x for x in m if x.label in _ALARM_MARKS]
     a = data.analysis
-    figs: dict[str, Figure] = {}
-    if len(data.scores) and data.order:  # no components table: no rows to draw
-        figs["heatmap"] = plots.heatmap(data.scores, data.order, near, kinds=data.kinds,
-                                        step_width=data.analysis.heat_width)
-    root = a.root
-    if root is not None and data.root_band is not None and len(data.root_band):
+
+    def root_metric() -> Figure | None:
+        root, band = a.root, data.root_band
+        if root is None or band is None or not len(band):
+            return None
         name = root.name if root.observed_on == root.attributed_to else f"{root.name}, seen on {root.observed_on}"
-        figs["root_metric"] = plots.baseline_band(data.root_band, name, root.metric,
-                                                  [x for x in m if x.label in ("injected", *_ALARM_MARKS)])
-    figs["loss"] = plots.loss_and_grad(a.steps, m, never_fired(data))
-    if len(a.ranks_panel):
-        figs["ranks"] = plots.rank_panel(a.ranks_panel, near)
-    if len(a.alarms) and data.order:
-        figs["conditions"] = plots.condition_map(a.alarms, data.order, int(a.steps["step"].max()), near,
-                                                 kinds=data.kinds)
-    return figs
+        return plots.baseline_band(band, name, root.metric, [x for x in m if x.label in ("injected", *_ALARM_MARKS)])
+
+    return [
+        ("heatmap", lambda: plots.heatmap(data.scores, data.order, near, kinds=data.kinds, step_width=a.heat_width)
+         if len(data.scores) and data.order else None),  # no components table: no rows to draw
+        ("loss", lambda: plots.loss_and_grad(a.steps, m, never_fired(data))),
+        ("ranks", lambda: plots.rank_panel(a.ranks_panel, near) if len(a.ranks_panel) else None),
+        ("conditions", lambda: plots.condition_map(a.alarms, data.order, int(a.steps["step"].max()), near,
+                                                   kinds=data.kinds) if len(a.alarms) and data.order else None),
+        ("root_metric", root_metric),
+    ]
+
+
+def _in_order(drawn: Iterator[tuple[str, Any]]) -> dict[str, Any]:
+    found = dict(drawn)
+    return {name: found[name] for name in _SHOWN if name in found}
+
+
+def figures(data: ReportData) -> dict[str, Figure]:
+    """The report's figures by file stem, in the order the report shows them."""
+    return _in_order((name, fig) for name, draw in _drawers(data) if (fig := draw()) is not None)
+
+
+def images(data: ReportData) -> dict[str, bytes]:
+    """The figures as PNG bytes, each rendered as soon as it is drawn (a figure is freed before
+    the next is made), in the order the report shows them."""
+    return _in_order((name, plots.png_bytes(fig)) for name, draw in _drawers(data) if (fig := draw()) is not None)
 
 
 def _analysis(trace: Path | str, analysis: Analysis | None) -> Analysis:
@@ -132,10 +165,10 @@ def write_html(trace: Path | str, out: Path | str, analysis: Analysis | None = N
     from .report_html import render_html
 
     data = gather(_analysis(trace, analysis))
-    images = {name: plots.png_bytes(fig) for name, fig in figures(data).items()}
+    drawn = images(data)
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(render_html(data, images), encoding="utf-8")
+    out.write_text(render_html(data, drawn), encoding="utf-8")
     return out
 
 
@@ -145,8 +178,8 @@ def write_pngs(trace: Path | str, out_dir: Path | str, analysis: Analysis | None
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = []
-    for name, fig in figures(data).items():
+    for name, png in images(data).items():
         path = out_dir / f"{name}.png"
-        path.write_bytes(plots.png_bytes(fig))
+        path.write_bytes(png)
         paths.append(path)
     return paths

@@ -186,10 +186,8 @@ def _extremes(raw: np.ndarray, missing: np.ndarray, judged: np.ndarray, lr: np.n
                 k = k / lr_factor(lr, i)
         elif not math.isfinite(x):
             continue
-        elif scaled:  # (an lr-relative metric not on the log scale: x - log(lr), in the same order)
-            k = x - math.log(lr_factor(lr, i))
         else:
-            k = x
+            k = x  # off the log scale z is (x - median) / scale, whatever the lr
         if k > hi:
             hi, hi_row = k, i
         if k < lo:

@@ -58,7 +58,7 @@ def _series(rng: np.random.Generator, kind: str, n: int) -> np.ndarray:
 
 
 @pytest.mark.parametrize("window", [16, 64, 100])  # a window of more than 64 values is sorted otherwise
-@pytest.mark.parametrize(("log", "scaled"), [(False, False), (True, False), (True, True)])
+@pytest.mark.parametrize(("log", "scaled"), [(False, False), (False, True), (True, False), (True, True)])
 def test_at_one_step_a_cell_each_row_has_its_own_z(window: int, log: bool, scaled: bool) -> None:
     rng = np.random.default_rng(window + 2 * log + scaled)
     noisy = "norm" if log else "signed"

@@ -8,9 +8,10 @@ with its own lr. The cell is the worst over the metrics and ranks. At one step p
 each row's own z, the definition `quantiles.fold_baseline` computes; over a bin it asks how far
 the component went within the bin from where it stood when the bin opened.
 
-It costs a fraction of every row's z: one window's order statistics per bin (`_stats_at`,
-~0.6 us for a window of 64) and a pass that keeps each bin's largest and smallest value, since
-against one baseline the worst |z| is at one of them. Every row's z reads its own window (the
+It costs a fraction of every row's z: one window's order statistics per bin (`_stats_at`:
+~0.6 us for a window of 64 to sort; one that holds still or trends is read as it is) and a pass
+that keeps each bin's largest and smallest value, since against one baseline the worst |z| is at
+one of them. Every row's z reads its own window (the
 sorted ring, ~40 ns a row and metric); on a 1e8 component-step run that was ~60 s of `report`.
 
 A bin can span two step windows of the classifier: the baseline of each series' last bin goes

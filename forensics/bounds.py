@@ -74,6 +74,14 @@ def lr_factor(lr: np.ndarray, i: int) -> float:  # pragma: no cover - compiled
 
 
 @numba.njit(nogil=True, inline="always")
+def log_key(x: float, lr: np.ndarray, i: int, scaled: bool, tiny: float) -> float:  # pragma: no cover - compiled
+    """Row i's value x of a log metric in an order its log scale keeps: max(x, tiny) (a NaN:
+    tiny), / the row's lr where the metric is judged relative to it."""
+    y = x if x > tiny else tiny
+    return y / lr_factor(lr, i) if scaled else y
+
+
+@numba.njit(nogil=True, inline="always")
 def sort_blocks(raw: np.ndarray, lr: np.ndarray, starts: np.ndarray, log: bool, scaled: bool, tiny: float,
                 blocks: np.ndarray, count: np.ndarray, finite: np.ndarray, base: np.ndarray,
                 plain: np.ndarray) -> None:  # pragma: no cover - compiled
@@ -100,9 +108,7 @@ def sort_blocks(raw: np.ndarray, lr: np.ndarray, starts: np.ndarray, log: bool, 
                     if math.isfinite(x):
                         y = x
                         if log:
-                            y = x if x > tiny else tiny
-                            if scaled:
-                                y = y / lr_factor(lr, i)
+                            y = log_key(x, lr, i, scaled, tiny)
                         elif x == 0.0 and math.copysign(1.0, x) < 0:
                             plain[g] = False
                         c += 1

@@ -30,8 +30,8 @@ import numba
 import numpy as np
 import polars as pl
 
-from .bounds import _sort8, lr_factor
-from .quantiles import Column, Scales, _log_floored, _scratch, _worse, _z_of
+from .bounds import _sort8, log_key, lr_factor
+from .quantiles import Column, Scales, _log_floored, _scratch, _worse, _z_of, ranks
 
 NONE = np.iinfo(np.int64).min  # no bin open
 
@@ -93,9 +93,7 @@ def _stats_at(raw: np.ndarray, lr: np.ndarray, i: int, first: int, window: int, 
         x = np.float64(raw[r])
         if math.isfinite(x):
             if log:
-                k = x if x > tiny else tiny
-                if scaled:
-                    k = k / lr_factor(lr, r)
+                k = log_key(x, lr, r, scaled, tiny)
             elif scaled:
                 k = x - math.log(lr_factor(lr, r))
             else:
@@ -114,13 +112,10 @@ def _stats_at(raw: np.ndarray, lr: np.ndarray, i: int, first: int, window: int, 
             buf[k], buf[n - 1 - k] = buf[n - 1 - k], buf[k]
     else:
         _sort(buf, n)
-    q25 = _value(buf[min(int(math.floor((n - 1) * 0.25 + 0.5)), n - 1)], log)
-    mid_at = (n - 1) * 0.5
-    lo_i, hi_i = int(math.floor(mid_at)), int(math.ceil(mid_at))
+    r25, lo_i, hi_i, part, r75 = ranks(n)
     m_lo = _value(buf[lo_i], log)
-    q50 = m_lo if lo_i == hi_i else m_lo + (_value(buf[hi_i], log) - m_lo) * (mid_at - lo_i)
-    q75 = _value(buf[min(int(math.floor((n - 1) * 0.75 + 0.5)), n - 1)], log)
-    return True, q25, q50, q75
+    q50 = m_lo if lo_i == hi_i else m_lo + (_value(buf[hi_i], log) - m_lo) * part
+    return True, _value(buf[r25], log), q50, _value(buf[r75], log)
 
 
 @numba.njit(nogil=True, inline="always")
@@ -133,13 +128,30 @@ def _finite(raw: np.ndarray, a: int, b: int) -> int:  # pragma: no cover - compi
 
 
 @numba.njit(nogil=True)
-def _z_at(raw: np.ndarray, lr: np.ndarray, i: int, q25: float, q50: float, q75: float, log: bool, scaled: bool,
-          floor: float, rel_floor: float, log_floor: float, tiny: float, per_iqr: float) -> float:  # pragma: no cover - compiled
-    """Row i's z against the statistics given (`quantiles._z_of`)."""
-    x = np.float64(raw[i])
+def _z_at(x: float, f: float, q25: float, q50: float, q75: float, log: bool, scaled: bool, floor: float,
+          rel_floor: float, log_floor: float, tiny: float, per_iqr: float) -> float:  # pragma: no cover - compiled
+    """The z of a value x at lr f against the statistics given (`quantiles._z_of`)."""
     logged = _log_floored(x, tiny) if log else np.nan
-    return _z_of(q25, q50, q75, x, logged, lr[i], log, scaled, floor, rel_floor, log_floor, tiny, per_iqr,
+    return _z_of(q25, q50, q75, x, logged, f, log, scaled, floor, rel_floor, log_floor, tiny, per_iqr,
                  np.nan, np.nan, np.nan)[2]
+
+
+@numba.njit(nogil=True)
+def _first_baseline(raw: np.ndarray, judged: np.ndarray, lr: np.ndarray, r: int, i1: int, first: int, window: int,
+                    lag: int, min_samples: int, log: bool, scaled: bool, tiny: float,
+                    buf: np.ndarray) -> tuple[int, bool, float, float, float]:  # pragma: no cover - compiled
+    """(row, whether found, its statistics): the first judged row of r..i1 - 1 whose window holds
+    `min_samples` finite values (counted as the row moves, so a bin in warm-up or after a run of
+    NaN costs a count a row, not a window's sort)."""
+    n = _finite(raw, max(r - lag - window + 1, first), r - lag + 1)
+    while r < i1:
+        if judged[r] and n >= min_samples and n > 0:
+            have, q25, q50, q75 = _stats_at(raw, lr, r, first, window, lag, min_samples, log, scaled, tiny, buf)
+            return r, have, q25, q50, q75
+        r += 1
+        n += _finite(raw, max(r - lag, first), r - lag + 1) - _finite(raw, max(r - lag - window, first),
+                                                                     r - lag - window + 1)
+    return r, False, np.nan, np.nan, np.nan
 
 
 @numba.njit(cache=True, nogil=True)
@@ -182,9 +194,7 @@ def _extremes(raw: np.ndarray, missing: np.ndarray, judged: np.ndarray, lr: np.n
         if log:
             if x == np.inf:
                 continue
-            k = x if x > tiny else tiny
-            if scaled:
-                k = k / lr_factor(lr, i)
+            k = log_key(x, lr, i, scaled, tiny)
         elif not math.isfinite(x):
             continue
         else:
@@ -260,30 +270,22 @@ def _fold_bins(raw: np.ndarray, missing: np.ndarray, lr: np.ndarray, starts: np.
                 q25, q50, q75 = carry_q[g, 0], carry_q[g, 1], carry_q[g, 2]
             fresh = False
             r = i
-            if not have:  # the bin's first judged row with a baseline: its window's finite values
-                n = _finite(raw, max(r - lag - window + 1, first), r - lag + 1)  # counted as r moves
-                while r < i1:
-                    if judged[r] and n >= min_samples and n > 0:
-                        have, q25, q50, q75 = _stats_at(raw, lr, r, first, window, lag, min_samples, log, scaled,
-                                                        tiny, buf)
-                        break
-                    r += 1
-                    n += _finite(raw, max(r - lag, first), r - lag + 1) - _finite(raw, max(r - lag - window, first),
-                                                                                 r - lag - window + 1)
+            if not have:  # the bin's first judged row with a baseline
+                r, have, q25, q50, q75 = _first_baseline(raw, judged, lr, r, i1, first, window, lag, min_samples,
+                                                         log, scaled, tiny, buf)
             c = cell_start[g] + b - first_bin[g]
             if have and tail and not scaled and (not nulls or _count(missing, r, i1) == 0):
-                hi, lo = _span(raw, r, i1, log, tiny)
+                hi, lo = _span(raw, r, i1, log, tiny)  # the values alone: z reads no row's lr here
                 for k in (hi, lo):
                     if math.isfinite(k):
-                        cells[c] = _worse(cells[c], _z_of(q25, q50, q75, k, math.log(k) if log else np.nan, 1.0, log,
-                                                          False, floor, rel_floor, log_floor, tiny, per_iqr,
-                                                          np.nan, np.nan, np.nan)[2])
+                        cells[c] = _worse(cells[c], _z_at(k, 1.0, q25, q50, q75, log, False, floor, rel_floor,
+                                                          log_floor, tiny, per_iqr))
             elif have:
                 hi_row, lo_row = _extremes(raw, missing, judged, lr, r, i1, log, scaled, tiny)
                 if hi_row >= 0:
                     for row in (hi_row, lo_row):
-                        cells[c] = _worse(cells[c], _z_at(raw, lr, row, q25, q50, q75, log, scaled, floor, rel_floor,
-                                                          log_floor, tiny, per_iqr))
+                        cells[c] = _worse(cells[c], _z_at(np.float64(raw[row]), lr[row], q25, q50, q75, log, scaled,
+                                                          floor, rel_floor, log_floor, tiny, per_iqr))
             i = i1
         if have:
             open_q[g, 0], open_q[g, 1], open_q[g, 2] = q25, q50, q75

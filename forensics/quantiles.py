@@ -169,12 +169,11 @@ def _trailing(values: np.ndarray, starts: np.ndarray, window: int, lag: int, min
                     buf[(head + at) & mask] = x_in
                     n += 1
                 if n >= min_samples and n > 0:
-                    q25 = buf[(head + min(int(math.floor((n - 1) * 0.25 + 0.5)), n - 1)) & mask]  # nearest rank
-                    mid_at = (n - 1) * 0.5  # the median interpolates linearly
-                    lo_i, hi_i = int(math.floor(mid_at)), int(math.ceil(mid_at))
+                    r25, lo_i, hi_i, part, r75 = ranks(n)
+                    q25 = buf[(head + r25) & mask]
                     m_lo = buf[(head + lo_i) & mask]
-                    q50 = m_lo if lo_i == hi_i else m_lo + (buf[(head + hi_i) & mask] - m_lo) * (mid_at - lo_i)
-                    q75 = buf[(head + min(int(math.floor((n - 1) * 0.75 + 0.5)), n - 1)) & mask]
+                    q50 = m_lo if lo_i == hi_i else m_lo + (buf[(head + hi_i) & mask] - m_lo) * part
+                    q75 = buf[(head + r75) & mask]
                 else:
                     q25 = q50 = q75 = np.nan
             if not fold:
@@ -185,6 +184,17 @@ def _trailing(values: np.ndarray, starts: np.ndarray, window: int, lag: int, min
                                                      m_q50, m_exp, m_log)
                 h_cells[h_slot[i]] = _worse(h_cells[h_slot[i]], z)
             i += 1
+
+
+@numba.njit(nogil=True, inline="always")
+def ranks(n: int) -> tuple[int, int, int, float, int]:  # pragma: no cover - compiled
+    """Where the statistics of n sorted values lie, with Polars' definitions: the 25th percentile's
+    rank (the nearest, round((n - 1) q) rounding halves up), the two middle ranks and the share of
+    the way from the first to the second the median lies (it interpolates linearly), the 75th's."""
+    mid_at = (n - 1) * 0.5
+    lo_i = int(math.floor(mid_at))
+    return (min(int(math.floor((n - 1) * 0.25 + 0.5)), n - 1), lo_i, int(math.ceil(mid_at)), mid_at - lo_i,
+            min(int(math.floor((n - 1) * 0.75 + 0.5)), n - 1))
 
 
 @numba.njit(nogil=True, inline="always")

@@ -1,15 +1,16 @@
 """The forensic report: what it shows, gathered from one analysis, and its figures.
 
-`gather` takes an `Analysis` (or runs one) and collects what the report shows without reading the
-trace again: the components in forward order, the heatmap scores, the root metric against its
-baseline, what fixed-threshold rules saw, and the rehearsal's answer key if the trace has one.
-`figures` draws them (plots.py); `report_html` lays them out; `write_html` / `write_pngs` write.
+`gather` takes an `Analysis` (or runs one) and collects what the report shows, reading back only
+the root component's metric: the components in forward order, the heatmap scores, the root metric
+against its baseline, what fixed-threshold rules saw, and the rehearsal's answer key if the trace
+has one. `images` draws and renders them (plots.py); `report_html` lays them out; `write_html` /
+`write_pngs` write.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -136,20 +137,11 @@ def _drawers(data: ReportData) -> list[tuple[str, Callable[[], Figure | None]]]:
     ]
 
 
-def _in_order(drawn: Iterator[tuple[str, Any]]) -> dict[str, Any]:
-    found = dict(drawn)
-    return {name: found[name] for name in _SHOWN if name in found}
-
-
-def figures(data: ReportData) -> dict[str, Figure]:
-    """The report's figures by file stem, in the order the report shows them."""
-    return _in_order((name, fig) for name, draw in _drawers(data) if (fig := draw()) is not None)
-
-
 def images(data: ReportData) -> dict[str, bytes]:
-    """The figures as PNG bytes, each rendered as soon as it is drawn (a figure is freed before
-    the next is made), in the order the report shows them."""
-    return _in_order((name, plots.png_bytes(fig)) for name, draw in _drawers(data) if (fig := draw()) is not None)
+    """The figures as PNG bytes by file stem, each rendered as soon as it is drawn (a figure is
+    freed before the next is made), in the order the report shows them."""
+    drawn = {name: plots.png_bytes(fig) for name, draw in _drawers(data) if (fig := draw()) is not None}
+    return {name: drawn[name] for name in _SHOWN if name in drawn}
 
 
 def _analysis(trace: Path | str, analysis: Analysis | None) -> Analysis:

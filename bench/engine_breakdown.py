@@ -12,7 +12,8 @@ and carry), the judging thread (`judge`: the window before) and the baseline's w
 metric columns, the screen, the kernel and the compiled rules, `judge._hits`), whose seconds are
 summed over them: the parts add up to more than the wall time. The trace is a GPT sample trace grown to `--size` component-steps
 (bench/grow.py, the faulty one) unless `--trace` names one. Run:
-`python bench/engine_breakdown.py [--size 1e7 | --trace DIR]`."""
+`python bench/engine_breakdown.py [--size 1e7 | --trace DIR] [--heat]` (with the heatmap, as `report`
+runs it: also the cells' scores, what its picture holds)."""
 
 from __future__ import annotations
 
@@ -117,13 +118,18 @@ def main() -> None:
         prepared: list[baseline.Prepared] = []
         stream.series_order = _kept(sorts, stream.series_order)
         judge.prepare = _returned(prepared, judge.prepare)
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         result = analysis.analyze(trace, heat=args.heat)  # `analyze` runs it without the heatmap, `report` with
-        total = time.perf_counter() - t0
+        total, cpu = time.perf_counter() - t0, time.process_time() - c0
         opened = _best_s(lambda: open_trace(trace).close(), repeat=5)
-    print(f"analyze {trace.name}{' with the heatmap' if args.heat else ''}: {total:.1f} s in all, "
-          f"{len(prepared)} step windows; "
+    print(f"analyze {trace.name}{' with the heatmap' if args.heat else ''}: {total:.1f} s in all "
+          f"({cpu:.1f} CPU-s), {len(prepared)} step windows; "
           f"root {result.root.attributed_to if result.root else None}")
+    if args.heat:  # what the picture holds: the cells' scores
+        score = result.heat["score"].drop_nulls().to_numpy()
+        print(f"heatmap: {result.heat_width} steps a cell, {len(score):,} cells with a score; median "
+              f"{np.median(score):.2f}, 99th percentile {np.quantile(score, 0.99):.2f}; at 3, 4, 6 or more: "
+              + ", ".join(f"{(score >= t).mean():.1%}" for t in (3, 4, 6)))
     for owner, name, indent in PARTS:
         key = _label(owner, name)
         threads = "  (summed over the threads running it)" if name in THREADS else (

@@ -9,10 +9,13 @@ each row's own z, the definition `quantiles.fold_baseline` computes; over a bin 
 the component went within the bin from where it stood when the bin opened.
 
 It costs a fraction of every row's z: one window's order statistics per bin (`_stats_at`:
-~0.6 us for a window of 64 to sort; one that holds still or trends is read as it is) and a pass
-that keeps each bin's largest and smallest value, since against one baseline the worst |z| is at
-one of them. Every row's z reads its own window (the
-sorted ring, ~40 ns a row and metric); on a 1e8 component-step run that was ~60 s of `report`.
+~0.4 us for a window of 64 to sort, ~0.1 us to gather; one that holds still or trends is read
+as it is) and a pass that keeps each bin's largest and smallest value, since against one
+baseline the worst |z| is at one of them. Every row's z reads its own window (the sorted ring,
+~40 ns a row and metric); on a 1e8 component-step run that was ~60 s of `report`. The rows are
+split into bins once a window (`layout`), not once per metric, and a series with no value of a
+metric (a prediction metric on a hidden layer) is passed over whole: on a window of a GPT grown
+to 1e8 component-steps, 229 -> 124-151 ns a row for all 18 metrics at 125 steps a cell.
 
 A bin can span two step windows of the classifier: the baseline of each series' last bin goes
 out with the window's cells (`Open`) and the next window's rows of that bin are judged against
@@ -141,8 +144,17 @@ def _first_baseline(raw: np.ndarray, judged: np.ndarray, lr: np.ndarray, r: int,
                     lag: int, min_samples: int, log: bool, scaled: bool, tiny: float,
                     buf: np.ndarray) -> tuple[int, bool, float, float, float]:  # pragma: no cover - compiled
     """(row, whether found, its statistics): the first judged row of r..i1 - 1 whose window holds
-    `min_samples` finite values (counted as the row moves, so a bin in warm-up or after a run of
-    NaN costs a count a row, not a window's sort)."""
+    `min_samples` finite values. The first judged row is tried as it is (a bin past warm-up has
+    its baseline there); past it the values are counted as the row moves, so a bin in warm-up or
+    after a run of NaN costs a count a row, not a window's sort."""
+    while r < i1 and not judged[r]:
+        r += 1
+    if r == i1:
+        return r, False, np.nan, np.nan, np.nan
+    have, q25, q50, q75 = _stats_at(raw, lr, r, first, window, lag, min_samples, log, scaled, tiny, buf)
+    if have:
+        return r, have, q25, q50, q75
+    r += 1
     n = _finite(raw, max(r - lag - window + 1, first), r - lag + 1)
     while r < i1:
         if judged[r] and n >= min_samples and n > 0:
@@ -156,10 +168,12 @@ def _first_baseline(raw: np.ndarray, judged: np.ndarray, lr: np.ndarray, r: int,
 
 @numba.njit(cache=True, nogil=True)
 def layout(starts: np.ndarray, step: np.ndarray, judged: np.ndarray, width: int, first_bin: np.ndarray,
-           cell_start: np.ndarray) -> np.ndarray:  # pragma: no cover - compiled
+           cell_start: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:  # pragma: no cover - compiled
     """Each series' cells: its bins from the one of its first judged row to its last's
     (`first_bin`, `NONE` where it has none; from cell `cell_start[g]`, `cell_start[-1]` of them),
-    and which cells hold a judged row. A bin is (step - 1) // width: its first step bin * width + 1."""
+    and per cell (seen, row0, row1, plain): whether it holds a judged row, its rows (row0..row1 - 1,
+    from the series' first judged row on; none: row0 == row1) and whether every one is judged.
+    A bin is (step - 1) // width: its first step bin * width + 1."""
     total = 0
     for g in range(len(starts) - 1):
         cell_start[g] = total
@@ -172,11 +186,27 @@ def layout(starts: np.ndarray, step: np.ndarray, judged: np.ndarray, width: int,
                 total = cell_start[g] + b - first_bin[g] + 1
     cell_start[len(starts) - 1] = total
     seen = np.zeros(total, dtype=np.bool_)
+    row0 = np.zeros(total, dtype=np.int64)
+    row1 = np.zeros(total, dtype=np.int64)
+    plain = np.ones(total, dtype=np.bool_)
     for g in range(len(starts) - 1):
-        for i in range(starts[g], starts[g + 1]):
-            if judged[i]:
-                seen[cell_start[g] + (step[i] - 1) // width - first_bin[g]] = True
-    return seen
+        if first_bin[g] == NONE:
+            continue
+        i = starts[g]
+        while not judged[i]:
+            i += 1
+        last = -1
+        for r in range(i, starts[g + 1]):
+            c = cell_start[g] + (step[r] - 1) // width - first_bin[g]
+            if c >= cell_start[g + 1]:
+                break  # past the series' last judged row: no cell of its own
+            if c != last:
+                row0[c] = r
+                last = c
+            row1[c] = r + 1
+            seen[c] |= judged[r]
+            plain[c] &= judged[r]
+    return seen, row0, row1, plain
 
 
 @numba.njit(nogil=True, inline="always")
@@ -227,81 +257,89 @@ def _span(raw: np.ndarray, i0: int, i1: int, log: bool, tiny: float) -> tuple[fl
 
 
 @numba.njit(nogil=True, inline="always")
-def _count(flags: np.ndarray, i0: int, i1: int) -> int:  # pragma: no cover - compiled
-    """How many rows of i0..i1 - 1 are flagged (a sum, with no branch)."""
-    c = 0
+def _span_present(raw: np.ndarray, missing: np.ndarray, i0: int, i1: int, log: bool,
+                  tiny: float) -> tuple[float, float]:  # pragma: no cover - compiled
+    """`_span` of the rows of i0..i1 - 1 that are not null (`missing`), with no branch either."""
+    hi, lo = -np.inf, np.inf
     for i in range(i0, i1):
-        c += flags[i]
-    return c
+        x = np.float64(raw[i])
+        if log:
+            k = x if x > tiny else tiny
+            ok = x != np.inf
+        else:
+            k = x
+            ok = math.isfinite(x)
+        ok = ok and not missing[i]
+        hi = max(hi, k if ok else -np.inf)
+        lo = min(lo, k if ok else np.inf)
+    return hi, lo
 
 
 @numba.njit(cache=True, nogil=True)
-def _fold_bins(raw: np.ndarray, missing: np.ndarray, lr: np.ndarray, starts: np.ndarray, step: np.ndarray,
-               judged: np.ndarray, width: int, window: int, lag: int, min_samples: int, log: bool, scaled: bool,
-               floor: float, rel_floor: float, log_floor: float, tiny: float, per_iqr: float,
-               carry_bin: np.ndarray, carry_q: np.ndarray, first_bin: np.ndarray, cell_start: np.ndarray,
-               cells: np.ndarray, open_q: np.ndarray, buf: np.ndarray, nulls: bool) -> None:  # pragma: no cover - compiled
+def _fold_bins(raw: np.ndarray, missing: np.ndarray, lr: np.ndarray, starts: np.ndarray, judged: np.ndarray,
+               row0: np.ndarray, row1: np.ndarray, plain: np.ndarray, window: int, lag: int, min_samples: int,
+               log: bool, scaled: bool, floor: float, rel_floor: float, log_floor: float, tiny: float,
+               per_iqr: float, carry_bin: np.ndarray, carry_q: np.ndarray, first_bin: np.ndarray,
+               cell_start: np.ndarray, cells: np.ndarray, open_q: np.ndarray, buf: np.ndarray,
+               nulls: bool) -> None:  # pragma: no cover - compiled
     """One metric's worst |z| per (series, bin) folded into `cells` (`_worse`), each bin's rows
-    against the statistics of its first judged row with a baseline; a series' first bin here
-    takes `carry_q[g]` where it is the bin `carry_bin[g]` the statistics were taken for (NaN:
-    none yet). `open_q[g]`: the statistics of series g's last bin (NaN: none). `nulls`: whether
-    `missing` marks any row."""
+    (`row0`, `row1`: `layout`) against the statistics of its first judged row with a baseline;
+    a series' first bin takes `carry_q[g]` where it is the bin `carry_bin[g]` the statistics
+    were taken for (NaN: none yet). `open_q[g]`: the statistics of series g's last bin (NaN:
+    none). `nulls`: whether `missing` marks any row."""
     for g in range(len(starts) - 1):
         open_q[g, 0] = open_q[g, 1] = open_q[g, 2] = np.nan
         if first_bin[g] == NONE:
             continue
-        first, end = starts[g], starts[g + 1]
-        i = first
-        while not judged[i]:  # a series with a cell has a judged row
-            i += 1
-        # every row from the first judged one on is judged (the rows fed, from `since` on)
-        tail = _count(judged, i, end) == end - i
-        fresh = True  # the series' first bin in this window
+        first = starts[g]
+        carried = first_bin[g] == carry_bin[g] and not math.isnan(carry_q[g, 1])
+        if not carried and _finite(raw, first, starts[g + 1]) == 0:
+            continue  # no value, so no baseline (a metric the component does not have)
         have = False
         q25 = q50 = q75 = np.nan
-        while i < end:
-            b = (step[i] - 1) // width
-            ends = (b + 1) * width + 1  # the first step of the next bin
-            i1 = i + 1
-            while i1 < end and step[i1] < ends:
-                i1 += 1
-            have = fresh and b == carry_bin[g] and not math.isnan(carry_q[g, 1])
+        for c in range(cell_start[g], cell_start[g + 1]):
+            i, i1 = row0[c], row1[c]
+            if i == i1:
+                continue  # no row in this bin
+            have = carried and c == cell_start[g]
+            r = i
             if have:
                 q25, q50, q75 = carry_q[g, 0], carry_q[g, 1], carry_q[g, 2]
-            fresh = False
-            r = i
-            if not have:  # the bin's first judged row with a baseline
-                r, have, q25, q50, q75 = _first_baseline(raw, judged, lr, r, i1, first, window, lag, min_samples,
+            else:  # the bin's first judged row with a baseline
+                r, have, q25, q50, q75 = _first_baseline(raw, judged, lr, i, i1, first, window, lag, min_samples,
                                                          log, scaled, tiny, buf)
-            c = cell_start[g] + b - first_bin[g]
-            if have and tail and not scaled and (not nulls or _count(missing, r, i1) == 0):
-                hi, lo = _span(raw, r, i1, log, tiny)  # the values alone: z reads no row's lr here
+            if not have:
+                continue
+            if plain[c] and not scaled:  # the values alone: z reads no row's lr here
+                hi, lo = _span_present(raw, missing, r, i1, log, tiny) if nulls else _span(raw, r, i1, log, tiny)
                 for k in (hi, lo):
                     if math.isfinite(k):
                         cells[c] = _worse(cells[c], _z_at(k, 1.0, q25, q50, q75, log, False, floor, rel_floor,
                                                           log_floor, tiny, per_iqr))
-            elif have:
+            else:
                 hi_row, lo_row = _extremes(raw, missing, judged, lr, r, i1, log, scaled, tiny)
                 if hi_row >= 0:
                     for row in (hi_row, lo_row):
                         cells[c] = _worse(cells[c], _z_at(np.float64(raw[row]), lr[row], q25, q50, q75, log, scaled,
                                                           floor, rel_floor, log_floor, tiny, per_iqr))
-            i = i1
         if have:
             open_q[g, 0], open_q[g, 1], open_q[g, 2] = q25, q50, q75
 
 
 class Bins(NamedTuple):
-    """A step window's heatmap cells: its rows' steps and judged marks, each series' first bin
-    and first cell (`layout`), which cells hold a judged row, and the bin each series' last
-    judged row is in (`NONE`: it has none), whose statistics go to the next window."""
+    """A step window's heatmap cells (`layout`): its rows' judged marks, each series' first bin
+    and first cell, per cell whether it holds a judged row, its rows and whether all are judged,
+    and the bin each series' last judged row is in (`NONE`: it has none), whose statistics go to
+    the next window. Every metric's pass reads them: the rows are split into bins once."""
 
-    step: np.ndarray
     judged: np.ndarray
     width: int
     first_bin: np.ndarray
     cell_start: np.ndarray
     seen: np.ndarray
+    row0: np.ndarray
+    row1: np.ndarray
+    plain: np.ndarray
     last_bin: np.ndarray
 
 
@@ -312,10 +350,10 @@ def bins(step: np.ndarray, judged: np.ndarray, starts: np.ndarray, width: int) -
     starts = np.asarray(starts, dtype=np.int64)
     series = len(starts) - 1
     first_bin, cell_start = np.empty(series, dtype=np.int64), np.empty(series + 1, dtype=np.int64)
-    seen = layout(starts, step, judged, width, first_bin, cell_start)
+    seen, row0, row1, plain = layout(starts, step, judged, width, first_bin, cell_start)
     counts = np.diff(cell_start)
     last_bin = np.where(counts > 0, first_bin + counts - 1, NONE)
-    return Bins(step, judged, width, first_bin, cell_start, seen, last_bin)
+    return Bins(judged, width, first_bin, cell_start, seen, row0, row1, plain, last_bin)
 
 
 def fold(col: Column, lr: np.ndarray | None, starts: np.ndarray, where: Bins, carry_bin: np.ndarray,
@@ -325,10 +363,10 @@ def fold(col: Column, lr: np.ndarray | None, starts: np.ndarray, where: Bins, ca
     statistics of each series' last bin, (series, 3), NaN where none, for the next window."""
     raw, missing, lr_values, scaled = col.arrays(lr)
     open_q = np.empty((len(starts) - 1, 3))
-    _fold_bins(raw, missing, lr_values, np.asarray(starts, dtype=np.int64), where.step, where.judged, where.width,
-               window, lag, min_samples, col.log, scaled, col.floor, scales.rel_floor, scales.log_floor, scales.tiny,
-               1.0 / scales.iqr_to_sigma, carry_bin, np.ascontiguousarray(carry_q), where.first_bin, where.cell_start,
-               cells, open_q, _scratch(max(64, window), "heat_window"), col.missing is not None)
+    _fold_bins(raw, missing, lr_values, np.asarray(starts, dtype=np.int64), where.judged, where.row0, where.row1,
+               where.plain, window, lag, min_samples, col.log, scaled, col.floor, scales.rel_floor, scales.log_floor,
+               scales.tiny, 1.0 / scales.iqr_to_sigma, carry_bin, np.ascontiguousarray(carry_q), where.first_bin,
+               where.cell_start, cells, open_q, _scratch(max(64, window), "heat_window"), col.missing is not None)
     return open_q
 
 

@@ -117,3 +117,20 @@ def test_the_cells_are_the_bins_that_hold_a_judged_row() -> None:
     cells = np.array([1.0, np.nan, 2.0, np.nan, np.nan, np.nan, np.nan, np.nan])
     frame = heatbins.frame(pl.Series(["a", "b", "c"]), where, cells)
     assert frame.rows() == [("a", 1, 1.0), ("a", 11, 2.0), ("a", 36, None)]
+
+
+def test_a_series_with_no_value_in_a_window_is_judged_against_a_baseline_carried_into_it() -> None:
+    # a log metric gone NaN (floored to its log's tiny: far below any baseline) in every row of
+    # a window: without a baseline carried in it has no z; with its open bin's baseline, a huge one
+    n, width = 10, 20
+    col = quantiles.Column(np.full(n, np.nan), None, True, False, 1e-3)
+    step = np.arange(41, 41 + n, dtype=np.int64)  # bin 2 (steps 41..60), opened in an earlier window
+    starts = np.array([0, n], dtype=np.int64)
+    where = heatbins.bins(step, np.ones(n, dtype=np.bool_), starts, width)
+    carried = np.log([[0.9, 1.0, 1.1]])
+    for carry_bin, carry_q, expect in ((heatbins.NONE, np.full((1, 3), np.nan), False), (2, carried, True),
+                                       (1, carried, False)):  # baseline of another bin: not this one's
+        cells = np.full(int(where.cell_start[-1]), np.nan)
+        open_q = heatbins.fold(col, None, starts, where, np.array([carry_bin]), carry_q, 64, 1, 16, _SCALES, cells)
+        assert len(cells) == 1 and (cells[0] > 100 if expect else np.isnan(cells[0]))
+        assert np.array_equal(open_q, carry_q if expect else np.full((1, 3), np.nan), equal_nan=True)

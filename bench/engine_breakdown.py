@@ -4,8 +4,9 @@ Runs one whole-trace analysis in this process as `warninglight analyze` runs it 
 with timers around the engine's parts (nested parts are counted in their callers too), then, on
 one step window of the same run (the third the classifier judged), the baseline kernel's
 nanoseconds per row for each metric at every row (one thread: the window's order statistics,
-then median, scale and z) and their sum; the screen's (`screen.wanted`: which rows a rule can
-fire at) and the share of rows it leaves; the window's sort by names against `sort_series` and
+then median, scale and z) and their sum; the heatmap's pass over all metrics at the width
+`report` gives the trace (`heatbins.fold`; each row's own z at one step a cell); the screen's
+(`screen.wanted`: which rows a rule can fire at) and the share of rows it leaves; the window's sort by names against `sort_series` and
 `series_order`; last, opening the trace (best of 5). Four kinds of thread run at once: the
 reader (`health_window`, `join_lr`: the next window), the main thread (`submit`: a window's sort
 and carry), the judging thread (`judge`: the window before) and the baseline's workers (the
@@ -153,13 +154,26 @@ def main() -> None:
         total += s
         print(f"    baseline kernel {m:<22s} {s / frame.height * 1e9:6.1f} ns/row")
     print(f"    baseline kernel, all {len(metrics)} metrics  {total / frame.height * 1e9:6.1f} ns/row")
+    # the heatmap's pass (`report`), at the trace's own width: every row's |z| folded into its
+    # cell at one step a cell, each bin against its first row's baseline at more (`heatbins`)
+    width = analysis.heat_width(int(result.steps["step"].min()), int(result.steps["step"].max()))
     slot, total = quantiles.slots(frame.height, rows), 0.0
-    for m in metrics:  # the heatmap's pass (`report`): every row's |z| folded into its cell
-        col, cells = baseline._column(frame, m, lr), np.full(frame.height, np.nan)
-        s = _best_s(lambda col=col, cells=cells: quantiles.fold_baseline(
-            col, lr_values, starts, slot, cfg.window, cfg.lag, cfg.min_samples, baseline._SCALES, cells))
+    where = heatbins.bins(frame["step"].cast(pl.Int64).to_numpy(), np.ones(frame.height, dtype=np.bool_), starts, width)
+    series = len(starts) - 1
+    for m in metrics:
+        col = baseline._column(frame, m, lr)
+        if width == 1:
+            cells = np.full(frame.height, np.nan)
+            s = _best_s(lambda col=col, cells=cells: quantiles.fold_baseline(
+                col, lr_values, starts, slot, cfg.window, cfg.lag, cfg.min_samples, baseline._SCALES, cells))
+        else:
+            cells = np.full(int(where.cell_start[-1]), np.nan)
+            s = _best_s(lambda col=col, cells=cells: heatbins.fold(
+                col, lr_values, starts, where, np.full(series, heatbins.NONE), np.full((series, 3), np.nan),
+                cfg.window, cfg.lag, cfg.min_samples, baseline._SCALES, cells))
         total += s
-    print(f"    heatmap fold, all {len(metrics)} metrics  {total / frame.height * 1e9:6.1f} ns/row")
+    print(f"    heatmap fold, all {len(metrics)} metrics  {total / frame.height * 1e9:6.1f} ns/row "
+          f"({width} step{'s' if width > 1 else ''} a cell)")
     config = Config()  # the screen (`screen.wanted`), every row given every role its rules read
     total = 0.0
     for m in metrics:

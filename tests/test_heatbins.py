@@ -114,9 +114,16 @@ def test_the_cells_are_the_bins_that_hold_a_judged_row() -> None:
     assert where.cell_start.tolist() == [0, 8, 8, 8]  # bins 0..7 of the first series
     assert np.flatnonzero(where.seen).tolist() == [0, 2, 7] and where.last_bin.tolist() == [7, heatbins.NONE,
                                                                                               heatbins.NONE]
+    # each cell's rows from the series' first judged row on, and whether all of them are judged
+    held = [(int(where.row0[c]), int(where.row1[c]), bool(where.plain[c])) for c in (0, 2, 7)]
+    assert held == [(1, 3, True), (3, 5, False), (5, 6, True)]
+    assert (where.row0[[1, 3, 4, 5, 6]] == where.row1[[1, 3, 4, 5, 6]]).all()  # bins with no row
     cells = np.array([1.0, np.nan, 2.0, np.nan, np.nan, np.nan, np.nan, np.nan])
     frame = heatbins.frame(pl.Series(["a", "b", "c"]), where, cells)
     assert frame.rows() == [("a", 1, 1.0), ("a", 11, 2.0), ("a", 36, None)]
+    # rows after a series' last judged one, in later bins, have no cell: none is laid out for them
+    tail = heatbins.bins(np.array([1, 2, 9, 14]), np.array([True, True, False, False]), np.array([0, 4]), 5)
+    assert tail.cell_start.tolist() == [0, 1] and (tail.row0[0], tail.row1[0], tail.plain[0]) == (0, 2, True)
 
 
 def test_a_series_with_no_value_in_a_window_is_judged_against_a_baseline_carried_into_it() -> None:

@@ -156,10 +156,13 @@ def main() -> None:
     print(f"    baseline kernel, all {len(metrics)} metrics  {total / frame.height * 1e9:6.1f} ns/row")
     # the heatmap's pass (`report`), at the trace's own width: every row's |z| folded into its
     # cell at one step a cell, each bin against its first row's baseline at more (`heatbins`)
-    width = analysis.heat_width(int(result.steps["step"].min()), int(result.steps["step"].max()))
-    slot, total = quantiles.slots(frame.height, rows), 0.0
-    where = heatbins.bins(frame["step"].cast(pl.Int64).to_numpy(), np.ones(frame.height, dtype=np.bool_), starts, width)
+    width, total = result.heat_width, 0.0  # what the analysis gives the report, heatmap drawn or not
     series = len(starts) - 1
+    if width == 1:
+        slot = quantiles.slots(frame.height, rows)
+    else:
+        where = heatbins.bins(frame["step"].cast(pl.Int64).to_numpy(), np.ones(frame.height, dtype=np.bool_), starts,
+                              width)
     for m in metrics:
         col = baseline._column(frame, m, lr)
         if width == 1:

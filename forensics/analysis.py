@@ -50,12 +50,6 @@ CHUNK_ROWS = 1_000_000
 # figure has across (~850), so no column is dropped when the image is drawn
 HEAT_BINS = 800
 
-
-def heat_width(first: int, last: int) -> int:
-    """Steps a heatmap cell holds for steps first..last: at most `HEAT_BINS` cells across."""
-    return max(1, -(-(last - first + 1) // HEAT_BINS))  # ceil
-
-
 HEALTHY, FAULT = "healthy", "fault"  # the two verdicts
 
 
@@ -430,7 +424,7 @@ def analyze(trace_dir: str | Path, *, config: Config | str | Path | None = None,
         table = trace.frame("steps").collect().sort("step")
         if steps is not None:
             table = table.filter(pl.col("step").is_between(first, last_health))
-        width = heat_width(first, last_health)
+        width = max(1, -(-(last_health - first + 1) // HEAT_BINS))  # ceil
         static = StaticScan(components)
         if ref is not None:
             check_components(components, ref, reference)  # type: ignore[arg-type]

@@ -15,7 +15,7 @@ baseline the worst |z| is at one of them. Every row's z reads its own window (th
 ~40 ns a row and metric); on a 1e8 component-step run that was ~60 s of `report`. The rows are
 split into bins once a window (`layout`), not once per metric, and a series with no value of a
 metric (a prediction metric on a hidden layer) is passed over whole: on a window of a GPT grown
-to 1e8 component-steps, 229 -> 124-151 ns a row for all 18 metrics at 125 steps a cell.
+to 1e7 component-steps, bins of 125 steps, 229 -> 124-151 ns a row for all 18 metrics.
 
 A bin can span two step windows of the classifier: the baseline of each series' last bin goes
 out with the window's cells (`Open`) and the next window's rows of that bin are judged against
@@ -312,9 +312,9 @@ def _fold_bins(raw: np.ndarray, missing: np.ndarray, lr: np.ndarray, starts: np.
 
 class Bins(NamedTuple):
     """A step window's heatmap cells (`layout`): its rows' judged marks, each series' first bin
-    and first cell, per cell whether it holds a judged row, its rows and whether all are judged,
-    and the bin each series' last judged row is in (`NONE`: it has none), whose statistics go to
-    the next window. Every metric's pass reads them: the rows are split into bins once."""
+    and first cell, per cell whether it holds a judged row, its rows and whether all are judged;
+    and the bin each series' last judged row is in, whose statistics go to the next window.
+    Every metric's pass reads them: the rows are split into bins once."""
 
     judged: np.ndarray
     width: int
@@ -324,7 +324,12 @@ class Bins(NamedTuple):
     row0: np.ndarray
     row1: np.ndarray
     plain: np.ndarray
-    last_bin: np.ndarray
+
+    @property
+    def last_bin(self) -> np.ndarray:
+        """The bin each series' last judged row is in (`NONE`: it has none)."""
+        counts = np.diff(self.cell_start)
+        return np.where(counts > 0, self.first_bin + counts - 1, NONE)
 
 
 def bins(step: np.ndarray, judged: np.ndarray, starts: np.ndarray, width: int) -> Bins:
@@ -335,9 +340,7 @@ def bins(step: np.ndarray, judged: np.ndarray, starts: np.ndarray, width: int) -
     series = len(starts) - 1
     first_bin, cell_start = np.empty(series, dtype=np.int64), np.empty(series + 1, dtype=np.int64)
     seen, row0, row1, plain = layout(starts, step, judged, width, first_bin, cell_start)
-    counts = np.diff(cell_start)
-    last_bin = np.where(counts > 0, first_bin + counts - 1, NONE)
-    return Bins(judged, width, first_bin, cell_start, seen, row0, row1, plain, last_bin)
+    return Bins(judged, width, first_bin, cell_start, seen, row0, row1, plain)
 
 
 def fold(col: Column, lr: np.ndarray | None, starts: np.ndarray, where: Bins, carry_bin: np.ndarray,

@@ -130,6 +130,16 @@ def _finite(raw: np.ndarray, a: int, b: int) -> int:  # pragma: no cover - compi
     return n
 
 
+@numba.njit(nogil=True, inline="always")
+def _any_finite(raw: np.ndarray, a: int, b: int) -> bool:  # pragma: no cover - compiled
+    """Whether one of rows a..b - 1 holds a finite value: read up to the first (counting them all
+    was a whole pass over every metric's rows)."""
+    for r in range(a, b):
+        if math.isfinite(np.float64(raw[r])):
+            return True
+    return False
+
+
 @numba.njit(nogil=True)
 def _z_at(x: float, f: float, q25: float, q50: float, q75: float, log: bool, scaled: bool, floor: float,
           rel_floor: float, log_floor: float, tiny: float, per_iqr: float) -> float:  # pragma: no cover - compiled
@@ -277,7 +287,7 @@ def _fold_bins(raw: np.ndarray, missing: np.ndarray, lr: np.ndarray, starts: np.
             continue
         first = starts[g]
         carried = first_bin[g] == carry_bin[g] and not math.isnan(carry_q[g, 1])
-        if not carried and _finite(raw, first, starts[g + 1]) == 0:
+        if not carried and not _any_finite(raw, first, starts[g + 1]):
             continue  # no value, so no baseline (a metric the component does not have)
         have = False
         q25 = q50 = q75 = np.nan

@@ -231,10 +231,17 @@ def param_components(components: pl.DataFrame) -> int:
 
 
 def _step_series(trace: Trace, column: str) -> tuple[np.ndarray, np.ndarray]:
-    # Steps where nothing was logged are left out: a missing loss is not a NaN loss.
-    got = trace.con.execute(
-        f"SELECT step, avg({column}) AS v FROM steps GROUP BY step HAVING v IS NOT NULL ORDER BY step").fetchnumpy()
-    return np.asarray(got["step"], dtype=np.int64), np.asarray(got["v"], dtype=np.float64)
+    """(steps, the column's mean over the ranks at each), read once while the trace is open (the
+    comparators and the whole-model root both read the loss and the gradient norm). Steps where
+    nothing was logged are left out: a missing loss is not a NaN loss."""
+    def read() -> tuple[np.ndarray, np.ndarray]:
+        got = trace.con.execute(f"SELECT step, avg({column}) AS v FROM steps GROUP BY step HAVING v IS NOT NULL "
+                                "ORDER BY step").fetchnumpy()
+        steps, values = np.asarray(got["step"], dtype=np.int64), np.asarray(got["v"], dtype=np.float64)
+        steps.flags.writeable = values.flags.writeable = False  # shared by every reader
+        return steps, values
+
+    return trace.once(("step_series", column), read)
 
 
 def _whole_model_root(cause: RootCause | None, located: list[Located], components: pl.DataFrame,
@@ -380,7 +387,9 @@ def _read_ahead(read: Callable[[int], pl.DataFrame], starts: list[int]) -> Itera
 def locate_alarms(trace: Trace, alarms: pl.DataFrame, components: pl.DataFrame, config: Config,
                   since: int = 0, reference: pl.DataFrame | None = None) -> list[Located]:
     """`localise.locate` on the alarms, reading back only the alarmed components (and the layers
-    feeding alarmed activations) from step `since` on: all that localisation looks at."""
+    feeding alarmed activations): first from `LOCATE_REACH` steps before the first alarm, and
+    from step `since` on (all that localisation could look at) only where an onset or a drift
+    run reaches back to rows whose baseline that first read did not hold whole (`_held`)."""
     if alarms.is_empty():
         return []
     parents = components.filter(pl.col("component").is_in(alarms["component"].implode()))
@@ -390,14 +399,42 @@ def locate_alarms(trace: Trace, alarms: pl.DataFrame, components: pl.DataFrame, 
     recorded = [m for m in metrics if m in schema.HEALTH_METRICS]
     if "lr" in metrics:  # an unheld component is told from a frozen one by its gradients
         recorded.append("grad_norm_l2")
-    rows = health_window(trace, since, int(alarms["step"].max()) + DRIFT_REACH,
-                         columns=sorted({*recorded, "weight_drift_l2"}), names=names)
     keys = [c for c in COMPONENT_KEYS if c in components.columns and c not in ("rank", "component")]
-    rows = rows.join(components.select("rank", "component", *keys), on=["rank", "component"], how="left")
-    rows = join_lr(rows.lazy(), component_lr(trace)).collect()
-    scored = with_baseline(rows.lazy(), config.baseline, [m for m in metrics if m in rows.columns],
-                           reference=reference).collect()
-    return locate(alarms, scored, components, config)
+    last = int(alarms["step"].max()) + DRIFT_REACH
+
+    def scored(first: int) -> pl.DataFrame:
+        rows = health_window(trace, first, last, columns=sorted({*recorded, "weight_drift_l2"}), names=names)
+        rows = rows.join(components.select("rank", "component", *keys), on=["rank", "component"], how="left")
+        rows = join_lr(rows.lazy(), component_lr(trace)).collect()
+        return with_baseline(rows.lazy(), config.baseline, [m for m in metrics if m in rows.columns],
+                             reference=reference).collect()
+
+    first = int(alarms["step"].min()) - LOCATE_REACH
+    if first > since and "lr_surge" not in metrics:  # a surge is judged against every lr before it
+        near = scored(first)
+        located = locate(alarms, near, components, config)
+        if _held(located, near, config.baseline.window + config.baseline.lag):
+            return located
+    return locate(alarms, scored(since), components, config)
+
+
+# steps before the first alarm that localisation reads first (on a 1e8 component-step run the
+# alarmed components' rows from the first step took ~2.5 s to read; one segment file holds ~1,000)
+LOCATE_REACH = 1024
+
+
+def _held(located: list[Located], scored: pl.DataFrame, whole: int) -> bool:
+    """Whether every alarm's onset lies where rows read from a later step than the run's first
+    give what the whole run gives: the onset's walk back stops at a row whose trailing window
+    (`whole` rows: window and lag) was read whole, and a drift run reaching the onset starts
+    after the first row read. The metric's onset lies at most `DRIFT_REACH` steps after the
+    onset reported (drift moves it back to where its run began, or forward within that reach),
+    so each series must hold `whole` rows before the first step `DRIFT_REACH` before it."""
+    exact_from = scored.group_by("rank", "component").agg(
+        pl.col("step").sort().slice(whole, 1).first().alias("from"))  # null: fewer rows
+    held = {(r, c): f for r, c, f in exact_from.iter_rows()}
+    return all((f := held.get((a.rank, a.observed_on))) is not None and a.onset_step - DRIFT_REACH >= f
+               for a in located)
 
 
 def analyze(trace_dir: str | Path, *, config: Config | str | Path | None = None,

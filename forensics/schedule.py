@@ -57,7 +57,12 @@ class Schedule:
 
 
 def component_lr(trace: Trace) -> Schedule | None:
-    """The lr schedule of every parameter-owning component; None if no lr was recorded."""
+    """The lr schedule of every parameter-owning component; None if no lr was recorded (read once
+    while the trace is open: the classifier and localisation both join it)."""
+    return trace.once(("component_lr",), lambda: _read_component_lr(trace))
+
+
+def _read_component_lr(trace: Trace) -> Schedule | None:
     steps, comps = trace.columns("steps"), trace.columns("components")
     if "lr" not in steps:
         return None

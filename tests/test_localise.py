@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 from rehearsed import analysed, trace, truth
 from warninglight.forensics.conditions import Config
@@ -104,3 +106,28 @@ def test_root_order_nonfinite_then_drift_then_upstream_and_never_called_runs_las
     root, _ = root_cause([early, drifted, nan], cfg)
     assert (root.alarm.attributed_to, root.scope) == ("third", "component")
     assert root_cause([], cfg) == (None, [])
+
+
+SAMPLES = Path(__file__).resolve().parents[1] / "sample_traces"
+
+
+def test_localisation_read_from_near_the_first_alarm_gives_what_the_whole_run_gives(monkeypatch) -> None:
+    """Localisation reads the alarmed components from `LOCATE_REACH` steps before the first alarm,
+    and again from the run's first step where an onset or a drift run reaches rows whose trailing
+    window that read did not hold whole: at every reach, the alarms, onsets, root and rollback
+    of the read from the first step."""
+    import warninglight.forensics.analysis as analysis
+
+    kept: list[bool] = []
+    held = analysis._held
+    monkeypatch.setattr(analysis, "_held", lambda *a: kept.append(held(*a)) or kept[-1])
+    for name in ("mlp_dying_layer", "mlp_creeping_corruption", "gpt_nan", "cnn_corrupt_batches"):
+        monkeypatch.setattr(analysis, "LOCATE_REACH", 1 << 40)  # never past the first step: read whole
+        whole = analysis.analyze(SAMPLES / name, heat=False)
+        assert whole.root is not None
+        for reach in (1, 20, 70, 100, 130):
+            monkeypatch.setattr(analysis, "LOCATE_REACH", reach)
+            got = analysis.analyze(SAMPLES / name, heat=False)
+            assert (got.root, got.affected, got.rollback) == (whole.root, whole.affected, whole.rollback), (name, reach)
+            assert got.alarms.equals(whole.alarms), (name, reach)
+    assert True in kept and False in kept  # the near read kept where it held, read again where not

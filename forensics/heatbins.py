@@ -134,7 +134,7 @@ def _finite(raw: np.ndarray, a: int, b: int) -> int:  # pragma: no cover - compi
 def _any_finite(raw: np.ndarray, a: int, b: int) -> bool:  # pragma: no cover - compiled
     """Whether one of rows a..b - 1 holds a finite value: read up to the first (counting them all
     was a whole pass over every metric's rows)."""
-    for r in range(a, b):
+    for r in range(a, b):  # noqa: SIM110 - compiled: no generator for any()
         if math.isfinite(np.float64(raw[r])):
             return True
     return False

@@ -419,7 +419,8 @@ def locate_alarms(trace: Trace, alarms: pl.DataFrame, components: pl.DataFrame, 
 
 
 # steps before the first alarm that localisation reads first (on a 1e8 component-step run the
-# alarmed components' rows from the first step took ~2.5 s to read; one segment file holds ~1,000)
+# alarmed components' rows from the first step took ~2.5 s to read; from here, 11 of its 993
+# files, 0.02 s)
 LOCATE_REACH = 1024
 
 

@@ -49,6 +49,10 @@ CHUNK_ROWS = 1_000_000
 # the heatmap keeps at most this many step columns (one bin = several steps): about the pixels its
 # figure has across (~850), so no column is dropped when the image is drawn
 HEAT_BINS = 800
+# steps before the first alarm that localisation reads first (on a 1e8 component-step run the
+# alarmed components' rows from the first step took ~2.5 s to read; from here, 11 of its 993
+# files, 0.02 s)
+LOCATE_REACH = 1024
 
 HEALTHY, FAULT = "healthy", "fault"  # the two verdicts
 
@@ -416,12 +420,6 @@ def locate_alarms(trace: Trace, alarms: pl.DataFrame, components: pl.DataFrame, 
         if _held(located, near, config.baseline.window + config.baseline.lag):
             return located
     return locate(alarms, scored(since), components, config)
-
-
-# steps before the first alarm that localisation reads first (on a 1e8 component-step run the
-# alarmed components' rows from the first step took ~2.5 s to read; from here, 11 of its 993
-# files, 0.02 s)
-LOCATE_REACH = 1024
 
 
 def _held(located: list[Located], scored: pl.DataFrame, whole: int) -> bool:

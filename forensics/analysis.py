@@ -28,7 +28,15 @@ from . import rollback as rb
 from .baseline import band, with_baseline
 from .conditions import Config, load_config
 from .dataroot import data_root, gradients_wide
-from .localise import DRIFT_REACH, Located, RootCause, locate, located_frame, root_cause
+from .localise import (
+    DRIFT_REACH,
+    Located,
+    RootCause,
+    locate,
+    located_frame,
+    onsets_held,
+    root_cause,
+)
 from .reference import check_components, reference_baseline
 from .schedule import component_lr, join_lr
 from .static_rules import StaticAlarm, StaticScan
@@ -393,7 +401,8 @@ def locate_alarms(trace: Trace, alarms: pl.DataFrame, components: pl.DataFrame, 
     """`localise.locate` on the alarms, reading back only the alarmed components (and the layers
     feeding alarmed activations): first from `LOCATE_REACH` steps before the first alarm, and
     from step `since` on (all that localisation could look at) only where an onset or a drift
-    run reaches back to rows whose baseline that first read did not hold whole (`_held`)."""
+    run reaches back to rows whose baseline that first read did not hold whole
+    (`localise.onsets_held`)."""
     if alarms.is_empty():
         return []
     parents = components.filter(pl.col("component").is_in(alarms["component"].implode()))
@@ -417,23 +426,9 @@ def locate_alarms(trace: Trace, alarms: pl.DataFrame, components: pl.DataFrame, 
     if first > since and "lr_surge" not in metrics:  # a surge is judged against every lr before it
         near = scored(first)
         located = locate(alarms, near, components, config)
-        if _held(located, near, config.baseline.window + config.baseline.lag):
+        if onsets_held(located, near, config.baseline.window + config.baseline.lag):
             return located
     return locate(alarms, scored(since), components, config)
-
-
-def _held(located: list[Located], scored: pl.DataFrame, whole: int) -> bool:
-    """Whether every alarm's onset lies where rows read from a later step than the run's first
-    give what the whole run gives: the onset's walk back stops at a row whose trailing window
-    (`whole` rows: window and lag) was read whole, and a drift run reaching the onset starts
-    after the first row read. The metric's onset lies at most `DRIFT_REACH` steps after the
-    onset reported (drift moves it back to where its run began, or forward within that reach),
-    so each series must hold `whole` rows before the first step `DRIFT_REACH` before it."""
-    exact_from = scored.group_by("rank", "component").agg(
-        pl.col("step").sort().slice(whole, 1).first().alias("from"))  # null: fewer rows
-    held = {(r, c): f for r, c, f in exact_from.iter_rows()}
-    return all((f := held.get((a.rank, a.observed_on))) is not None and a.onset_step - DRIFT_REACH >= f
-               for a in located)
 
 
 def analyze(trace_dir: str | Path, *, config: Config | str | Path | None = None,

@@ -145,6 +145,21 @@ def drift_run_start(drift: Series, onset: int) -> int | None:
     return start
 
 
+def onsets_held(located: list[Located], scored: pl.DataFrame, whole: int) -> bool:
+    """Whether `locate` on `scored` rows read from a later step than the run's first gave what
+    the whole run gives: each onset's walk back (`metric_onset`) stopped at a row whose own
+    baseline read a trailing window (`whole` rows: window and lag) read whole, and a drift run
+    reaching it (`drift_run_start`) starts after the first row read. The metric's onset lies at
+    most `DRIFT_REACH` steps after the onset reported (drift moves it back to where its run
+    began, or forward within that reach), so the alarm's series must hold `whole` rows before
+    the first step `DRIFT_REACH` before it."""
+    exact_from = scored.group_by("rank", "component").agg(
+        pl.col("step").sort().slice(whole, 1).first().alias("from"))  # null: fewer rows
+    held = {(r, c): f for r, c, f in exact_from.iter_rows()}
+    return all((f := held.get((a.rank, a.observed_on))) is not None and a.onset_step - DRIFT_REACH >= f
+               for a in located)
+
+
 @dataclass(frozen=True)
 class _Component:
     role: str | None

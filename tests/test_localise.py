@@ -119,8 +119,8 @@ def test_localisation_read_from_near_the_first_alarm_gives_what_the_whole_run_gi
     import warninglight.forensics.analysis as analysis
 
     kept: list[bool] = []
-    held = analysis._held
-    monkeypatch.setattr(analysis, "_held", lambda *a: kept.append(held(*a)) or kept[-1])
+    held = analysis.onsets_held
+    monkeypatch.setattr(analysis, "onsets_held", lambda *a: kept.append(held(*a)) or kept[-1])
     for name in ("mlp_dying_layer", "mlp_creeping_corruption", "gpt_nan", "cnn_corrupt_batches"):
         monkeypatch.setattr(analysis, "LOCATE_REACH", 1 << 40)  # never past the first step: read whole
         whole = analysis.analyze(SAMPLES / name, heat=False)

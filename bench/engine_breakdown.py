@@ -1,20 +1,24 @@
 """Where `analyze`'s time goes on a large trace: seconds in each part, and the parts' unit costs.
 
 Runs one whole-trace analysis in this process as `warninglight analyze` runs it (no heatmap),
-with timers around the engine's parts (nested parts are counted in their callers too), then, on
-one step window of the same run (the third the classifier judged), the baseline kernel's
-nanoseconds per row for each metric at every row (one thread: the window's order statistics,
-then median, scale and z) and their sum; the heatmap's pass over all metrics at the width
-`report` gives the trace (`heatbins.fold`; each row's own z at one step a cell); the screen's
-(`screen.wanted`: which rows a rule can fire at) and the share of rows it leaves; the window's sort by names against `sort_series` and
-`series_order`; last, opening the trace (best of 5). Four kinds of thread run at once: the
-reader (`health_window`, `join_lr`: the next window), the main thread (`submit`: a window's sort
-and carry), the judging thread (`judge`: the window before) and the baseline's workers (the
-metric columns, the screen, the kernel and the compiled rules, `judge._hits`), whose seconds are
-summed over them: the parts add up to more than the wall time. The trace is a GPT sample trace grown to `--size` component-steps
-(bench/grow.py, the faulty one) unless `--trace` names one. Run:
-`python bench/engine_breakdown.py [--size 1e7 | --trace DIR] [--heat]` (with the heatmap, as `report`
-runs it: also the cells' scores, what its picture holds)."""
+with timers around the engine's parts (nested parts are counted in their callers too; after the
+classifier, the tail: localisation, the comparators, the step series and lr schedule they read),
+then, on one step window of the same run (the third the classifier judged), the baseline
+kernel's nanoseconds per row for each metric at every row (one thread: the window's order
+statistics, then median, scale and z) and their sum; the heatmap's pass over all metrics at the
+width `report` gives the trace (`heatbins.fold`; each row's own z at one step a cell); the
+screen's (`screen.wanted`: which rows a rule can fire at) and the share of rows it leaves; the
+window's sort by names against `sort_series` and `series_order`, and its other columns gathered
+in that order from the two chunks it comes in against made one chunk first; last, opening the
+trace (best of 5). Four kinds of thread run at once: the reader (`health_window`, `join_lr`: the
+next window), the main thread (`submit`: a window's sort and carry), the judging thread
+(`judge`: the window before) and the baseline's workers (the metric columns, the screen, the
+kernel and the compiled rules, `judge._hits`), whose seconds are summed over them: the parts add
+up to more than the wall time. The trace is a GPT sample trace grown to `--size` component-steps
+(bench/grow.py, the faulty one) unless `--trace` names one. Run: `python bench/engine_breakdown.py
+[--size 1e7 | --trace DIR] [--heat]` (with the heatmap, as `report` runs it: also the cells'
+scores, what its picture holds, and the report's page written from the analysis: its figures,
+and the root's band read beside them)."""
 
 from __future__ import annotations
 
@@ -38,7 +42,9 @@ from warninglight.forensics import (  # noqa: E402
     baseline,
     heatbins,
     judge,
+    plots,
     quantiles,
+    report,
     ruletable,
     screen,
     static_rules,
@@ -46,16 +52,20 @@ from warninglight.forensics import (  # noqa: E402
 )
 from warninglight.forensics.conditions import Config  # noqa: E402
 from warninglight.forensics.store import open_trace  # noqa: E402
+from warninglight.tracer import schema  # noqa: E402
 
 PARTS = ((stream.Classifier, "submit", 0), (stream, "series_order", 1), (stream.Classifier, "_carry", 1),
          (stream, "judge", 0), (judge, "prepare", 1), (judge, "_column", 1), (screen, "wanted", 1),
          (quantiles, "baseline_at", 1), (quantiles, "baseline", 1), (judge, "_hits", 1),
          (quantiles, "fold_baseline", 1), (heatbins, "fold", 1), (judge, "_heat", 1), (stream.Classifier, "heat", 0),
-         (analysis, "health_window", 0), (analysis, "join_lr", 0), (static_rules.StaticScan, "feed", 0))
+         (analysis, "health_window", 0), (analysis, "join_lr", 0), (static_rules.StaticScan, "feed", 0),
+         (analysis, "component_lr", 0), (analysis, "locate_alarms", 0), (analysis, "comparators", 0),
+         (analysis, "_step_series", 0), (plots, "png_bytes", 0), (analysis.Analysis, "baseline_frame", 0))
 # run on the baseline's workers: their seconds are summed over them
 THREADS = {"_column", "wanted", "baseline_at", "baseline", "_hits", "fold_baseline", "fold"}
 READER = {"health_window", "join_lr"}  # run on the reader thread, beside the classifier
 JUDGE = {"judge"}  # runs on a thread of its own, beside `submit` sorting the next window
+BAND = {"baseline_frame"}  # `report` reads the root's band on a thread of its own, beside the figures
 WINDOW = 3  # the window whose unit costs are timed (the first ones are shorter: no history yet)
 
 
@@ -122,6 +132,11 @@ def main() -> None:
         t0, c0 = time.perf_counter(), time.process_time()
         result = analysis.analyze(trace, heat=args.heat)  # `analyze` runs it without the heatmap, `report` with
         total, cpu = time.perf_counter() - t0, time.process_time() - c0
+        page = None
+        if args.heat:  # the report's page from the same analysis, as `report` writes it
+            t0 = time.perf_counter()
+            report.write_html(trace, Path(tmp) / "report.html", result)
+            page = time.perf_counter() - t0
         opened = _best_s(lambda: open_trace(trace).close(), repeat=5)
     print(f"analyze {trace.name}{' with the heatmap' if args.heat else ''}: {total:.1f} s in all "
           f"({cpu:.1f} CPU-s), {len(prepared)} step windows; "
@@ -131,11 +146,13 @@ def main() -> None:
         print(f"heatmap: {result.heat_width} steps a cell, {len(score):,} cells with a score; median "
               f"{np.median(score):.2f}, 99th percentile {np.quantile(score, 0.99):.2f}; at 3, 4, 6 or more: "
               + ", ".join(f"{(score >= t).mean():.1%}" for t in (3, 4, 6)))
+        print(f"report's page from the analysis: {page:.2f} s (the figures and the root's band: below)")
     for owner, name, indent in PARTS:
         key = _label(owner, name)
         threads = "  (summed over the threads running it)" if name in THREADS else (
             "  (on the reader thread, beside the classifier)" if name in READER else
-            "  (on the judging thread, beside submit)" if name in JUDGE else "")
+            "  (on the judging thread, beside submit)" if name in JUDGE else
+            "  (on a thread of its own, beside the figures)" if name in BAND else "")
         print(f"{'    ' * indent}{key:<28s} {totals[key]:7.2f} s{threads}")
     window, names = sorts[min(WINDOW, len(sorts)) - 1]  # with the trace's names, as the classifier sorts it
     frame, starts, _, lr = baseline.prepare(baseline.sort_series(window, names))  # with its metrics
@@ -144,6 +161,12 @@ def main() -> None:
           f"{_best_s(lambda: window.sort([*baseline.KEYS, 'step'])) * 1e3:.0f} ms, sort_series "
           f"{_best_s(lambda: baseline.sort_series(window, names)) * 1e3:.0f} ms, series_order (no row moved) "
           f"{_best_s(lambda: baseline.series_order(window, names)) * 1e3:.0f} ms")
+    source, order = baseline.series_order(window, names)
+    if order is not None:  # the other columns in series order (`Classifier.submit`)
+        rest = source.drop([m for m in schema.HEALTH_METRICS if m in source.columns])
+        print(f"    other columns gathered in series order: from the window's {rest.n_chunks()} chunks "
+              f"{_best_s(lambda: rest[order]) * 1e3:.0f} ms, made one chunk first "
+              f"{_best_s(lambda: rest.rechunk()[order]) * 1e3:.0f} ms")
     lr_values = frame["lr"].cast(pl.Float64).to_numpy() if lr else None
     rows = np.arange(frame.height)
     total = 0.0

@@ -7,7 +7,8 @@ time and peak RSS of `warninglight analyze`, `replay`, `report` and `eval --trac
 trace against the answer key grow.py leaves in it; each command in its own process, so each peak
 is its own) next to a DuckDB scan of the same health files (the median of one before each command
 and one after them all: a single scan on a shared machine moves by up to a third), each command's
-time as a multiple of it, and the bytes a 1% step window (`--steps`) reads. The faulty trace must be named at the right component and step.
+time as a multiple of it, and the bytes a 1% step window (`--steps`) reads. The faulty trace must
+be named at the right component and step.
 
 Run: `python bench/engine_scale.py [--sizes 1e6 1e7] [--copies 56] [--keep]`. Traces are written
 under /tmp and deleted afterwards (a 1e8 trace is ~0.4-2 GB).

@@ -14,8 +14,9 @@ as it is) and a pass that keeps each bin's largest and smallest value, since aga
 baseline the worst |z| is at one of them. Every row's z reads its own window (the sorted ring,
 ~40 ns a row and metric); on a 1e8 component-step run that was ~60 s of `report`. The rows are
 split into bins once a window (`layout`), not once per metric, and a series with no value of a
-metric (a prediction metric on a hidden layer) is passed over whole: on a window of a GPT grown
-to 1e7 component-steps, bins of 125 steps, 229 -> 124-151 ns a row for all 18 metrics.
+metric (a prediction metric on a hidden layer) is passed over whole: `python
+bench/engine_breakdown.py --trace TRACE --heat` on a GPT grown to 1e8 component-steps (bins of
+125 steps) times the pass at ~80-95 ns a row for all 18 metrics.
 
 A bin can span two step windows of the classifier: the baseline of each series' last bin goes
 out with the window's cells (`Open`) and the next window's rows of that bin are judged against

@@ -73,32 +73,37 @@ def _label(owner: Any, name: str) -> str:
     return f"{owner.__name__.rsplit('.', 1)[-1]}.{name}"
 
 
-def _timed(totals: dict[str, float], name: str, f: Callable[..., Any]) -> Callable[..., Any]:
+def _timed(totals: dict[str, float], cpu: dict[str, float], name: str, f: Callable[..., Any]) -> Callable[..., Any]:
+    """`f`, adding each call's wall seconds to `totals[name]` and its thread's CPU seconds to
+    `cpu[name]` (which do not grow while the thread waits for a core)."""
     @functools.wraps(f)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         try:
             return f(*args, **kwargs)
         finally:
             totals[name] += time.perf_counter() - t0
+            cpu[name] += time.thread_time() - c0
     return wrapper
 
 
 def _kept(calls: list[tuple[Any, ...]], f: Callable[..., Any]) -> Callable[..., Any]:
-    """`f`, keeping the arguments of each call."""
+    """`f`, keeping the arguments of its first `WINDOW` calls (every window's would hold the
+    whole trace in memory, and slow the run timed)."""
     @functools.wraps(f)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        calls.append(args)
+        if len(calls) < WINDOW:
+            calls.append(args)
         return f(*args, **kwargs)
     return wrapper
 
 
-def _returned(results: list[Any], f: Callable[..., Any]) -> Callable[..., Any]:
-    """`f`, keeping the result of each call."""
+def _counted(count: collections.Counter[str], name: str, f: Callable[..., Any]) -> Callable[..., Any]:
+    """`f`, counting its calls in `count[name]`."""
     @functools.wraps(f)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        results.append(f(*args, **kwargs))
-        return results[-1]
+        count[name] += 1
+        return f(*args, **kwargs)
     return wrapper
 
 
@@ -123,12 +128,13 @@ def main() -> None:
             trace = Path(tmp) / "grown"
             grow.grow(trace, grow.steps_for(args.size, 18 * 56), 56, True)
         totals: dict[str, float] = collections.defaultdict(float)
+        cpus: dict[str, float] = collections.defaultdict(float)
         for owner, name, _ in PARTS:
-            setattr(owner, name, _timed(totals, _label(owner, name), getattr(owner, name)))
+            setattr(owner, name, _timed(totals, cpus, _label(owner, name), getattr(owner, name)))
         sorts: list[tuple[Any, ...]] = []
-        prepared: list[baseline.Prepared] = []
+        calls: collections.Counter[str] = collections.Counter()
         stream.series_order = _kept(sorts, stream.series_order)
-        judge.prepare = _returned(prepared, judge.prepare)
+        judge.prepare = _counted(calls, "prepare", judge.prepare)
         t0, c0 = time.perf_counter(), time.process_time()
         result = analysis.analyze(trace, heat=args.heat)  # `analyze` runs it without the heatmap, `report` with
         total, cpu = time.perf_counter() - t0, time.process_time() - c0
@@ -139,7 +145,7 @@ def main() -> None:
             page = time.perf_counter() - t0
         opened = _best_s(lambda: open_trace(trace).close(), repeat=5)
     print(f"analyze {trace.name}{' with the heatmap' if args.heat else ''}: {total:.1f} s in all "
-          f"({cpu:.1f} CPU-s), {len(prepared)} step windows; "
+          f"({cpu:.1f} CPU-s), {calls['prepare']} step windows; "
           f"root {result.root.attributed_to if result.root else None}")
     if args.heat:  # what the picture holds: the cells' scores
         score = result.heat["score"].drop_nulls().to_numpy()
@@ -153,11 +159,11 @@ def main() -> None:
             "  (on the reader thread, beside the classifier)" if name in READER else
             "  (on the judging thread, beside submit)" if name in JUDGE else
             "  (on a thread of its own, beside the figures)" if name in BAND else "")
-        print(f"{'    ' * indent}{key:<28s} {totals[key]:7.2f} s{threads}")
+        print(f"{'    ' * indent}{key:<28s} {totals[key]:7.2f} s {cpus[key]:7.2f} CPU-s{threads}")
     window, names = sorts[min(WINDOW, len(sorts)) - 1]  # with the trace's names, as the classifier sorts it
     frame, starts, _, lr = baseline.prepare(baseline.sort_series(window, names))  # with its metrics
     cfg, metrics = Config().baseline, baseline.metrics_in(frame)
-    print(f"window {min(WINDOW, len(prepared))}: {frame.height:,} rows; sort by names "
+    print(f"window {len(sorts)}: {frame.height:,} rows; sort by names "
           f"{_best_s(lambda: window.sort([*baseline.KEYS, 'step'])) * 1e3:.0f} ms, sort_series "
           f"{_best_s(lambda: baseline.sort_series(window, names)) * 1e3:.0f} ms, series_order (no row moved) "
           f"{_best_s(lambda: baseline.series_order(window, names)) * 1e3:.0f} ms")

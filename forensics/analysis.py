@@ -48,6 +48,7 @@ from .store import (
     info,
     no_health_error,
     open_trace,
+    window_starts,
 )
 from .stream import Classifier
 
@@ -355,22 +356,27 @@ def classify_trace(trace: Trace, config: Config, components: pl.DataFrame, heat_
     """Feed the health timeline (or the window `steps`, with the history before it) to one
     `Classifier`, and to `static`, one step window at a time."""
     read_from, judge_from, last = judged_steps(trace, config, steps)
-    chunk = chunk_steps or max(config.baseline.history(config.conditions), CHUNK_ROWS // max(1, len(components)))
+    history = config.baseline.history(config.conditions)
+    chunk = chunk_steps or max(history, CHUNK_ROWS // max(1, len(components)))
     clf = Classifier(config, components, heat_width, since=judge_from, reference=reference, keep_scored=False)
     lr = component_lr(trace)  # the lr each component saw: update metrics are judged relative to it
     # the metrics the rules read, no more (not the incarnation, which the read itself resolves)
     metrics = [c for c in trace.columns("health") if c in schema.HEALTH_METRICS]
 
+    # windows of `chunk` steps, or (unless asked for that many) ending where the segments do
+    starts = (list(range(read_from, last + 1, chunk)) if chunk_steps else
+              window_starts(trace, "health", read_from, last, chunk, max(history, chunk // 2)))
+    ends = dict(zip(starts, [s - 1 for s in starts[1:]] + [last], strict=True))
+
     def read(start: int) -> pl.DataFrame:
-        return join_lr(health_window(trace, start, min(start + chunk - 1, last), columns=metrics,
-                                     categorical=True), lr)
+        return join_lr(health_window(trace, start, ends[start], columns=metrics, categorical=True), lr)
     # the reads DuckDB still makes (a restarted run's, files that differ in columns: most are
     # Arrow's, `store._arrow_window`) on one thread: they run beside the classifier's threads,
     # which keep the cores busy (DuckDB's own threads cost 3-9% more CPU, and no time)
     threads = trace.one("SELECT current_setting('threads')")[0]
     trace.con.execute("SET threads = 1")
     try:
-        for rows in _read_ahead(read, list(range(read_from, last + 1, chunk))):
+        for rows in _read_ahead(read, starts):
             clf.submit(rows)  # judged on a thread of its own while the next window is sorted
             if static is not None:
                 static.feed(rows, since=judge_from)

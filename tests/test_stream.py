@@ -11,9 +11,11 @@ from typing import Any
 
 import polars as pl
 import pytest
+from warninglight.forensics import analysis
 from warninglight.forensics.analysis import _read_ahead, classify_trace
 from warninglight.forensics.classify import classify
 from warninglight.forensics.conditions import Config
+from warninglight.forensics.footers import SegmentSpan
 from warninglight.forensics.schedule import with_lr
 from warninglight.forensics.store import (
     Trace,
@@ -21,6 +23,7 @@ from warninglight.forensics.store import (
     health_window,
     open_trace,
     window_files,
+    window_starts,
 )
 from warninglight.forensics.stream import Classifier, StepOrderError, heat_of
 
@@ -116,6 +119,55 @@ def test_a_step_window_reads_only_the_files_that_hold_it() -> None:
         trace.close()
     assert len(every) == 3 and len(some) == 1
     assert sorted(rows["step"].unique().to_list()) == list(range(150, 161))
+
+
+def _spans(*ranges: tuple[int, int, int]) -> Trace:
+    """A stand-in trace holding only health segments of (rank, first step, last step)."""
+    class Spans:
+        spans = [SegmentSpan("health", rank, 1, Path(f"r{rank}-{a}.parquet"), a, b, 10) for rank, a, b in ranges]
+    return Spans()  # type: ignore[return-value]
+
+
+def test_step_windows_end_where_the_segments_end() -> None:
+    segments = _spans(*[(0, a, a + 99) for a in range(1, 1000, 100)])  # steps 1-1000, 100 a segment
+    # each next start is the segment start nearest `steps` on (the shorter window on a tie)
+    assert window_starts(segments, "health", 1, 1000, 290, 100) == [1, 301, 601, 901]
+    assert window_starts(segments, "health", 1, 1000, 250, 100) == [1, 201, 401, 601, 801]  # the rest in one
+    # none in reach (at least `least` on, at most an eighth past `steps`): a window of `steps`
+    assert window_starts(segments, "health", 1, 300, 40, 35) == [1, 41, 81, 121, 161, 201, 241, 281]
+    assert window_starts(segments, "health", 1, 300, 40, 20) == [1, 41, 81, 101, 141, 181, 201, 241, 281]
+    # from inside a segment (an incident window's history): aligned from the next on
+    assert window_starts(segments, "health", 150, 640, 200, 100) == [150, 301, 501]
+    assert window_starts(segments, "events", 1, 1000, 250, 100) == [1, 251, 501, 751]  # no segments
+
+
+def test_a_step_window_never_starts_inside_another_ranks_segment() -> None:
+    # rank 1's segments start 50 steps after rank 0's: a start of rank 0 is inside one of rank 1
+    ranks = _spans(*[(0, a, a + 99) for a in range(1, 600, 100)], *[(1, a, a + 99) for a in range(51, 600, 100)],
+                   (1, 1, 50))
+    assert window_starts(ranks, "health", 1, 600, 200, 100) == [1, 201, 401]  # every start straddled
+    # only 181 starts a segment of every rank: 121 and 301 lie inside one of the other rank's
+    uneven = _spans((0, 1, 120), (0, 121, 180), (0, 181, 400), (1, 1, 180), (1, 181, 300), (1, 301, 400))
+    assert window_starts(uneven, "health", 1, 400, 170, 60) == [1, 181, 351]
+    assert window_starts(uneven, "health", 1, 400, 130, 60) == [1, 131, 261, 391]
+
+
+def test_windows_that_end_where_the_segments_end_give_the_whole_trace_alarms(monkeypatch: pytest.MonkeyPatch) -> None:
+    cfg = Config()
+    trace = open_trace(SAMPLES / "gpt_dying_layer")  # 18 components, a segment every 100 steps
+    try:
+        components = trace.frame("components").collect()
+        expected = classify(with_lr(health_frame(trace), trace), cfg)[1]
+        fixed = classify_trace(trace, cfg, components, heat_width=1, chunk_steps=90)
+        made: list[list[int]] = []
+        monkeypatch.setattr(analysis, "CHUNK_ROWS", 90 * len(components))  # ~90 steps a window
+        monkeypatch.setattr(analysis, "window_starts", lambda *a: made.append(window_starts(*a)) or made[-1])
+        aligned = classify_trace(trace, cfg, components, heat_width=1)
+    finally:
+        trace.close()
+    assert made == [[1, 101, 201, 291]]  # two windows end where a segment does, then 90 steps
+    assert len(expected) > 0 and aligned.alarms().equals(expected)
+    assert aligned.heat().equals(fixed.heat())
 
 
 @pytest.mark.parametrize("module", ["warninglight.cli.main", "warninglight.forensics",

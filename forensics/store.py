@@ -343,13 +343,12 @@ def window_starts(trace: Trace, table: str, first: int, last: int, steps: int, l
     its own steps: with windows of a fixed length, the segment on each edge was read and
     filtered twice (a sixth of a large run's read)."""
     spans = sorted((s.first, s.last) for s in trace.spans if s.table == table and s.rows and s.first is not None)
-    reach, held = [], None  # reach[k]: the furthest last step of the spans sorted before k
-    for _, end in spans:
-        held = end if held is None else max(held, end)  # type: ignore[type-var]
-        reach.append(held)
-    begins = [b for b, _ in spans]
-    clean = sorted({b for b in begins if first < b <= last  # type: ignore[operator]
-                    and (bisect.bisect_left(begins, b) == 0 or reach[bisect.bisect_left(begins, b) - 1] < b)})
+    starts, reach = set(), None  # the segment starts no segment straddles; the furthest last step so far
+    for begin, end in spans:  # by first step: every segment that starts before `begin` came already
+        if first < begin <= last and (reach is None or reach < begin):  # type: ignore[operator]
+            starts.add(begin)
+        reach = end if reach is None else max(reach, end)  # type: ignore[type-var]
+    clean = sorted(starts)
     out, start = [], first
     while start <= last:
         out.append(start)
@@ -421,7 +420,7 @@ def _arrow_window(spans: list[SegmentSpan], first: int, last: int, columns: list
     the frame: the component's dictionary pages come as Categorical codes,
     and no step is copied through DuckDB's result into Arrow (which took about twice the CPU of
     scanning the files). Each file is read whole by `pyarrow.parquet.ParquetFile` (a dataset
-    fragment's scan of the same columns took ~1.5x its CPU), a segment on the window's edge
+    fragment's scan of the same columns took 1.1-1.5x its CPU), a segment on the window's edge
     filtered to its steps after. None where DuckDB must read it: a file that is not readable
     here, or whose columns are missing or differ in type from another's (DuckDB unifies them by
     name)."""

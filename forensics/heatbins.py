@@ -13,10 +13,13 @@ It costs a fraction of every row's z: one window's order statistics per bin (`_s
 as it is) and a pass that keeps each bin's largest and smallest value, since against one
 baseline the worst |z| is at one of them. Every row's z reads its own window (the sorted ring,
 ~40 ns a row and metric); on a 1e8 component-step run that was ~60 s of `report`. The rows are
-split into bins once a window (`layout`), not once per metric, and a series with no value of a
-metric (a prediction metric on a hidden layer) is passed over whole: `python
+split into bins once a window (`layout`), not once per metric, a series with no value of a
+metric (a prediction metric on a hidden layer) is passed over whole, and one that holds one
+value through the window (a count that stays 0) has its one z folded into each cell with a
+baseline, its windows neither read nor sorted (`_still`: the pass 52 -> 44 ns a row on a
+window of the grown 1e8 trace, a scratch timer alternated). `python
 bench/engine_breakdown.py --trace TRACE --heat` on a GPT grown to 1e8 component-steps (bins of
-125 steps) times the pass at ~80-95 ns a row for all 18 metrics.
+125 steps) times the pass for all 18 metrics: 54.6 ns a row before `_still`, 41.5 after.
 
 A bin can span two step windows of the classifier: the baseline of each series' last bin goes
 out with the window's cells (`Open`) and the next window's rows of that bin are judged against
@@ -139,6 +142,19 @@ def _any_finite(raw: np.ndarray, a: int, b: int) -> bool:  # pragma: no cover - 
         if math.isfinite(np.float64(raw[r])):
             return True
     return False
+
+
+@numba.njit(nogil=True, inline="always")
+def _still(raw: np.ndarray, missing: np.ndarray, a: int, b: int, nulls: bool) -> bool:  # pragma: no cover - compiled
+    """Whether rows a..b - 1 all hold one finite value, none null (a count that stays 0, a
+    fraction that never leaves 0): read up to the first that differs."""
+    v = np.float64(raw[a])
+    if not math.isfinite(v):
+        return False
+    for r in range(a, b):  # noqa: SIM110 - compiled: no generator for all()
+        if np.float64(raw[r]) != v or (nulls and missing[r]):
+            return False
+    return True
 
 
 @numba.njit(nogil=True)
@@ -292,12 +308,30 @@ def _fold_bins(raw: np.ndarray, missing: np.ndarray, lr: np.ndarray, starts: np.
             continue  # no value, so no baseline (a metric the component does not have)
         have = False
         q25 = q50 = q75 = np.nan
+        # a series that holds one value throughout (not judged relative to the lr): every window
+        # full enough has it as its statistics, and every row its one z: no window read, no sort
+        still = not scaled and min_samples <= window and _still(raw, missing, first, starts[g + 1], nulls)
+        if still:
+            x = np.float64(raw[first])
+            k = (x if x > tiny else tiny) if log else x  # its key, as `_stats_at` and `_span` take it
+            q_still = _value(k, log)
+            z_still = _z_at(k, 1.0, q_still, q_still, q_still, log, False, floor, rel_floor, log_floor, tiny, per_iqr)
+            ready = first + lag + max(min_samples, 1) - 1  # the first row whose window holds min_samples
         for c in range(cell_start[g], cell_start[g + 1]):
             i, i1 = row0[c], row1[c]
             if i == i1:
                 continue  # no row in this bin
             have = carried and c == cell_start[g]
             r = i
+            if still and not have:  # `_first_baseline`: the first judged row from `ready` on
+                r = max(i, ready)
+                while r < i1 and not judged[r]:
+                    r += 1
+                have = r < i1
+                if have:
+                    q25 = q50 = q75 = q_still
+                    cells[c] = _worse(cells[c], z_still)
+                continue
             if have:
                 q25, q50, q75 = carry_q[g, 0], carry_q[g, 1], carry_q[g, 2]
             else:  # the bin's first judged row with a baseline

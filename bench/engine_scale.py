@@ -8,7 +8,9 @@ trace against the answer key grow.py leaves in it; each command in its own proce
 is its own) next to a DuckDB scan of the same health files (the median of one before each command
 and one after them all: a single scan on a shared machine moves by up to a third), each command's
 time as a multiple of it, and the bytes a 1% step window (`--steps`) reads. The faulty trace must
-be named at the right component and step.
+be named at the right component and step. One `report` on a small grown trace runs first, untimed
+in the table (its time is printed): the kernels are compiled, or loaded from numba's cache, before
+any command is timed.
 
 Run: `python bench/engine_scale.py [--sizes 1e6 1e7] [--copies 56] [--keep]`. Traces are written
 under /tmp and deleted afterwards (a 1e8 trace is ~0.4-2 GB).
@@ -195,6 +197,21 @@ def cli_times(trace: Path, repeats: int = 9) -> dict[str, tuple[float, float]]:
     return {name: (statistics.median(w), min(c)) for name, (w, c) in times.items()}
 
 
+def warm_up(workdir: Path, copies: int) -> float:
+    """Wall seconds of one `report` on a small grown trace (two step windows), run before anything
+    is timed: the compiled kernels are then in numba's cache. After an edit of a kernel's module
+    its first run compiles it again (the heatmap's pass alone took ~17 s for its three column
+    types), which would land on whichever command the bench timed first."""
+    trace = workdir / "warm-up"
+    shutil.rmtree(trace, ignore_errors=True)
+    grow.grow(trace, grow.steps_for(2e6, 18 * copies), copies, True)
+    try:
+        wall, _, _ = run_alone([*CLI, "report", str(trace), "--out", str(workdir / "warm-up.html"), "--force"])
+    finally:
+        shutil.rmtree(trace, ignore_errors=True)
+    return wall
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", nargs="+", type=float, default=[1e6, 1e7])
@@ -218,6 +235,9 @@ def main() -> None:
         return
     rows = []
     try:
+        if args.commands:
+            print(f"warm-up: `report` on a grown 2e6 trace in {warm_up(workdir, args.copies):.1f} s (the kernels "
+                  "loaded from numba's cache, or compiled where a module changed since it was written)", flush=True)
         for size in args.sizes:
             rows += bench_size(size, args.copies, workdir, args.keep, tuple(args.commands), tuple(args.traces))
     finally:

@@ -145,14 +145,14 @@ def _any_finite(raw: np.ndarray, a: int, b: int) -> bool:  # pragma: no cover - 
 
 
 @numba.njit(nogil=True, inline="always")
-def _still(raw: np.ndarray, missing: np.ndarray, a: int, b: int, nulls: bool) -> bool:  # pragma: no cover - compiled
-    """Whether rows a..b - 1 all hold one finite value, none null (a count that stays 0, a
-    fraction that never leaves 0): read up to the first that differs."""
+def _still(raw: np.ndarray, a: int, b: int) -> bool:  # pragma: no cover - compiled
+    """Whether rows a..b - 1 all hold one finite value (a count that stays 0, a fraction that
+    never leaves 0; a null row is NaN in `raw`, so none is null): read up to the first that differs."""
     v = np.float64(raw[a])
     if not math.isfinite(v):
         return False
     for r in range(a, b):  # noqa: SIM110 - compiled: no generator for all()
-        if np.float64(raw[r]) != v or (nulls and missing[r]):
+        if np.float64(raw[r]) != v:
             return False
     return True
 
@@ -310,7 +310,7 @@ def _fold_bins(raw: np.ndarray, missing: np.ndarray, lr: np.ndarray, starts: np.
         q25 = q50 = q75 = np.nan
         # a series that holds one value throughout (not judged relative to the lr): every window
         # full enough has it as its statistics, and every row its one z: no window read, no sort
-        still = not scaled and min_samples <= window and _still(raw, missing, first, starts[g + 1], nulls)
+        still = not scaled and min_samples <= window and _still(raw, first, starts[g + 1])
         if still:
             x = np.float64(raw[first])
             k = (x if x > tiny else tiny) if log else x  # its key, as `_stats_at` and `_span` take it

@@ -10,7 +10,8 @@ width `report` gives the trace (`heatbins.fold`; each row's own z at one step a 
 screen's (`screen.wanted`: which rows a rule can fire at) and the share of rows it leaves; the
 window's sort by names against `sort_series` and `series_order`, and its other columns gathered
 in that order from the two chunks it comes in against made one chunk first; last, opening the
-trace (best of 5). Four kinds of thread run at once: the reader (`health_window`, `join_lr`: the
+trace (best of 5), and the classifier's window reads again alone against a DuckDB scan of the
+same files. Four kinds of thread run at once: the reader (`health_window`, `join_lr`: the
 next window), the main thread (`submit`: a window's sort and carry), the judging thread
 (`judge`: the window before) and the baseline's workers (the metric columns, the screen, the
 kernel and the compiled rules, `judge._hits`), whose seconds are summed over them: the parts add
@@ -36,6 +37,7 @@ import numpy as np
 import polars as pl
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import engine_scale  # noqa: E402
 import grow  # noqa: E402
 from warninglight.forensics import (  # noqa: E402
     analysis,
@@ -51,7 +53,7 @@ from warninglight.forensics import (  # noqa: E402
     stream,
 )
 from warninglight.forensics.conditions import Config  # noqa: E402
-from warninglight.forensics.store import open_trace  # noqa: E402
+from warninglight.forensics.store import health_window, open_trace, window_spans  # noqa: E402
 from warninglight.tracer import schema  # noqa: E402
 
 PARTS = ((stream.Classifier, "submit", 0), (stream, "series_order", 1), (stream.Classifier, "_carry", 1),
@@ -107,6 +109,40 @@ def _counted(count: collections.Counter[str], name: str, f: Callable[..., Any]) 
     return wrapper
 
 
+def _windows_read(windows: list[tuple[int, int]], f: Callable[..., Any]) -> Callable[..., Any]:
+    """`f` (`health_window`), keeping the steps of each classifier window it reads (localisation's
+    reads, by component, are left out)."""
+    @functools.wraps(f)
+    def wrapper(trace: Any, first: int, last: int, **kwargs: Any) -> Any:
+        if kwargs.get("categorical") and kwargs.get("names") is None:
+            windows.append((first, last))
+        return f(trace, first, last, **kwargs)
+    return wrapper
+
+
+def _reads_alone(trace: Path, windows: list[tuple[int, int]]) -> str:
+    """The classifier's reads of the run's windows again, one after another and nothing else
+    beside them (wall and CPU seconds, and how often a segment file is read), against one DuckDB
+    scan of the same files (`engine_scale.SCAN`, in its own process)."""
+    import subprocess
+
+    opened = open_trace(trace)
+    try:
+        metrics = [c for c in opened.columns("health") if c in schema.HEALTH_METRICS]
+        reads = [s.path for a, b in windows for s in window_spans(opened, "health", a, b)]
+        t0, c0 = time.perf_counter(), time.process_time()
+        for a, b in windows:
+            health_window(opened, a, b, columns=metrics, categorical=True)
+        wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+    finally:
+        opened.close()
+    out = subprocess.run([sys.executable, "-c", engine_scale.SCAN, str(trace)], capture_output=True, text=True,
+                         check=True).stdout
+    scan_wall, scan_cpu = (float(x) for x in out.split())
+    return (f"the {len(windows)} windows' reads alone: {wall:.1f} s, {cpu:.1f} CPU-s, {len(reads)} segment reads "
+            f"of {len(set(reads))} files; one DuckDB scan of the same files: {scan_wall:.1f} s, {scan_cpu:.1f} CPU-s")
+
+
 def _best_s(f: Callable[[], Any], repeat: int = 3) -> float:
     best = float("inf")
     for _ in range(repeat):
@@ -135,6 +171,8 @@ def main() -> None:
         calls: collections.Counter[str] = collections.Counter()
         stream.series_order = _kept(sorts, stream.series_order)
         judge.prepare = _counted(calls, "prepare", judge.prepare)
+        windows: list[tuple[int, int]] = []
+        analysis.health_window = _windows_read(windows, analysis.health_window)
         t0, c0 = time.perf_counter(), time.process_time()
         result = analysis.analyze(trace, heat=args.heat)  # `analyze` runs it without the heatmap, `report` with
         total, cpu = time.perf_counter() - t0, time.process_time() - c0
@@ -144,6 +182,7 @@ def main() -> None:
             report.write_html(trace, Path(tmp) / "report.html", result)
             page = time.perf_counter() - t0
         opened = _best_s(lambda: open_trace(trace).close(), repeat=5)
+        reads = _reads_alone(trace, windows)
     print(f"analyze {trace.name}{' with the heatmap' if args.heat else ''}: {total:.1f} s in all "
           f"({cpu:.1f} CPU-s), {calls['prepare']} step windows; "
           f"root {result.root.attributed_to if result.root else None}")
@@ -224,6 +263,7 @@ def main() -> None:
         print(f"    screen {m:<22s} {s / frame.height * 1e9:6.1f} ns/row, {left}")
     print(f"    screen, all metrics with a threshold rule  {total / frame.height * 1e9:6.1f} ns/row")
     print(f"open_trace: {opened * 1e3:.1f} ms (best of 5)")
+    print(reads)
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import re
 import subprocess
 import sys
@@ -10,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import polars as pl
 import pytest
+from PIL import Image
 from typer.testing import CliRunner
 from warninglight.cli.main import app
 from warninglight.forensics import plots, report, wording
@@ -129,8 +131,8 @@ def test_the_condition_map_of_a_long_run_is_drawn_in_bins_of_steps() -> None:
     fig = plots.condition_map(alarms, ["a", "b", "c"], last_step=99_300)
     image = fig.axes[0].images[0]
     grid = image.get_array()
-    width = -(-99_300 // plots.STEP_COLUMNS)  # 50 steps a column: 1,986 columns
-    assert grid.shape == (3, 1_986) and grid.shape[1] * width >= 99_300
+    width = -(-99_300 // plots.MAP_COLUMNS)  # 125 steps a column: 795 columns
+    assert grid.shape == (3, 795) and grid.shape[1] * width >= 99_300
     conditions = ["dead", "exploding", "unclassified"]
     assert grid[0, (99_150 - 1) // width] == conditions.index("exploding")
     assert grid[1, 0] == conditions.index("dead")  # drawn over the unclassified episode
@@ -139,6 +141,25 @@ def test_the_condition_map_of_a_long_run_is_drawn_in_bins_of_steps() -> None:
     short = plots.condition_map(alarms.head(1).with_columns(pl.lit(150).alias("onset_step"),
                                                             pl.lit(152).alias("last_step")), ["a"], last_step=300)
     assert short.axes[0].images[0].get_array().shape == (1, 300)  # a step per column, as before
+
+
+def test_a_one_step_episode_shows_on_the_condition_map_of_a_long_run_wherever_it_falls() -> None:
+    # the map is an image: were it shrunk to fit its axes, columns would be dropped, and with
+    # them the episodes they alone held (long labels make the axes narrower)
+    order = ["transformer.h.11.mlp.c_fc.very.long.name", "b"]
+    kinds = {order[0]: "LlamaFlashAttention2Block"}
+
+    def episode_pixels(component: str, onset: int) -> int:
+        alarms = pl.DataFrame({"observed_on": [component], "condition": ["exploding"],
+                               "onset_step": [onset], "last_step": [onset]})
+        png = plots.png_bytes(plots.condition_map(alarms, order, last_step=99_300, kinds=kinds))
+        rgb = np.asarray(Image.open(io.BytesIO(png)).convert("RGB")).astype(int)
+        return int((np.abs(rgb - (31, 119, 180)).sum(axis=2) < 30).sum())  # tab10's first colour
+
+    legend = episode_pixels("nobody", 5_001)  # the legend's patch alone
+    width = -(-99_300 // plots.MAP_COLUMNS)
+    for column in range(300, 308):  # eight neighbouring columns: every phase against the pixels
+        assert episode_pixels("b", column * width + 1) > legend, column
 
 
 def test_a_long_line_is_drawn_from_each_runs_lowest_and_highest_point() -> None:

@@ -32,6 +32,7 @@ STEP_COLUMNS = 2000  # a line over steps is cut to at most twice this many point
 MAP_COLUMNS = 800
 Z_CAP = 12.0  # |z| colour scale saturates here; beyond it every cell looks equally alarming
 Z_LEVELS = (0.0, 3.0, 4.0, 6.0, 8.0, Z_CAP, 2 * Z_CAP)  # heatmap colour bins of |z|; the last is ">= Z_CAP"
+DPI = 110  # the report's figures are rendered at this many pixels per inch (`png_bytes`)
 
 # One colour per mark kind, used on every figure so the legend reads the same everywhere.
 MARK_STYLE: dict[str, tuple[str, str]] = {
@@ -90,6 +91,10 @@ def heatmap(scores: pl.DataFrame, order: Sequence[str], marks: Sequence[Mark] = 
     """Component × step image of `scores` (columns component, step, score), rows in `order`.
 
     `step_width` > 1: each `step` is the first of a bin of that many steps (one image column).
+    Where the axes have fewer pixels across than there are columns (at `DPI`, once laid out: long
+    component labels narrow them), a column is the worst of as many neighbouring ones as it
+    takes (`_pooled`): an image shrunk to fit drops whole columns, and a one-bin departure
+    with them (1 column in 6 at 800 columns, one row labelled with 53 characters).
     """
     first = int(scores["step"].min())
     steps = np.arange(first, int(scores["step"].max()) + step_width, step_width)
@@ -100,7 +105,7 @@ def heatmap(scores: pl.DataFrame, order: Sequence[str], marks: Sequence[Mark] = 
     s = (rows["step"].to_numpy() - first) // step_width
     grid[r, s] = np.clip(np.abs(rows["score"].fill_null(np.nan).to_numpy()), 0, Z_CAP + 1)
     height = min(14.0, 1.6 + 0.28 * len(order))
-    fig = Figure(figsize=(11, height), layout="constrained")
+    fig = Figure(figsize=(11, height), dpi=DPI, layout="constrained")
     ax = fig.subplots()
     # Discrete levels: |z| under 3 is ordinary noise and stays pale, so departures stand out.
     cmap = ListedColormap(["#fbfbf4", "#fee391", "#fe9929", "#d95f0e", "#993404", "#3d1502"]).with_extremes(
@@ -116,9 +121,35 @@ def heatmap(scores: pl.DataFrame, order: Sequence[str], marks: Sequence[Mark] = 
         ax.legend(loc="upper left", fontsize=8, framealpha=0.9)
     bar = fig.colorbar(im, ax=ax, shrink=0.9, ticks=Z_LEVELS[:-1])
     bar.ax.set_yticklabels([f"{v:g}" for v in Z_LEVELS[:-2]] + [f"≥ {Z_CAP:g}"])
-    bar.set_label(colour_label if step_width == 1 else f"{colour_label}\n(bins of {step_width} steps, each against "
-                  "its first step's baseline)", fontsize=9)
+    k = 1
+    if len(steps) > 1:
+        fig.get_layout_engine().execute(fig)  # where the axes fall, to count their pixels
+        pooled, k = _pooled(grid, int(ax.get_window_extent().width))
+        if k > 1:
+            im.set_data(pooled)
+            im.set_extent((steps[0] - 0.5, steps[0] + pooled.shape[1] * k * step_width - 0.5,
+                           len(order) - 0.5, -0.5))
+            ax.set_xlim(steps[0] - 0.5, steps[-1] + step_width - 0.5)
+    if k > 1:
+        label = (f"{colour_label}\n(a column: the worst of {k} steps)" if step_width == 1 else
+                 f"{colour_label}\n(a column: the worst of {k} bins of {step_width} steps, each against its "
+                 "first step's baseline)")
+    elif step_width > 1:
+        label = f"{colour_label}\n(bins of {step_width} steps, each against its first step's baseline)"
+    else:
+        label = colour_label
+    bar.set_label(label, fontsize=9)
     return fig
+
+
+def _pooled(grid: np.ndarray, columns: int) -> tuple[np.ndarray, int]:
+    """(`grid` with each k neighbouring columns made one, the largest of them (NaN: none has a
+    value), k): the least k that leaves at most `columns`; k = 1, `grid` itself, if it has no more."""
+    k = -(-grid.shape[1] // max(columns, 1))
+    if k <= 1:
+        return grid, 1
+    padded = np.concatenate([grid, np.full((grid.shape[0], (-grid.shape[1]) % k), np.nan)], axis=1)
+    return np.fmax.reduce(padded.reshape(grid.shape[0], -1, k), axis=2), k
 
 
 def baseline_band(frame: pl.DataFrame, component: str, metric: str,
@@ -289,10 +320,23 @@ def rank_panel(frame: pl.DataFrame, marks: Sequence[Mark] = ()) -> Figure:
     return fig
 
 
-def png_bytes(fig: Figure, dpi: int = 110) -> bytes:
-    """The figure as PNG bytes (rendered by Agg through the figure's own canvas, whatever the backend)."""
+def png_bytes(fig: Figure, dpi: int = DPI) -> bytes:
+    """The figure as PNG bytes (rendered by Agg through the figure's own canvas, whatever the backend).
+
+    Laid out once, at `dpi`, then drawn with its layout engine set aside: `savefig` would draw it
+    twice, once without rendering to lay it out (the same pixels, a dry draw the less)."""
+    engine, own_dpi = fig.get_layout_engine(), fig.dpi
     buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=dpi)
+    if engine is not None:
+        fig.set_dpi(dpi)
+        engine.execute(fig)
+        fig.set_layout_engine(None)
+    try:
+        fig.savefig(buf, format="png", dpi=dpi)
+    finally:
+        if engine is not None:
+            fig.set_layout_engine(engine)
+        fig.set_dpi(own_dpi)
     return buf.getvalue()
 
 

@@ -162,6 +162,30 @@ def test_a_one_step_episode_shows_on_the_condition_map_of_a_long_run_wherever_it
         assert episode_pixels("b", column * width + 1) > legend, column
 
 
+def test_a_one_bin_departure_shows_on_the_heatmap_whatever_the_labels_leave_of_its_width() -> None:
+    # 800 bins of 125 steps; a long label leaves the axes fewer pixels than columns: neighbouring
+    # bins are drawn as one column, their worst, and none is dropped
+    order = ["transformer.h.11.mlp.c_fc.very.long.name", "b"]
+    kinds = {order[0]: "LlamaFlashAttention2Block"}
+    steps = np.arange(1, 800 * 125 + 1, 125)
+
+    def dark_pixels(column: int | None) -> tuple[int, plots.Figure]:
+        score = np.ones(len(steps))
+        if column is not None:
+            score[column] = 20.0
+        scores = pl.concat([pl.DataFrame({"component": c, "step": steps, "score": score if c == "b" else 1.0})
+                            for c in order])
+        fig = plots.heatmap(scores, order, kinds=kinds, step_width=125)
+        rgb = np.asarray(Image.open(io.BytesIO(plots.png_bytes(fig))).convert("RGB")).astype(int)
+        return int((np.abs(rgb - (0x3D, 0x15, 0x02)).sum(axis=2) < 30).sum()), fig  # the ">= 12" colour
+
+    legend, fig = dark_pixels(None)  # the colour bar's swatch alone
+    assert fig.axes[0].images[0].get_array().shape[1] < 800  # pooled
+    assert "the worst of 2 bins of 125 steps" in fig.axes[1].get_ylabel()
+    for column in range(300, 308):
+        assert dark_pixels(column)[0] > legend, column
+
+
 def test_a_long_line_is_drawn_from_each_runs_lowest_and_highest_point() -> None:
     step = np.arange(1, 100_001)
     value = np.sin(step / 500.0)

@@ -363,9 +363,12 @@ def classify_trace(trace: Trace, config: Config, components: pl.DataFrame, heat_
     # the metrics the rules read, no more (not the incarnation, which the read itself resolves)
     metrics = [c for c in trace.columns("health") if c in schema.HEALTH_METRICS]
 
-    # windows of `chunk` steps, or (unless asked for that many) ending where the segments do
+    # windows of `chunk` steps, or (unless asked for that many) ending where the segments do,
+    # the first an eighth as long: the pipeline below starts on it (Arrow's first read of a
+    # large window took 0.54 s, against 0.07 s for a tenth of it and 0.1 s for the next whole one)
     starts = (list(range(read_from, last + 1, chunk)) if chunk_steps else
-              window_starts(trace, "health", read_from, last, chunk, max(history, chunk // 2)))
+              window_starts(trace, "health", read_from, last, chunk, max(history, chunk // 2),
+                            opening=max(history, chunk // 8)))
     ends = dict(zip(starts, [s - 1 for s in starts[1:]] + [last], strict=True))
 
     def read(start: int) -> pl.DataFrame:

@@ -335,13 +335,16 @@ def window_spans(trace: Trace, table: str, first: int, last: int) -> list[Segmen
             and s.first <= last and s.last >= first]  # type: ignore[operator]
 
 
-def window_starts(trace: Trace, table: str, first: int, last: int, steps: int, least: int) -> list[int]:
+def window_starts(trace: Trace, table: str, first: int, last: int, steps: int, least: int,
+                  opening: int | None = None) -> list[int]:
     """The first step of each window of about `steps` steps that covers first..last, each window
     ending where the segments of `table` end where it can: the next start is the step nearest
     start + `steps`, within start + `least` .. start + 9/8 `steps`, that no segment straddles
     (none: start + `steps`). A window that starts inside a segment reads all of it and keeps only
     its own steps: with windows of a fixed length, the segment on each edge was read and
-    filtered twice (a sixth of a large run's read)."""
+    filtered twice (a sixth of a large run's read). `opening`: the first window's length instead,
+    its end the segment start nearest it from `first` + 1 as far as a window of `steps` reaches (a
+    short first window starts a pipeline sooner)."""
     spans = sorted((s.first, s.last) for s in trace.spans if s.table == table and s.rows and s.first is not None)
     starts, reach = set(), None  # the segment starts no segment straddles; the furthest last step so far
     for begin, end in spans:  # by first step: every segment that starts before `begin` came already
@@ -350,14 +353,16 @@ def window_starts(trace: Trace, table: str, first: int, last: int, steps: int, l
         reach = end if reach is None else max(reach, end)  # type: ignore[type-var]
     clean = sorted(starts)
     out, start = [], first
+    length, low = (opening, 1) if opening else (steps, least)
     while start <= last:
         out.append(start)
-        target = start + steps
+        target = start + length
         if target > last:
             break  # the rest fits in one window
         at = bisect.bisect_left(clean, target)
-        near = [b for b in clean[max(0, at - 1):at + 1] if start + least <= b <= target + steps // 8]
+        near = [b for b in clean[max(0, at - 1):at + 1] if start + low <= b <= start + steps + steps // 8]
         start = min(near, key=lambda b: abs(b - target)) if near else target
+        length, low = steps, least
     return out
 
 

@@ -139,6 +139,12 @@ def test_step_windows_end_where_the_segments_end() -> None:
     # from inside a segment (an incident window's history): aligned from the next on
     assert window_starts(segments, "health", 150, 640, 200, 100) == [150, 301, 501]
     assert window_starts(segments, "events", 1, 1000, 250, 100) == [1, 251, 501, 751]  # no segments
+    # a short first window (`opening`), its end the segment start nearest it as far as a window of
+    # `steps` reaches (none: its length), then windows of `steps`
+    assert window_starts(segments, "health", 1, 1000, 290, 100, opening=120) == [1, 101, 401, 701, 901]
+    assert window_starts(segments, "health", 1, 1000, 290, 100, opening=180) == [1, 201, 501, 801]
+    assert window_starts(segments, "health", 1, 1000, 290, 100, opening=40) == [1, 101, 401, 701, 901]
+    assert window_starts(segments, "events", 1, 1000, 250, 100, opening=30) == [1, 31, 281, 531, 781]
 
 
 def test_a_step_window_never_starts_inside_another_ranks_segment() -> None:
@@ -161,7 +167,7 @@ def test_windows_that_end_where_the_segments_end_give_the_whole_trace_alarms(mon
         fixed = classify_trace(trace, cfg, components, heat_width=1, chunk_steps=90)
         made: list[list[int]] = []
         monkeypatch.setattr(analysis, "CHUNK_ROWS", 90 * len(components))  # ~90 steps a window
-        monkeypatch.setattr(analysis, "window_starts", lambda *a: made.append(window_starts(*a)) or made[-1])
+        monkeypatch.setattr(analysis, "window_starts", lambda *a, **k: made.append(window_starts(*a, **k)) or made[-1])
         aligned = classify_trace(trace, cfg, components, heat_width=1)
     finally:
         trace.close()

@@ -109,13 +109,13 @@ def config_from(path: Path | None, overrides: list[str] | None) -> Config:
 
 def analysis_from(trace: Path, config: Path | None, overrides: list[str] | None,
                   checkpoints: str | None, every: int | None, steps: str | None = None,
-                  reference: Path | None = None, heat: bool = False) -> Analysis:
+                  reference: Path | None = None, heat: bool = False, band: bool = False) -> Analysis:
     """The analysis a command prints, with the thresholds, checkpoints, window and reference the
-    user chose (`heat`: with the report's heatmap)."""
+    user chose (`heat`, `band`: with the report's heatmap and root band)."""
     from warninglight.forensics.analysis import analyze
 
     cfg = config_from(config, overrides)
     window = steps_from(steps)
     with bad_input():
         return analyze(trace, config=cfg, checkpoints_glob=checkpoints, checkpoint_every=every,
-                       steps=window, reference=reference, heat=heat)
+                       steps=window, reference=reference, heat=heat, band=band)

@@ -61,7 +61,7 @@ def report_cmd(
                    "figures in it, or choose a new folder")
     if fmt is Format.html:
         refuse_overwrite(out, force, "--out")
-    analysis = analysis_from(trace, config, overrides, checkpoints, every, steps, heat=True)
+    analysis = analysis_from(trace, config, overrides, checkpoints, every, steps, heat=True, band=True)
     warn(analysis.warnings)
     with bad_input():
         try:

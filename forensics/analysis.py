@@ -13,7 +13,7 @@ rules scan the same windows), and localisation reads back only the alarmed compo
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
@@ -166,6 +166,10 @@ class Analysis:
     # health rows in the segments, from their footers (None: a restarted run, whose effective
     # timeline leaves some out, or an incident window): what `eval` divides false alarms by
     health_rows: int | None = None
+    # the root metric against its baseline over the run (`baseline_frame`'s columns), read beside
+    # the analysis' tail when asked (`analyze(band=True)`, the report's figure); None: not asked,
+    # no root, or a metric with no band (a rank finding's)
+    root_band: pl.DataFrame | None = field(default=None, repr=False)
 
     def alarm_list(self) -> list[Alarm]:
         """The alarms as records, in step order (non-finite floats as None)."""
@@ -186,15 +190,48 @@ class Analysis:
         """step, value, median, lower, upper (median ± width_z robust scales) of one metric."""
         trace = open_trace(self.trace_dir)  # one component is read back: the analysis keeps none
         try:
-            if metric not in trace.sql("SELECT * FROM health WHERE false").columns:
-                raise KeyError(f"no metric {metric!r} in {self.trace_dir}; try out_rms, grad_norm_l2, update_ratio")
-            first, last = require_health(trace)
-            rows = health_window(trace, first, last, columns=[metric], names=[component], rank=rank)
+            return _baseline_frame(trace, self.config, component, metric, rank, width_z)
         finally:
             trace.close()
-        if rows.is_empty():
-            raise KeyError(f"no component {component!r} on rank {rank} in {self.trace_dir}")
-        return band(with_baseline(rows.lazy(), self.config.baseline, [metric]).collect(), metric, width_z)
+
+
+def _baseline_frame(trace: Trace, config: Config, component: str, metric: str, rank: int = 0,
+                    width_z: float = 3.0) -> pl.DataFrame:
+    """`Analysis.baseline_frame` from an open trace."""
+    if metric not in trace.sql("SELECT * FROM health WHERE false").columns:
+        raise KeyError(f"no metric {metric!r} in {trace.root}; try out_rms, grad_norm_l2, update_ratio")
+    first, last = require_health(trace)
+    rows = health_window(trace, first, last, columns=[metric], names=[component], rank=rank)
+    if rows.is_empty():
+        raise KeyError(f"no component {component!r} on rank {rank} in {trace.root}")
+    return band(with_baseline(rows.lazy(), config.baseline, [metric]).collect(), metric, width_z)
+
+
+def band_of(root: Root | None) -> tuple[str, str, int] | None:
+    """(component, metric, rank) of the root metric's band: the metric as measured on
+    `observed_on` (e.g. the ReLU after the root Linear). None: no root, or a rank finding's
+    metric (the replicas table's), which has no baseline band."""
+    if root is None or root.metric not in schema.HEALTH_METRICS:
+        return None
+    return root.observed_on, root.metric, root.rank if root.rank is not None else (root.ranks or [0])[0]
+
+
+def _root_band(trace: Trace, config: Config, root: Root | None, pool: ThreadPoolExecutor) -> Future[pl.DataFrame | None]:
+    """The root metric's band (`Analysis.root_band`), read on `pool` through a connection of its
+    own to the open trace's database (its views are the trace's), beside what the caller does next."""
+    which = band_of(root)
+    if which is None:
+        done: Future[pl.DataFrame | None] = Future()
+        done.set_result(None)
+        return done
+    beside = replace(trace, con=trace.con.cursor(), _read={})
+
+    def read() -> pl.DataFrame:
+        try:
+            return _baseline_frame(beside, config, *which)
+        finally:
+            beside.con.close()
+    return pool.submit(read)
 
 
 def _plain(v: Any) -> Any:
@@ -443,7 +480,7 @@ def locate_alarms(trace: Trace, alarms: pl.DataFrame, components: pl.DataFrame, 
 def analyze(trace_dir: str | Path, *, config: Config | str | Path | None = None,
             checkpoints_glob: str | None = None, checkpoint_every: int | None = None,
             steps: tuple[int, int] | None = None,
-            reference: str | Path | None = None, heat: bool = True) -> Analysis:
+            reference: str | Path | None = None, heat: bool = True, band: bool = False) -> Analysis:
     """Read the trace and answer: failing? where, since when, how badly, and how far to roll back.
 
     `steps` = (A, B): an incident window. Only alarms raised at steps A..B are reported, each
@@ -453,10 +490,13 @@ def analyze(trace_dir: str | Path, *, config: Config | str | Path | None = None,
     by step instead of against its own past, so faults present from the first step show.
     `heat`: keep the report's heatmap (`Analysis.heat`; empty without it, and the metrics no
     rule reads get no baseline: a caller that draws no map saves their kernel passes).
+    `band`: read the root metric's band too (`Analysis.root_band`, the report's figure of it),
+    beside the comparators and the rollback, from the trace as it is open.
     """
     cfg = config if isinstance(config, Config) else load_config(config)
     ref = reference_baseline(reference, cfg.baseline) if reference is not None else None
     trace = open_trace(trace_dir)
+    side = ThreadPoolExecutor(1, thread_name_prefix="warninglight-band")
     try:
         summary = info(trace)
         components = trace.frame("components").collect()
@@ -476,6 +516,7 @@ def analyze(trace_dir: str | Path, *, config: Config | str | Path | None = None,
         ranked = rank_analysis.findings(trace)  # empty for a single rank
         panel = rank_analysis.panel(trace)
         top = with_ranks(_root(root, located, summary["ranks"]), ranked)
+        root_band = _root_band(trace, cfg, top, side) if band else None
         onset = top.onset_step if top else None
         found = comparators(trace, onset)
         last = int(summary["last_step"] or 0)
@@ -489,7 +530,9 @@ def analyze(trace_dir: str | Path, *, config: Config | str | Path | None = None,
         warnings += [missing] if missing else []
         health_rows = (None if trace.restarted or steps is not None else
                        sum(s.rows for s in trace.spans if s.table == "health"))
+        band_frame = root_band.result() if root_band is not None else None
     finally:
+        side.shutdown()  # the band's read done (or failed) before its connection's trace closes
         trace.close()
     alarms = located_frame(located).select(ALARM_KEYS)
     if ranked and top is not None:
@@ -505,4 +548,4 @@ def analyze(trace_dir: str | Path, *, config: Config | str | Path | None = None,
     return Analysis(Path(trace_dir), FAULT if top else HEALTHY, top, affected,
                     alarms, rollback, Detectors(**found, **leads, first_alarm_step=first_light),
                     clf.heat(), summary, components, table, cfg.baseline.min_samples + cfg.baseline.lag,
-                    warnings, panel, static.alarms(), cfg, width, health_rows)
+                    warnings, panel, static.alarms(), cfg, width, health_rows, band_frame)

@@ -48,6 +48,20 @@ def test_html_is_self_contained_and_names_the_root(fault_trace: Path, tmp_path: 
     assert '"fault": "weight_corruption"' in text.replace("&quot;", '"')  # the answer key is shown
 
 
+def test_the_root_band_read_beside_the_analysis_is_the_one_read_after_it(fault_trace: Path) -> None:
+    # `report` has the analysis read the root's band from the trace it has open (a connection of
+    # its own to the same views), beside the comparators: the same frame as reading it afterwards
+    from warninglight.forensics import analyze
+    from warninglight.forensics.analysis import band_of
+
+    analysis = analyze(fault_trace, band=True)
+    which = band_of(analysis.root)
+    assert which is not None and analysis.root_band is not None and len(analysis.root_band) > 100
+    assert analysis.root_band.equals(analysis.baseline_frame(*which))
+    assert analyze(fault_trace).root_band is None  # not asked: not read
+    assert report.gather(analysis).root_band is analysis.root_band
+
+
 def test_png_format_via_cli(fault_trace: Path, tmp_path: Path) -> None:
     res = CliRunner().invoke(app, ["report", str(fault_trace), "--format", "png", "-o", str(tmp_path / "figs")])
     assert res.exit_code == 0, res.output

@@ -94,7 +94,9 @@ def heatmap(scores: pl.DataFrame, order: Sequence[str], marks: Sequence[Mark] = 
     Where the axes have fewer pixels across than there are columns (at `DPI`, once laid out: long
     component labels narrow them), a column is the worst of as many neighbouring ones as it
     takes (`_pooled`): an image shrunk to fit drops whole columns, and a one-bin departure
-    with them (1 column in 6 at 800 columns, one row labelled with 53 characters).
+    with them (1 column in 6 at 800 columns, one row labelled with 53 characters). Where none is
+    pooled the figure comes laid out for `DPI`, its layout engine set aside: a caller that adds
+    to it lays it out again (`fig.set_layout_engine("constrained")`).
     """
     first = int(scores["step"].min())
     steps = np.arange(first, int(scores["step"].max()) + step_width, step_width)
@@ -126,7 +128,7 @@ def heatmap(scores: pl.DataFrame, order: Sequence[str], marks: Sequence[Mark] = 
     if len(steps) > 1:
         fig.get_layout_engine().execute(fig)  # where the axes fall, to count their pixels
         pooled, k = _pooled(grid, int(ax.get_window_extent().width))
-        if k == 1:  # laid out at `DPI` as it is drawn: `png_bytes` need not again (~0.2 s at 1e8)
+        if k == 1:  # laid out at `DPI` as it is drawn: `png_bytes` need not again (~0.1 s at 1e8)
             fig.set_layout_engine(None)
             return fig
         im.set_data(pooled)

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -222,3 +225,16 @@ def test_every_commands_annotations_are_evaluated_not_strings() -> None:
     for command in app.registered_commands:
         hints = inspect.get_annotations(command.callback)
         assert hints and not [k for k, v in hints.items() if isinstance(v, str)], command.callback.__name__
+
+
+def test_the_command_keeps_freed_memory_a_while_but_never_over_the_users_setting() -> None:
+    # the allocators' settings for a command's process (cli/main.py): set before Polars and
+    # Arrow load, each one left as the user gave it
+    show = ("import os, sys; import warninglight.cli.main; "
+            "print(os.environ['MIMALLOC_PURGE_DELAY'], os.environ['_RJEM_MALLOC_CONF'], 'pyarrow' in sys.modules)")
+    env = {k: v for k, v in os.environ.items() if k not in ("MIMALLOC_PURGE_DELAY", "_RJEM_MALLOC_CONF")}
+    ours = subprocess.run([sys.executable, "-c", show], capture_output=True, text=True, check=True, env=env)
+    assert ours.stdout.split() == ["2000", "dirty_decay_ms:5000,muzzy_decay_ms:5000", "False"]
+    theirs = subprocess.run([sys.executable, "-c", show], capture_output=True, text=True, check=True,
+                            env={**env, "MIMALLOC_PURGE_DELAY": "7", "_RJEM_MALLOC_CONF": "dirty_decay_ms:0"})
+    assert theirs.stdout.split() == ["7", "dirty_decay_ms:0", "False"]

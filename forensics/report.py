@@ -144,11 +144,12 @@ def images(data: ReportData) -> dict[str, bytes]:
 
 
 def _analysis(trace: Path | str, analysis: Analysis | None) -> Analysis:
+    """The analysis given, or one made here with the root's band read beside it, as `report`'s."""
     if analysis is not None:
         return analysis
     from .analysis import analyze
 
-    return analyze(trace)
+    return analyze(trace, band=True)
 
 
 def write_html(trace: Path | str, out: Path | str, analysis: Analysis | None = None) -> Path:

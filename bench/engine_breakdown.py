@@ -18,8 +18,8 @@ kernel and the compiled rules, `judge._hits`), whose seconds are summed over the
 up to more than the wall time. The trace is a GPT sample trace grown to `--size` component-steps
 (bench/grow.py, the faulty one) unless `--trace` names one. Run: `python bench/engine_breakdown.py
 [--size 1e7 | --trace DIR] [--heat]` (with the heatmap, as `report` runs it: also the cells'
-scores, what its picture holds, and the report's page written from the analysis: its figures,
-and the root's band read beside them)."""
+scores, what its picture holds, the root's band read beside the analysis' tail, and the report's
+page written from the analysis: its figures)."""
 
 from __future__ import annotations
 
@@ -62,12 +62,12 @@ PARTS = ((stream.Classifier, "submit", 0), (stream, "series_order", 1), (stream.
          (quantiles, "fold_baseline", 1), (heatbins, "fold", 1), (judge, "_heat", 1), (stream.Classifier, "heat", 0),
          (analysis, "health_window", 0), (analysis, "join_lr", 0), (static_rules.StaticScan, "feed", 0),
          (analysis, "component_lr", 0), (analysis, "locate_alarms", 0), (analysis, "comparators", 0),
-         (analysis, "_step_series", 0), (plots, "png_bytes", 0), (analysis.Analysis, "baseline_frame", 0))
+         (analysis, "_step_series", 0), (plots, "png_bytes", 0), (analysis, "_baseline_frame", 0))
 # run on the baseline's workers: their seconds are summed over them
 THREADS = {"_column", "wanted", "baseline_at", "baseline", "_hits", "fold_baseline", "fold"}
 READER = {"health_window", "join_lr"}  # run on the reader thread, beside the classifier
 JUDGE = {"judge"}  # runs on a thread of its own, beside `submit` sorting the next window
-BAND = {"baseline_frame"}  # `report` reads the root's band on a thread of its own, beside the figures
+BAND = {"_baseline_frame"}  # `report` reads the root's band on a thread of its own, beside the analysis' tail
 WINDOW = 3  # the window whose unit costs are timed (the first ones are shorter: no history yet)
 
 
@@ -174,7 +174,8 @@ def main() -> None:
         windows: list[tuple[int, int]] = []
         analysis.health_window = _windows_read(windows, analysis.health_window)
         t0, c0 = time.perf_counter(), time.process_time()
-        result = analysis.analyze(trace, heat=args.heat)  # `analyze` runs it without the heatmap, `report` with
+        # `analyze` runs it without the heatmap, `report` with it and the root's band
+        result = analysis.analyze(trace, heat=args.heat, band=args.heat)
         total, cpu = time.perf_counter() - t0, time.process_time() - c0
         page = None
         if args.heat:  # the report's page from the same analysis, as `report` writes it
@@ -191,13 +192,13 @@ def main() -> None:
         print(f"heatmap: {result.heat_width} steps a cell, {len(score):,} cells with a score; median "
               f"{np.median(score):.2f}, 99th percentile {np.quantile(score, 0.99):.2f}; at 3, 4, 6 or more: "
               + ", ".join(f"{(score >= t).mean():.1%}" for t in (3, 4, 6)))
-        print(f"report's page from the analysis: {page:.2f} s (the figures and the root's band: below)")
+        print(f"report's page from the analysis: {page:.2f} s (the figures: below)")
     for owner, name, indent in PARTS:
         key = _label(owner, name)
         threads = "  (summed over the threads running it)" if name in THREADS else (
             "  (on the reader thread, beside the classifier)" if name in READER else
             "  (on the judging thread, beside submit)" if name in JUDGE else
-            "  (on a thread of its own, beside the figures)" if name in BAND else "")
+            "  (on a thread of its own, beside the analysis' tail)" if name in BAND else "")
         print(f"{'    ' * indent}{key:<28s} {totals[key]:7.2f} s {cpus[key]:7.2f} CPU-s{threads}")
     window, names = sorts[min(WINDOW, len(sorts)) - 1]  # with the trace's names, as the classifier sorts it
     frame, starts, _, lr = baseline.prepare(baseline.sort_series(window, names))  # with its metrics

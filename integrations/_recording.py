@@ -7,6 +7,10 @@ import os
 import warnings
 from typing import Any
 
+from warninglight.tracer.config import RecorderConfig, with_options
+
+_DEFAULTS = RecorderConfig()
+
 
 class Recording:
     """The recorder a callback starts, and how the callback stays out of training's way."""
@@ -20,11 +24,18 @@ class Recording:
         self.rec: Any = None
         self._alarmed = False
 
-    def _options(self) -> dict[str, Any]:
-        """The watch options, with an `on_alarm` that also marks the run for `stop_on_alarm`."""
+    def _options(self, **defaults: Any) -> dict[str, Any]:
+        """The watch options, with `defaults` (the framework's start step, ...) for those neither
+        the keywords nor a `config=RecorderConfig(...)` among them give, and an `on_alarm` that
+        also marks the run for `stop_on_alarm`."""
         options = dict(self.watch_options)
-        user_on_alarm = options.pop("on_alarm", None)
-        if not (options.get("alarms") or user_on_alarm is not None or self.stop_on_alarm):
+        config = with_options(options.get("config"), {})
+        for name, value in defaults.items():
+            if not _gives(options, config, name):
+                options[name] = value
+        user_on_alarm = options.pop("on_alarm", config.on_alarm)
+        if not (options.get("alarms", config.alarms) or user_on_alarm is not None
+                or self.stop_on_alarm):
             return options
 
         def on_alarm(alarm: dict[str, Any]) -> None:
@@ -48,3 +59,13 @@ class Recording:
     def _give_up(self, exc: Exception) -> None:
         warnings.warn(f"warninglight: {self.framework} callback failed ({type(exc).__name__}: "
                       f"{exc}); training continues", RuntimeWarning, stacklevel=3)
+
+
+def _gives(options: dict[str, Any], config: RecorderConfig, name: str) -> bool:
+    """Whether the user set `name`: as a keyword, or in the config (an option away from its
+    default, or a key of its run config)."""
+    if name in options:
+        return True
+    if hasattr(_DEFAULTS, name):
+        return getattr(config, name) != getattr(_DEFAULTS, name)
+    return name in config.run_config

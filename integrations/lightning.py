@@ -35,13 +35,12 @@ class WarningLightCallback(Recording, pl.Callback):
         self._saved: set[str] = set()
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        options = self._options()
         try:
+            options = self._options(start_step=trainer.global_step)
             optimizers = list(trainer.optimizers)
             if len(optimizers) > 1:
                 warnings.warn(f"warninglight: {len(optimizers)} optimizers; steps follow the first",
                               RuntimeWarning, stacklevel=2)
-            options.setdefault("start_step", trainer.global_step)
             self.rec = watch(pl_module, optimizers[0] if optimizers else None, self.path, **options)
         except Exception as exc:
             self._give_up(exc)

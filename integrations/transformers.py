@@ -45,12 +45,11 @@ class WarningLightCallback(Recording, TrainerCallback):
 
     def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None,
                        optimizer: Any = None, train_dataloader: Any = None, **kwargs: Any) -> None:
-        options = self._options()
         try:
+            options = self._options(start_step=state.global_step,
+                                    loss_logged_every=args.logging_steps)
             self._ids_hook = model.register_forward_pre_hook(self._take_ids, with_kwargs=True)
             _keep_ids_column(train_dataloader, self.ids_key)
-            options.setdefault("start_step", state.global_step)
-            options.setdefault("loss_logged_every", args.logging_steps)
             self.rec = watch(model, optimizer, self.path, **options)
         except Exception as exc:
             self._give_up(exc)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import warnings
 from pathlib import Path
@@ -18,7 +19,7 @@ from warninglight.forensics import analyze, open_trace  # noqa: E402
 from warninglight.integrations.lightning import WarningLightCallback  # noqa: E402
 from warninglight.lab import zoo  # noqa: E402
 from warninglight.lab.drills import WeightCorruption  # noqa: E402
-from warninglight.tracer import watch  # noqa: E402
+from warninglight.tracer import RecorderConfig, watch  # noqa: E402
 
 STEPS, ACCUM, BATCH, SAVE_EVERY, WARMUP = 120, 2, 32, 40, 10
 
@@ -99,6 +100,24 @@ def test_clean_warmup_cosine_clipped_run_is_healthy(trained: dict[str, Any]) -> 
     result = analyze(trained["trace"])
     assert result.summary["steps"] == STEPS
     assert result.verdict == "healthy", result.to_dict()["alarms"]
+
+
+def test_a_config_object_reaches_the_trace_and_keeps_its_start_step(tmp_path: Path) -> None:
+    # the callback starts at the trainer's step only where neither keywords nor config say
+    config = RecorderConfig(start_step=50, run_id="pl-7", run_config={"team": "a"})
+    trainer = L.Trainer(max_steps=3, accelerator="cpu", devices=1, logger=False,
+                        enable_progress_bar=False, enable_model_summary=False,
+                        enable_checkpointing=False, num_sanity_val_steps=0,
+                        callbacks=[WarningLightCallback(tmp_path / "trace", config=config)])
+    trainer.fit(Classifier(), torch.utils.data.DataLoader(Teacher(), batch_size=BATCH))
+    trace = open_trace(tmp_path / "trace")
+    try:
+        steps = [s for (s,) in trace.con.execute("SELECT step FROM steps ORDER BY step").fetchall()]
+    finally:
+        trace.close()
+    assert steps == [51, 52, 53]
+    manifest = json.loads((tmp_path / "trace" / "manifest" / "rank=0.json").read_text())
+    assert (manifest["run_id"], manifest["config"]["team"]) == ("pl-7", "a")
 
 
 def test_watch_unwraps_lightningoptimizer(tmp_path: Path) -> None:

@@ -19,7 +19,7 @@ from warninglight.forensics import analyze, open_trace  # noqa: E402
 from warninglight.integrations.transformers import WarningLightCallback  # noqa: E402
 from warninglight.lab import zoo  # noqa: E402
 from warninglight.lab.drills import WeightCorruption  # noqa: E402
-from warninglight.tracer import watch  # noqa: E402
+from warninglight.tracer import RecorderConfig, watch  # noqa: E402
 
 STEPS, ACCUM, BATCH, SAVE_EVERY, LOG_EVERY = 120, 2, 8, 40, 5
 
@@ -86,6 +86,27 @@ def test_clean_warmup_cosine_clipped_run_is_healthy(trained: dict[str, Any]) -> 
     assert result.verdict == "healthy", result.to_dict()["alarms"]
     assert json.loads((trained["trace"] / "manifest" / "rank=0.json").read_text())[
         "config"]["loss_logged_every"] == LOG_EVERY
+
+
+def test_a_config_object_reaches_the_trace_and_keeps_what_it_sets(tmp_path: Path) -> None:
+    # the callback's defaults (the trainer's step, its logging interval) fill in only what
+    # neither keywords nor config say
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=32, n_embd=32, n_layer=2, n_head=2))
+    args = TrainingArguments(output_dir=str(tmp_path / "out"), max_steps=3, per_device_train_batch_size=BATCH,
+                             logging_steps=LOG_EVERY, save_strategy="no", report_to=[], use_cpu=True,
+                             disable_tqdm=True, seed=0, dataloader_num_workers=0)
+    config = RecorderConfig(start_step=50, run_config={"loss_logged_every": 1})
+    callback = WarningLightCallback(tmp_path / "trace", config=config)
+    Trainer(model=model, args=args, train_dataset=CharWindows(n=64), callbacks=[callback]).train()
+    trace = open_trace(tmp_path / "trace")
+    try:
+        steps = [s for (s,) in trace.con.execute("SELECT step FROM steps ORDER BY step").fetchall()]
+    finally:
+        trace.close()
+    assert steps == [51, 52, 53]
+    assert json.loads((tmp_path / "trace" / "manifest" / "rank=0.json").read_text())[
+        "config"]["loss_logged_every"] == 1
 
 
 def test_watch_unwraps_acceleratedoptimizer(tmp_path: Path) -> None:

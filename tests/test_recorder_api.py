@@ -4,18 +4,20 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import warnings
 from pathlib import Path
 
 import duckdb
+import pyarrow.parquet as pq
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 from warninglight.lab import zoo
-from warninglight.tracer import Recorder, schema, watch
+from warninglight.tracer import Recorder, RecorderConfig, schema, watch
 
 
 def rows(trace: Path, table: str, sql: str) -> list[tuple]:
@@ -90,6 +92,102 @@ def test_bad_options_are_named_errors(tmp_path: Path, kwargs: dict, match: str) 
     model = zoo.mlp()
     with pytest.raises(ValueError, match="the optimizer comes second"):
         watch(model, tmp_path, torch.optim.SGD(model.parameters(), lr=0.1))
+
+
+def _steps(model: torch.nn.Module, opt: torch.optim.Optimizer, n: int) -> None:
+    for _ in range(n):
+        model(torch.randn(8, 32)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def _manifest_config(trace: Path) -> dict:
+    return json.loads(schema.manifest_path(trace, 0).read_text())["config"]
+
+
+def _segment_steps(trace: Path) -> list[list[int]]:
+    """The steps of each segment of the steps table, in the order they were written."""
+    files = sorted(Path(trace).glob("steps/rank=0/*/*.parquet"))
+    return [pq.read_table(f, columns=["step"]).column("step").to_pylist() for f in files]
+
+
+def test_a_config_object_records_what_its_keywords_record(tmp_path: Path) -> None:
+    def run(trace: Path, **options: object) -> dict:
+        torch.manual_seed(0)
+        model = zoo.mlp()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        with watch(model, opt, trace, **options):
+            _steps(model, opt, 5)
+        return _manifest_config(trace)
+
+    by_keywords = run(tmp_path / "kw", sample_size=8, flush_every_steps=2, heads=["4"],
+                      lr_schedule="cosine")
+    by_config = run(tmp_path / "cfg", config=RecorderConfig(
+        sample_size=8, flush_every_steps=2, heads=("4",), run_config={"lr_schedule": "cosine"}))
+    assert by_config == by_keywords
+    assert (by_config["sample_size"], by_config["heads"], by_config["lr_schedule"]) == (8, ["4"], "cosine")
+    assert _segment_steps(tmp_path / "cfg") == _segment_steps(tmp_path / "kw") == [[1, 2], [3, 4], [5]]
+    heads = rows(tmp_path / "cfg", "components", "select component from t where role = 'head'")
+    assert heads == [("4",)]
+
+
+def test_keywords_beside_a_config_override_its_fields(tmp_path: Path) -> None:
+    base = RecorderConfig(sample_size=8, flush_every_steps=5, run_config={"team": "a"})
+    model = zoo.mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with watch(model, opt, tmp_path, config=base, flush_every_steps=3, dataset="x") as rec:
+        _steps(model, opt, 7)
+    config = _manifest_config(tmp_path)
+    assert (config["sample_size"], config["flush_every_steps"]) == (8, 3)
+    assert (config["team"], config["dataset"]) == ("a", "x")  # run config: the two merged
+    assert rec.config.flush_every_steps == 3 and base.flush_every_steps == 5  # the base is unchanged
+    # a segment every 3 steps (each flush keeps its last step back for logs that come late)
+    assert _segment_steps(tmp_path) == [[1, 2, 3], [4, 5, 6], [7]]
+
+
+def test_live_alarms_flush_sooner_unless_the_cadence_is_given() -> None:
+    assert RecorderConfig().flush_cadence() == (100, 30.0)
+    assert RecorderConfig(alarms=["jsonl:a.jsonl"]).flush_cadence() == (10, 2.0)
+    assert RecorderConfig(on_alarm=print).flush_cadence() == (10, 2.0)
+    assert RecorderConfig(on_alarm=print, flush_every_steps=50).flush_cadence() == (50, 2.0)
+    assert RecorderConfig(alarms=[], flush_every_s=7).flush_cadence() == (100, 7)
+
+
+@pytest.mark.parametrize("options, error, message", [
+    ({"sample_size": 0}, ValueError, "sample_size must be >= 1, got 0"),
+    ({"sketch_size": 2.5}, TypeError, "sketch_size must be an int >= 1, got 2.5"),
+    ({"flush_every_steps": 0}, ValueError, "flush_every_steps must be >= 1, got 0"),
+    ({"flush_every_s": -1}, ValueError, "flush_every_s must be > 0, got -1"),
+    ({"flush_every_s": "30"}, TypeError, "flush_every_s must be a number of seconds, got '30'"),
+    ({"start_step": -1}, ValueError, "start_step must be >= 0, got -1"),
+    ({"rank": 2, "world_size": 2}, ValueError, "rank must be < world_size, got rank=2 with world_size=2"),
+    ({"hooks_under_compile": "fast"}, ValueError, "hooks_under_compile='fast'; expected 'graph'"),
+    ({"replicas": "yes"}, TypeError, "replicas must be True, False or None, got 'yes'"),
+    ({"on_alarm": "print"}, TypeError, "on_alarm must be callable"),
+    ({"heads": [4]}, TypeError, "heads must be module paths (strings) such as 'lm_head', got 4"),
+    ({"run_config": {"sample_size": 8}}, ValueError,
+     "run_config['sample_size'] would hide the recorder's own setting"),
+])
+def test_a_bad_option_is_named_with_its_value(tmp_path: Path, options: dict, error: type,
+                                               message: str) -> None:
+    with pytest.raises(error, match=re.escape(message)):
+        RecorderConfig(**options)
+    with pytest.raises(error, match=re.escape(message)):  # the same error from watch's keywords
+        watch(zoo.mlp(), None, tmp_path, **options)
+    assert not tmp_path.joinpath("manifest").exists()  # refused before anything was written
+
+
+def test_recorder_takes_a_config_keywords_or_its_run_config_mapping(tmp_path: Path) -> None:
+    model = zoo.mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with Recorder(model, opt, tmp_path, config={"lr_schedule": "cosine"}, sample_size=8):
+        _steps(model, opt, 1)
+    config = _manifest_config(tmp_path)
+    assert (config["lr_schedule"], config["sample_size"]) == ("cosine", 8)
+    with pytest.raises(TypeError, match="'sampel_size' is not a recorder option; did you mean sample_size="):
+        Recorder(model, opt, tmp_path / "b", sampel_size=8)
+    with pytest.raises(TypeError, match="config must be a RecorderConfig, got str"):
+        watch(model, opt, tmp_path / "c", config="fast")
 
 
 def test_closing_restores_the_previous_sigterm_handler(tmp_path: Path) -> None:

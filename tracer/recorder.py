@@ -10,7 +10,7 @@ records the steps completed so far (the checkpoint holds the weights after that 
 from __future__ import annotations
 
 import atexit
-import difflib
+import dataclasses
 import json
 import numbers
 import os
@@ -19,7 +19,7 @@ import threading
 import time
 import uuid
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Mapping
 from types import FrameType, TracebackType
 from typing import Any
 
@@ -30,6 +30,14 @@ from torch import nn
 from . import schema
 from .buffer import StepBuffer, StepRecord
 from .components import assign_param_groups, assign_parents, discover, resolve_heads
+from .config import (
+    LIVE_FLUSH_S,  # noqa: F401 (imported from here by bench/alarm_latency.py)
+    LIVE_FLUSH_STEPS,  # noqa: F401
+    OPTIONS,
+    RecorderConfig,
+    did_you_mean,
+    with_options,
+)
 from .params import ParamProbe
 from .probes import FORWARD_BATCH_STEPS, FORWARD_METRICS, PARAM_METRICS, ForwardProbe, first_tensor
 from .replicas import ReplicaProbe
@@ -56,7 +64,6 @@ _OUT_NONFINITE = _METRIC_POS["out_nonfinite_count"]
 _PARAM_POS = [_METRIC_POS[m] for m in PARAM_METRICS]
 assert sorted(_FORWARD_POS + _PARAM_POS) == list(range(len(schema.HEALTH_METRICS)))
 _MAX_WARNING_EVENTS = 20
-LIVE_FLUSH_STEPS, LIVE_FLUSH_S = 10, 2.0  # flush cadence when live alarms are on
 # The first segment closes after this many steps or seconds (if sooner than the flush settings).
 _FIRST_FLUSH_STEPS = 10
 _FIRST_FLUSH_S = 5.0
@@ -66,40 +73,29 @@ class Recorder:
     """Hooks on a model (and its optimizer) that write a health trace; see `watch`."""
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None,
-                 path: str | os.PathLike[str], *, rank: int | None = None,
-                 world_size: int | None = None, heads: list[str] | None = None,
-                 sample_size: int = 16, sketch_size: int = 256, flush_every_steps: int = 100,
-                 flush_every_s: float = 30.0, start_step: int = 0, run_id: str | None = None,
-                 hooks_under_compile: str = "graph", replicas: bool | None = None,
-                 alarms: Sequence[Any] | None = None,
-                 on_alarm: Callable[[dict[str, Any]], Any] | None = None, alarm_config: Any = None,
-                 full_precision: bool = False, config: dict[str, Any] | None = None) -> None:
-        if sample_size < 1 or sketch_size < 1 or flush_every_steps < 1 or flush_every_s <= 0:
-            raise ValueError("sample_size, sketch_size and flush_every_steps must be >= 1 and "
-                             f"flush_every_s > 0; got {sample_size}, {sketch_size}, "
-                             f"{flush_every_steps}, {flush_every_s}")
-        if hooks_under_compile not in ("graph", "skip", "eager"):
-            raise ValueError(f"hooks_under_compile={hooks_under_compile!r}; expected 'graph' (samples "
-                             "taken inside the compiled graph), 'skip' (record "
-                             "nothing inside torch.compile'd code) or 'eager' (graph breaks)")
+                 path: str | os.PathLike[str], *,
+                 config: RecorderConfig | Mapping[str, Any] | None = None, **options: Any) -> None:
+        """`options` are RecorderConfig's fields and override `config`'s (a mapping given as
+        `config` is the run config, stored in the manifest)."""
+        cfg = self.config = with_options(config, options)
         self.model, self.optimizer = model, _usable_optimizer(optimizer)
-        self.rank, self.world_size = _rank_and_world(rank, world_size)
+        self.rank, self.world_size = _rank_and_world(cfg.rank, cfg.world_size)
         self.components = discover(model)
-        if heads:
-            resolve_heads(self.components, heads)
-        self._heads_given = bool(heads)
+        if cfg.heads:
+            resolve_heads(self.components, list(cfg.heads))
+        self._heads_given = bool(cfg.heads)
         params = [p for c in self.components for p in c.params]
         self.device = params[0].device if params else torch.device("cpu")
-        self.fwd = ForwardProbe(self.components, sample_size, self.device)
-        self.params = ParamProbe(self.components, sketch_size)
+        self.fwd = ForwardProbe(self.components, cfg.sample_size, self.device)
+        self.params = ParamProbe(self.components, cfg.sketch_size)
         # per-rank evidence (tracer/replicas.py): by default only when there are replicas to compare
-        on = self.world_size > 1 if replicas is None else replicas
+        on = self.world_size > 1 if cfg.replicas is None else cfg.replicas
         self.replicas = ReplicaProbe(self.components, model, self.world_size) if on else None
-        self.flush_every_steps, self.flush_every_s = flush_every_steps, flush_every_s
-        self.step_count = start_step
-        self._first_step = start_step + 1
+        self.flush_every_steps, self.flush_every_s = cfg.flush_cadence()
+        self.step_count = cfg.start_step
+        self._first_step = cfg.start_step + 1
         self._static_valid = self._structural_validity()
-        self.buffer = StepBuffer(self.components, self.device, flush_every_steps + 2)
+        self.buffer = StepBuffer(self.components, self.device, self.flush_every_steps + 2)
         self._backward_queued = False
         self._in_step = False
         self._micro_batches = 0
@@ -112,36 +108,43 @@ class Recorder:
         self._flushed = False
         self._last_step_time = self._last_flush = time.time()
         # estimates are stored to the bits their sampling error leaves meaningful (schema.SAMPLED_BITS)
-        significand_bits = {} if full_precision else {
+        significand_bits = {} if cfg.full_precision else {
             c.name: c.bits for c in schema.HEALTH_COLUMNS if c.bits is not None}
-        cfg = {"sample_size": sample_size, "sketch_size": sketch_size,
-               "flush_every_steps": flush_every_steps, "flush_every_s": flush_every_s,
-               "heads": heads, "start_step": start_step,
-               "hooks_under_compile": hooks_under_compile, "replicas": self.replicas is not None,
-               "significand_bits": significand_bits, **(config or {})}
+        manifest_cfg = self._manifest_config(significand_bits)
         self._monitor = None
-        if alarms or on_alarm is not None:  # live mode: the engine is imported only here
+        if cfg.live:  # live mode: the engine is imported only here
             # built first: a bad sink is a SinkError before anything is written
             from .alarms.monitor import LiveMonitor
-            self._monitor = LiveMonitor(list(alarms or []), on_alarm, self.rank, os.fspath(path),
-                                        alarm_config)
-        self.writer = TraceWriter(path, self.rank, self.world_size, run_id or uuid.uuid4().hex[:12],
-                                  type(model).__name__, cfg, significand_bits=significand_bits)
+            self._monitor = LiveMonitor(list(cfg.alarms), cfg.on_alarm, self.rank, os.fspath(path),
+                                        cfg.alarm_config)
+        self.writer = TraceWriter(path, self.rank, self.world_size,
+                                  cfg.run_id or uuid.uuid4().hex[:12], type(model).__name__,
+                                  manifest_cfg, significand_bits=significand_bits)
         self.incarnation = self.writer.incarnation
-        self._event("start", detail=json.dumps(cfg, default=str))
+        self._event("start", detail=json.dumps(manifest_cfg, default=str))
         if self.incarnation > 1:
             self._event("restart", detail=f"incarnation {self.incarnation}")
         if self._monitor is not None:
             self.writer.on_segment = self._monitor.submit
         if self.replicas is not None and self.replicas.hook_note:
             self._event("warning", detail=self.replicas.hook_note)
-        self._eager_under_compile = hooks_under_compile == "eager"
-        self._in_graph = hooks_under_compile == "graph"
+        self._eager_under_compile = cfg.hooks_under_compile == "eager"
+        self._in_graph = cfg.hooks_under_compile == "graph"
         self._handles: list[Any] = []
         self._install_hooks()
         self._prev_sigterm = self._install_sigterm()
         atexit.register(self._at_exit)
         self._check_writer()
+
+    def _manifest_config(self, significand_bits: dict[str, int]) -> dict[str, Any]:
+        """The settings the manifest's `config` holds: the options as resolved, then the run's."""
+        cfg = self.config
+        return {"sample_size": cfg.sample_size, "sketch_size": cfg.sketch_size,
+                "flush_every_steps": self.flush_every_steps, "flush_every_s": self.flush_every_s,
+                "heads": None if cfg.heads is None else list(cfg.heads),
+                "start_step": cfg.start_step, "hooks_under_compile": cfg.hooks_under_compile,
+                "replicas": self.replicas is not None, "significand_bits": significand_bits,
+                **cfg.run_config}
 
     # --- public API -------------------------------------------------------------------------
 
@@ -592,24 +595,14 @@ def _rank_and_world(rank: int | None, world_size: int | None) -> tuple[int, int]
 
 
 def watch(model: nn.Module, optimizer: torch.optim.Optimizer | str | os.PathLike[str] | None = None,
-          path: str | os.PathLike[str] | None = None, **options: Any) -> Recorder:
+          path: str | os.PathLike[str] | None = None, *, config: RecorderConfig | None = None,
+          **options: Any) -> Recorder:
     """Start recording `model` (stepping on `optimizer`) into the trace directory `path`.
 
-    Keyword options: rank, world_size, heads, sample_size (rows subsampled per output),
-    sketch_size (coordinates per parameter), flush_every_steps, flush_every_s, start_step (steps
-    already done when resuming), run_id, hooks_under_compile ("graph", the default: inside
-    torch.compile'd code the forward hooks take their sample and non-finite count as extra
-    outputs of the graph, no graph break, fullgraph=True works; "skip": they do nothing there,
-    which is named in a warning event; "eager": they run outside the graph, one graph break per
-    component, incompatible with fullgraph=True), replicas (per-rank weight checksums and local
-    gradient norms, tracer/replicas.py; default: on when world_size > 1), alarms (sinks for live
-    alarms: "jsonl:PATH", "webhook:URL" or "webhook:$ENV_VAR", "mlflow:TRACKING_URI",
-    "tensorboard:LOGDIR", "wandb:offline", or objects with send(alarm)), on_alarm (called with
-    each alarm on the training thread at the next step boundary), alarm_config (thresholds, as
-    for `analyze --config`), full_precision (store every bit of the columns that are estimates
-    from a subsample or a sketch, ~24 instead of ~16 bytes per component-step; by default they
-    keep 10 significand bits, within 0.05% of the computed value: docs/trace-format.md,
-    "Precision"); anything else is stored in the manifest's config.
+    The options are `RecorderConfig`'s fields (sample_size, flush_every_steps, alarms, ...), given
+    as `config=RecorderConfig(...)`, as keywords, or both: keywords override the config's fields.
+    A keyword that is no option is stored in the manifest's config (`run_config`), with a warning
+    when it looks like a misspelt option.
 
     An optimizer-like wrapper (accelerate's AcceleratedOptimizer, Lightning's LightningOptimizer)
     is unwrapped to the torch optimizer it holds; one that holds none is recorded without, with a
@@ -622,21 +615,17 @@ def watch(model: nn.Module, optimizer: torch.optim.Optimizer | str | os.PathLike
         optimizer, path = None, optimizer
     if path is None:
         raise ValueError("watch() needs a trace directory, e.g. watch(model, optimizer, 'runs/exp1')")
-    known = ("rank", "world_size", "heads", "sample_size", "sketch_size", "flush_every_steps",
-             "flush_every_s", "start_step", "run_id", "hooks_under_compile", "replicas", "alarms",
-             "on_alarm", "alarm_config", "full_precision")
-    kwargs = {k: v for k, v in options.items() if k in known}
-    config = {k: v for k, v in options.items() if k not in known}
-    for key in config:  # a misspelt option would otherwise be stored silently as run config
-        close = difflib.get_close_matches(key, known, n=1, cutoff=0.8)
-        if close:
+    known = {k: v for k, v in options.items() if k in OPTIONS}
+    extra = {k: v for k, v in options.items() if k not in OPTIONS}
+    for key in extra:  # a misspelt option would otherwise be stored silently as run config
+        hint = did_you_mean(key)
+        if hint:
             warnings.warn(f"warninglight: watch({key}=...) is not an option and is stored as run "
-                          f"config; did you mean {close[0]}=?", UserWarning, stacklevel=2)
-    if kwargs.get("alarms") or kwargs.get("on_alarm") is not None:
-        # an alarm reaches the sinks within one flush interval (+ classification) of its step
-        kwargs.setdefault("flush_every_steps", LIVE_FLUSH_STEPS)
-        kwargs.setdefault("flush_every_s", LIVE_FLUSH_S)
-    return Recorder(model, optimizer, path, config=config, **kwargs)
+                          f"config{hint}", UserWarning, stacklevel=2)
+    cfg = with_options(config, known)
+    if extra:
+        cfg = dataclasses.replace(cfg, run_config={**cfg.run_config, **extra})
+    return Recorder(model, optimizer, path, config=cfg)
 
 
-__all__ = ["Recorder", "watch"]
+__all__ = ["Recorder", "RecorderConfig", "watch"]

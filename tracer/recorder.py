@@ -1,5 +1,21 @@
 """`watch(model, optimizer, path)`: record every component's health at every optimizer step.
 
+A step's path, all on the training thread unless a thread is named:
+1. hook: the root's forward pre-hook opens the step at its first training forward
+   (`_begin_step`: `ParamProbe.begin` notes the weights as the step found them), and each
+   component's forward hook hands its output to `ForwardProbe.observe`.
+2. probe: `observe` copies a strided row subsample of the output into a staging buffer; the end
+   of the backward pass notes the gradients (`ParamProbe.after_backward`) and optimizer.step's
+   pre-hook takes their norms (`_pre_step`).
+3. buffer: optimizer.step's post-hook ends the step (`_post_step`): `_record_step` takes the
+   weights after it and appends the step's record to the `StepBuffer`; every
+   `FORWARD_BATCH_STEPS` steps the queued samples and norms are reduced, those steps at once,
+   into the buffer's device rows. On an accelerator nothing is read back to the host.
+4. writer: every `flush_every_steps` steps or `flush_every_s` seconds `_flush_if_due` hands the
+   finished steps to the `TraceWriter` as one segment (one non-blocking copy to the host); the
+   writer thread converts and writes its Parquet files and, with live alarms, passes it to the
+   monitor thread, whose alarms reach `on_alarm` here at a later step's end.
+
 Which step a call belongs to: a step ends at `optimizer.step()` (or `rec.step()` without an
 optimizer). `rec.log` and `rec.batch` attach to the step in progress if a training forward has run
 since the last step ended, else to the step just completed — so logging either before or after
@@ -331,10 +347,16 @@ class Recorder:
             self._probe_failed(exc)
 
     def _post_step(self) -> None:
+        """optimizer.step's post-hook (or `rec.step()`): the step ends here."""
         if self._closed:
             return
-        self.step_count += 1
         now = time.time()
+        self._record_step(now)
+        self._flush_if_due(now)
+
+    def _record_step(self, now: float) -> None:
+        """Count the step and queue its values for the buffer; a failure loses this step only."""
+        self.step_count += 1
         try:
             if self.fwd.from_graph:
                 self._absorb_graph_samples()
@@ -348,7 +370,7 @@ class Recorder:
                     "may be running (dynamo reuses a graph compiled for another instance of the "
                     "model's class, e.g. an unwatched copy, and does not guard against hooks), or "
                     "the forward ran in eval() mode or under no_grad")
-            self._step_record(now)
+            self._buffer_step(now)
             if self.replicas is not None:
                 self.replicas.end_step(self.step_count)
             if max(len(self.fwd.pending), len(self.params.pending)) >= FORWARD_BATCH_STEPS:
@@ -359,6 +381,10 @@ class Recorder:
         finally:
             self.fwd.reset()
             self._in_step, self._micro_batches, self._last_step_time = False, 0, now
+
+    def _flush_if_due(self, now: float) -> None:
+        """At the step boundary: report writer failures, deliver alarms, and hand the finished
+        steps to the writer when a segment is due."""
         self._check_writer()
         if self._monitor is not None and self._monitor.on_alarm is not None:
             self._monitor.deliver()
@@ -369,8 +395,9 @@ class Recorder:
         if pending > every_steps or (pending > 1 and now - self._last_flush >= every_s):
             self._flush(final=False)
 
-    def _step_record(self, now: float) -> None:
-        """Record this step (its values reach the buffer at `_reduce_pending`); queue its samples."""
+    def _buffer_step(self, now: float) -> None:
+        """The step's record into the buffer (its values reach it at `_reduce_pending`); queue its
+        samples."""
         slot = self.buffer.next_slot()
         self.fwd.settle(None)  # outputs still held: no gradients were seen this step
         pvalid, has_total, has_preclip = self.params.end(slot)

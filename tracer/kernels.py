@@ -1,10 +1,10 @@
 """A compiled CPU pass for the recorder's forward statistics: one pass where eager PyTorch
-takes ~15.
+takes one per statistic.
 
 Every 8 steps the recorder reduces the 16-row subsamples of every component's output to
 per-unit statistics (finite count, sum, square sum, zeros, saturation, absmax, dead units) and
-then to per-(step, component) sums. On the CPU that was ~15 eager ops, each a pass over the
-whole staging buffer (a few MB): the memory traffic, not the arithmetic, was the cost. Here it
+then to per-(step, component) sums. On the CPU that was an eager op per statistic, each a pass
+over the whole staging buffer: the memory traffic, not the arithmetic, was the cost. Here it
 is one blocked, vectorised numba pass straight into the per-(step, component) sums.
 
 `available()` compiles on first use (or loads numba's cache); when numba cannot be imported or
@@ -145,9 +145,9 @@ def _build() -> dict[str, Any]:
 
 
 def available() -> bool:
-    """Whether the compiled pass can be used (compiles it the first time: ~2 s; then numba's
-    cache loads it in ~0.5 s). `WARNINGLIGHT_EAGER=1` in the environment says no: the eager ops
-    then run, e.g. to compare the two (`bench/overhead.py`, `bench/overhead_breakdown.py`)."""
+    """Whether the compiled pass can be used (compiles it the first time, which takes seconds;
+    later processes load numba's cache). `WARNINGLIGHT_EAGER=1` in the environment says no: the
+    eager ops then run, e.g. to compare the two (`bench/overhead.py`, `bench/overhead_breakdown.py`)."""
     if os.environ.get("WARNINGLIGHT_EAGER", "") not in ("", "0"):
         return False
     with _lock:

@@ -7,8 +7,8 @@ straight into the step's row of a preallocated buffer, beside a fixed sketch of 
 per parameter (read through views made once: one `torch.cat` into the same row). Everything
 derived from those rows (per-component norms, update, cosine, drift, the total gradient norm) is
 computed by `reduce` for a batch of steps at once, with the same arithmetic as one step at a
-time: on a small model each eager op costs more than its arithmetic, so a step does ~8 ops here
-and the derivation ~30 per batch.
+time: on a small model each eager op costs more than its arithmetic, so a step does a handful
+of ops here and the derivation's many ops run once per batch of steps.
 """
 
 from __future__ import annotations
@@ -144,7 +144,7 @@ class ParamProbe:
         self._fwd_n, self._grad_n, self._end_n, self._pre_n = (
             slice(2 * k + i * n_p, 2 * k + (i + 1) * n_p) for i in range(4))
         self.rows = torch.zeros(FORWARD_BATCH_STEPS, 2 * k + 4 * n_p, device=device, dtype=torch.float32)
-        self._row_views = self._views_of(self.rows)  # made once: a slice costs a few us a step
+        self._row_views = self._views_of(self.rows)  # made once: a slice in every hook is dispatch
         # CPU float32 parameters: norms and sketches in compiled passes over the tensors' memory
         # (tracer/kernels.py), written through numpy views of the same rows
         self._compiled = bool(self.params) and all(p.device.type == "cpu" for p in self.params) \
@@ -166,7 +166,7 @@ class ParamProbe:
         self._weight_ptrs: list[int] = []                # the same addresses, to compare with
         self._sharded = any(callable(getattr(p, "to_local", None)) for p in self.params)
         self.pending: list[_Step] = []
-        # `reduce`'s working rows, kept (fresh multi-MB temporaries every few steps cost page
+        # `reduce`'s working rows, kept (fresh sketch-sized temporaries every few steps cost page
         # faults in the training's own ops): [0] the last reduced step's update then the queued
         # steps' updates, [1] their drift sketches, [2] a product; and the last reduced step's
         # weight sketch and per-component weight norms

@@ -86,8 +86,8 @@ def subsample(t: torch.Tensor, rows: int, channel_first: bool,
     """An (r, units) copy of r <= `rows` evenly strided rows of `t` viewed as (rows, units).
 
     `t` must be detached. The copy goes into `out` when it has the sample's shape and dtype (a
-    slot of the staging buffer, see `_Plan`), else into a new tensor. Each op here costs ~10-20 us
-    inside a forward pass (cold caches), far more than its arithmetic, so the usual case (a
+    slot of the staging buffer, see `_Plan`), else into a new tensor. Each op here runs inside a
+    forward pass (cold caches) and costs far more than its arithmetic, so the usual case (a
     contiguous output, units last) is one strided view and one copy.
     """
     view = rows_view(t, rows, channel_first)
@@ -196,13 +196,13 @@ def _unit_stats(m: torch.Tensor, out: torch.Tensor, scratch: torch.Tensor) -> to
     sum, sum of squares, zeros, absmax (the last two rows, saturated and dead, are the caller's);
     returns m with NaN/Inf -> 0.
 
-    The ops are picked for speed on CPU (one thread, a (16, 11264) sample): sum 12 us, square-sum
-    ~35 us, amax and amin ~10 us each (abs().amax ~35 us, aminmax slower still), sign().abs().sum
-    ~85 us, where vector_norm(dim=0) takes 1.2 ms, (m == 0).sum 250 us and `isfinite` more: on
-    CPU it runs only when a column sum says a value is not finite (one host read per row group
-    and batch of steps; free on CPU). `scratch` (m's shape and dtype) takes the element-wise
-    temporaries and `out` the per-unit ones: fresh multi-MB tensors each time cost page faults, in the
-    training's own ops too (the allocator's thresholds move).
+    The ops are the ones fastest on CPU for each statistic (one thread, a wide sample): a sum of
+    squares rather than vector_norm(dim=0); max |x| as amax and amin, with no |m| temporary
+    (abs().amax and aminmax are slower); zeros as sign().abs().sum rather than (m == 0).sum; and
+    `isfinite`, slow too, on CPU only when a column sum says a value is not finite (one host
+    read per row group and batch of steps; free on CPU). `scratch` (m's shape and dtype) takes the
+    element-wise temporaries and `out` the per-unit ones: fresh sample-sized tensors each time
+    cost page faults, in the training's own ops too (the allocator's thresholds move).
     """
     r = m.shape[0]
     nfin, usum, usq, zeros, uabs = out[:5]
@@ -288,9 +288,9 @@ class ForwardProbe:
         """Hook body: subsample the output once per step; count its non-finite values.
 
         On an accelerator the count is a few sync-free ops over the whole output. On CPU a full
-        pass over every output (cold memory) measured ~7% of a small GPT's step, so the output
-        is held instead: let go at the end of the forward pass if the model's output is finite
-        (`end_forward`), else until the gradients exist (`settle` counts it if they are
+        pass over every output (cold memory) is a large share of a small model's step, so the
+        output is held instead: let go at the end of the forward pass if the model's output is
+        finite (`end_forward`), else until the gradients exist (`settle` counts it if they are
         not finite).
         """
         t = first_tensor(out)
@@ -553,7 +553,7 @@ class ForwardProbe:
     def _sample_stats_compiled(self, steps: list[_StepSamples], lay: _Layout,
                                plan: _Plan | None) -> dict[str, torch.Tensor]:
         """`_sample_stats` on the CPU: one compiled pass over each row group's samples (the eager
-        path passes over them ~15 times), sums in float64."""
+        path passes over them once per statistic), sums in float64."""
         k, n = len(steps), self.n
         sums = np.zeros((_UNIT_STATS, k * n))
         absmax = np.zeros(k * n, dtype=np.float32)

@@ -91,8 +91,9 @@ class Column:
         return self.type_name in (F32, F64)
 
 
-# Arrow type names: this module reads without importing pyarrow (~0.25 s with numpy), which the
-# engine's quick commands (`info`, `query`) never load; `Column.type` builds the Arrow type.
+# Arrow type names: this module reads without importing pyarrow (a slow import, with numpy),
+# which the engine's quick commands (`info`, `query`) never load; `Column.type` builds the Arrow
+# type.
 F32, F64, I64, STR, BOOL = "float", "double", "int64", "string", "bool"
 LIST_F64, LIST_I64 = "list<item: double>", "list<item: int64>"
 
@@ -126,11 +127,11 @@ COMPONENT_COLUMNS: tuple[Column, ...] = (
 # itself (0.05%), against a sampling error of 0.4% and more (a subsample holds at most 65,536
 # values: 1/sqrt(65536)) and a baseline scale of at least 2% (`forensics.baseline.REL_FLOOR`,
 # `LOG_SCALE_FLOOR`). The low bits of such a value are sampling noise, and noise does not
-# compress: stored whole, these 8 columns took ~18 of ~24 bytes per component-step on
-# the bench GPT, rounded ~9.6 of ~15.6 (`bench/trace_format.py`).
+# compress: stored whole, these 8 columns are most of a trace's bytes; rounded, they compress
+# (`bench/trace_format.py` prints both sizes).
 # Exact values (norms of whole tensors, counts, fractions) keep every bit. (The update of a tensor
 # of at most 256 entries is its whole sketch, so exact, and rounded all the same: 0.05% is still
-# 40x under the smallest change the engine's scale resolves.) `watch(..., full_precision=True)`
+# far under the 2% the engine's scale resolves.) `watch(..., full_precision=True)`
 # stores every bit; a trace's manifest config says which it holds (`significand_bits`).
 SAMPLED_BITS = 10
 
@@ -206,7 +207,7 @@ COLUMNS: dict[str, tuple[Column, ...]] = {
 # Measured on recorded GPT health segments (docs/scale.md): floats as byte stream split (the
 # exponent bytes of a slowly moving norm compress; the mantissas do not), integers delta-packed,
 # a dictionary only for repeated names (a dictionary of float values is larger than the values),
-# statistics only on the keys (the footer is otherwise ~2 B per row of a 100-step segment). Any
+# statistics only on the keys (the footer otherwise grows with every row of a segment). Any
 # Parquet reader reads these encodings; traces written before read as they were.
 _DICTIONARY = ("component", "kind", "role", "bound", "parent_param", "name")
 PARQUET_WRITE_OPTIONS: dict[str, object] = {

@@ -39,32 +39,26 @@ import polars as pl
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import engine_scale  # noqa: E402
 import grow  # noqa: E402
-from warninglight.forensics import (  # noqa: E402
-    analysis,
-    baseline,
-    heatbins,
-    judge,
-    plots,
-    quantiles,
-    report,
-    ruletable,
-    screen,
-    static_rules,
-    stream,
-)
-from warninglight.forensics.conditions import Config  # noqa: E402
-from warninglight.forensics.store import health_window, open_trace, window_spans  # noqa: E402
+from warninglight.forensics.comparators import static_rules  # noqa: E402
+from warninglight.forensics.explaining import analysis  # noqa: E402
+from warninglight.forensics.judging import baseline, judge  # noqa: E402
+from warninglight.forensics.judging import classifier as stream  # noqa: E402
+from warninglight.forensics.judging.kernels import heatbins, quantiles, screen  # noqa: E402
+from warninglight.forensics.judging.kernels import rules as ruletable  # noqa: E402
+from warninglight.forensics.presenting import plots, report  # noqa: E402
+from warninglight.forensics.judging.conditions import Config  # noqa: E402
+from warninglight.forensics.trace.store import health_window, open_trace, window_spans  # noqa: E402
 from warninglight.tracer import schema  # noqa: E402
 
 PARTS = ((stream.Classifier, "submit", 0), (stream, "series_order", 1), (stream.Classifier, "_carry", 1),
-         (stream, "judge", 0), (judge, "prepare", 1), (judge, "_column", 1), (screen, "wanted", 1),
+         (stream, "judge", 0), (judge, "prepare", 1), (judge, "column_of", 1), (screen, "wanted", 1),
          (quantiles, "baseline_at", 1), (quantiles, "baseline", 1), (judge, "_hits", 1),
          (quantiles, "fold_baseline", 1), (heatbins, "fold", 1), (judge, "_heat", 1), (stream.Classifier, "heat", 0),
          (analysis, "health_window", 0), (analysis, "join_lr", 0), (static_rules.StaticScan, "feed", 0),
          (analysis, "component_lr", 0), (analysis, "locate_alarms", 0), (analysis, "comparators", 0),
          (analysis, "_step_series", 0), (plots, "png_bytes", 0), (analysis, "_baseline_frame", 0))
 # run on the baseline's workers: their seconds are summed over them
-THREADS = {"_column", "wanted", "baseline_at", "baseline", "_hits", "fold_baseline", "fold"}
+THREADS = {"column_of", "wanted", "baseline_at", "baseline", "_hits", "fold_baseline", "fold"}
 READER = {"health_window", "join_lr"}  # run on the reader thread, beside the classifier
 JUDGE = {"judge"}  # runs on a thread of its own, beside `submit` sorting the next window
 BAND = {"_baseline_frame"}  # `report` reads the root's band on a thread of its own, beside the analysis' tail
@@ -217,9 +211,9 @@ def main() -> None:
     rows = np.arange(frame.height)
     total = 0.0
     for m in metrics:
-        col = baseline._column(frame, m, lr)
+        col = baseline.column_of(frame, m, lr)
         s = _best_s(lambda col=col: quantiles.baseline(col, lr_values, starts, rows, cfg.window, cfg.lag,
-                                                       cfg.min_samples, baseline._SCALES))
+                                                       cfg.min_samples, baseline.SCALES))
         total += s
         print(f"    baseline kernel {m:<22s} {s / frame.height * 1e9:6.1f} ns/row")
     print(f"    baseline kernel, all {len(metrics)} metrics  {total / frame.height * 1e9:6.1f} ns/row")
@@ -233,16 +227,16 @@ def main() -> None:
         where = heatbins.bins(frame["step"].cast(pl.Int64).to_numpy(), np.ones(frame.height, dtype=np.bool_), starts,
                               width)
     for m in metrics:
-        col = baseline._column(frame, m, lr)
+        col = baseline.column_of(frame, m, lr)
         if width == 1:
             cells = np.full(frame.height, np.nan)
             s = _best_s(lambda col=col, cells=cells: quantiles.fold_baseline(
-                col, lr_values, starts, slot, cfg.window, cfg.lag, cfg.min_samples, baseline._SCALES, cells))
+                col, lr_values, starts, slot, cfg.window, cfg.lag, cfg.min_samples, baseline.SCALES, cells))
         else:
             cells = np.full(int(where.cell_start[-1]), np.nan)
             s = _best_s(lambda col=col, cells=cells: heatbins.fold(
                 col, lr_values, starts, where, np.full(series, heatbins.NONE), np.full((series, 3), np.nan),
-                cfg.window, cfg.lag, cfg.min_samples, baseline._SCALES, cells))
+                cfg.window, cfg.lag, cfg.min_samples, baseline.SCALES, cells))
         total += s
     print(f"    heatmap fold, all {len(metrics)} metrics  {total / frame.height * 1e9:6.1f} ns/row "
           f"({width} step{'s' if width > 1 else ''} a cell)")
@@ -252,12 +246,12 @@ def main() -> None:
         rules = [(c, r) for c in config.conditions for r in c.rules if r.metric == m]
         role_sets = sorted({r.roles for _, r in rules if r.roles})
         table, roles = ruletable.table(rules, role_sets), np.ones((max(1, len(role_sets)), frame.height), dtype=np.bool_)
-        col = baseline._column(frame, m, lr)
+        col = baseline.column_of(frame, m, lr)
         if not (table[:, ruletable.DIR] != ruletable.DIRECTIONS["nonfinite"]).any():
             continue  # non-finite rules only: no baseline, no screen
         s = _best_s(lambda col=col, table=table, roles=roles: screen.wanted(
-            col, lr_values, starts, rows, cfg.window, cfg.lag, cfg.min_samples, baseline._SCALES, table, roles))
-        want, _ = screen.wanted(col, lr_values, starts, rows, cfg.window, cfg.lag, cfg.min_samples, baseline._SCALES,
+            col, lr_values, starts, rows, cfg.window, cfg.lag, cfg.min_samples, baseline.SCALES, table, roles))
+        want, _ = screen.wanted(col, lr_values, starts, rows, cfg.window, cfg.lag, cfg.min_samples, baseline.SCALES,
                                 table, roles)
         total += s
         left = "every row (over SPARSE)" if want is None else f"{want.mean() * 100:5.2f}% of rows left"

@@ -82,8 +82,8 @@ def _scan(trace: Path, row: dict[str, object], scans: list[tuple[float, float]])
 
 def window_bytes(trace: Path, steps: int) -> tuple[str, int, int]:
     """A 1% window ending at the fault's step range, the bytes of the files it reads, of all files."""
-    from warninglight.forensics.conditions import Config
-    from warninglight.forensics.store import open_trace, window_files
+    from warninglight.forensics.judging.conditions import Config
+    from warninglight.forensics.trace.store import open_trace, window_files
 
     first = steps - (grow.RECORDED - grow.FAULT_SOURCE) - steps // 200
     last = first + steps // 100 - 1

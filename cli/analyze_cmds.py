@@ -22,12 +22,10 @@ from warninglight.cli.common import (
     table,
     warn,
 )
-from warninglight.cli.main import app
 
 FAULT_EXIT = 1  # --exit-code: a fault was found
 
 
-@app.command("analyze")
 def analyze_cmd(
     trace: TraceArg,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object (docs/analysis-json.md).")] = False,
@@ -40,8 +38,8 @@ def analyze_cmd(
     reference: ReferenceOpt = None,
 ) -> None:
     """Is this run failing? Which component, since when, how badly, and how far to roll back."""
-    from warninglight.forensics import wording
-    from warninglight.forensics.analysis import FAULT
+    from warninglight.forensics.explaining.analysis import FAULT
+    from warninglight.forensics.presenting import wording
 
     analysis = analysis_from(trace, config, overrides, checkpoints, every, steps, reference)
     warn(analysis.warnings)
@@ -50,7 +48,6 @@ def analyze_cmd(
         raise typer.Exit(FAULT_EXIT)
 
 
-@app.command("rollback")
 def rollback_cmd(
     trace: TraceArg,
     as_json: Annotated[bool, typer.Option("--json", help="Print the rollback object as JSON.")] = False,
@@ -60,7 +57,7 @@ def rollback_cmd(
     every: EveryOpt = None,
 ) -> None:
     """The smallest rollback that removes the fault, beside what a loss-curve-only operator would do."""
-    from warninglight.forensics import wording
+    from warninglight.forensics.presenting import wording
 
     analysis = analysis_from(trace, config, overrides, checkpoints, every)
     warn(analysis.warnings)
@@ -68,7 +65,6 @@ def rollback_cmd(
     typer.echo(json.dumps(rollback.to_dict(), indent=2) if as_json else "\n".join(wording.rollback_lines(rollback)))
 
 
-@app.command("replay")
 def replay_cmd(
     trace: TraceArg,
     as_json: Annotated[bool, typer.Option("--json", help="Print the timeline as JSON.")] = False,
@@ -77,8 +73,8 @@ def replay_cmd(
     steps: StepsOpt = None,
 ) -> None:
     """Stream the trace in step order and print when each alarm would have fired live."""
-    from warninglight.forensics import wording
-    from warninglight.forensics.replay import replay
+    from warninglight.forensics.explaining.replay import replay
+    from warninglight.forensics.presenting import wording
 
     cfg = config_from(config, overrides)
     window = steps_from(steps)
@@ -91,10 +87,17 @@ def replay_cmd(
     typer.echo("\n".join(wording.timeline_lines(result.events)))
 
 
-@app.command("conditions")
 def conditions_cmd(config: ConfigOpt = None, overrides: SetOpt = None) -> None:
     """The registry of conditions: signal, trigger thresholds, persistence and correction ceiling."""
-    from warninglight.forensics.conditions import registry_rows
+    from warninglight.forensics.judging.conditions import registry_rows
 
     rows = registry_rows(config_from(config, overrides))
     typer.echo(table(rows, ["condition", "metric", "direction", "thresholds", "persistence", "ceiling", "roles"]))
+
+
+def register(app: typer.Typer) -> None:
+    """Add these commands to `app`."""
+    app.command("analyze")(analyze_cmd)
+    app.command("rollback")(rollback_cmd)
+    app.command("replay")(replay_cmd)
+    app.command("conditions")(conditions_cmd)

@@ -11,8 +11,8 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 
 if TYPE_CHECKING:  # the engine (DuckDB, Polars) and the conditions load when a command needs them
-    from warninglight.forensics.analysis import Analysis
-    from warninglight.forensics.conditions import Config
+    from warninglight.forensics.explaining.analysis import Analysis
+    from warninglight.forensics.judging.conditions import Config
 
 BAD_INPUT = 2  # exit code for input we cannot use (not a trace, bad SQL, bad option)
 
@@ -50,7 +50,7 @@ def steps_from(text: str | None) -> tuple[int, int] | None:
 
 def table(rows: Sequence[dict[str, Any]], columns: Sequence[str]) -> str:
     """A plain aligned text table (forensics.texttable)."""
-    from warninglight.forensics.texttable import text_table
+    from warninglight.forensics.presenting.texttable import text_table
 
     return text_table(rows, columns)
 
@@ -77,9 +77,9 @@ def refuse_overwrite(path: Path, force: bool, flag: str = "-o") -> None:
 # Input errors the engine raises, by the module that defines them: looked up only in modules
 # already loaded (an error cannot come from one that is not), so `conditions` loads no engine
 # and `info` no thresholds.
-_INPUT_ERRORS = {"warninglight.forensics.store": "TraceError", "warninglight.forensics.rollback": "CheckpointError",
-                 "warninglight.forensics.analysis": "StepWindowError",
-                 "warninglight.forensics.conditions": "ConfigError"}
+_INPUT_ERRORS = {"warninglight.forensics.trace.store": "TraceError", "warninglight.forensics.explaining.rollback": "CheckpointError",
+                 "warninglight.forensics.explaining.analysis": "StepWindowError",
+                 "warninglight.forensics.judging.conditions": "ConfigError"}
 
 
 @contextmanager
@@ -101,7 +101,7 @@ def bad_input() -> Iterator[None]:
 
 def config_from(path: Path | None, overrides: list[str] | None) -> Config:
     """The thresholds the command runs with."""
-    from warninglight.forensics.conditions import load_config
+    from warninglight.forensics.judging.conditions import load_config
 
     with bad_input():
         return load_config(path, overrides)
@@ -112,7 +112,7 @@ def analysis_from(trace: Path, config: Path | None, overrides: list[str] | None,
                   reference: Path | None = None, heat: bool = False, band: bool = False) -> Analysis:
     """The analysis a command prints, with the thresholds, checkpoints, window and reference the
     user chose (`heat`, `band`: with the report's heatmap and root band)."""
-    from warninglight.forensics.analysis import analyze
+    from warninglight.forensics.explaining.analysis import analyze
 
     cfg = config_from(config, overrides)
     window = steps_from(steps)

@@ -9,10 +9,8 @@ from typing import Annotated, Any
 
 import typer
 from warninglight.cli.common import fail, refuse_overwrite
-from warninglight.cli.main import app
 
 
-@app.command("demo")
 def demo_cmd(
     out: Annotated[Path, typer.Option("--out", help="Folder for the trace, checkpoints and report.html: new, empty, or a previous demo's (whose files it replaces).")] = Path("runs/demo"),
     scenario: Annotated[str, typer.Option(help="Rehearsal scenario to run (see `warninglight eval --list`).")] = "gpt_weight_corruption",
@@ -33,7 +31,6 @@ def demo_cmd(
                f"report {s['report']:.1f} s)")
 
 
-@app.command("eval")
 def eval_cmd(
     scenarios: Annotated[list[str] | None, typer.Argument(help="Scenarios to run; all registered ones if none.")] = None,
     seeds: Annotated[int, typer.Option(min=1, help="Seeds per scenario (0..N-1).")] = 3,
@@ -78,7 +75,7 @@ def eval_cmd(
         runs = evaluation.run_benchmark([*names, *extra], seeds, workdir, steps, _progress)
     except evaluation.EvaluationError as e:
         raise fail(str(e)) from None
-    typer.echo(evaluation.format_tables(runs))
+    typer.echo(results_page.format_tables(runs))
     if json_out is not None:
         json_out.write_text(json.dumps([r.to_dict() for r in runs], indent=1))
     if results is not None:
@@ -104,6 +101,7 @@ def _progress(r: Any) -> None:
 def _judge_recorded(traces: list[Path], scenarios: list[str] | None, results: Path | None, json_out: Path | None) -> None:
     """`eval --trace`: score traces already recorded against their truth.json, print the tables."""
     from warninglight.lab import evaluation
+    from warninglight.lab import results as results_page
 
     if scenarios:
         raise fail(f"--trace scores recorded traces; scenario {scenarios[0]!r} would train a new one — pass one or the other")
@@ -114,6 +112,12 @@ def _judge_recorded(traces: list[Path], scenarios: list[str] | None, results: Pa
         runs = evaluation.judge_recorded(traces, _progress)
     except evaluation.EvaluationError as e:
         raise fail(str(e)) from None
-    typer.echo(evaluation.format_tables(runs))
+    typer.echo(results_page.format_tables(runs))
     if json_out is not None:
         json_out.write_text(json.dumps([r.to_dict() for r in runs], indent=1))
+
+
+def register(app: typer.Typer) -> None:
+    """Add these commands to `app`."""
+    app.command("demo")(demo_cmd)
+    app.command("eval")(eval_cmd)

@@ -37,8 +37,10 @@ def main() -> None:
     """Warning Light: per-component health traces and the forensics that read them."""
 
 
-# Command modules register themselves on `app`; importing them is all main has to do.
-from warninglight.cli import analyze_cmds, lab_cmds, report_cmds, trace_cmds  # noqa: E402,F401
+from warninglight.cli import analyze_cmds, lab_cmds, report_cmds, trace_cmds  # noqa: E402
+
+for _commands in (trace_cmds, analyze_cmds, report_cmds, lab_cmds):
+    _commands.register(app)
 
 
 def run() -> None:

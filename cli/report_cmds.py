@@ -21,7 +21,6 @@ from warninglight.cli.common import (
     refuse_overwrite,
     warn,
 )
-from warninglight.cli.main import app
 
 
 class Format(StrEnum):
@@ -29,7 +28,6 @@ class Format(StrEnum):
     png = "png"
 
 
-@app.command("report")
 def report_cmd(
     trace: TraceArg,
     out: Annotated[Path, typer.Option("-o", "--out", help="Where to write: an .html file, or a folder for --format png.")] = Path("report.html"),
@@ -45,8 +43,8 @@ def report_cmd(
 
     It reports the same analysis `warninglight analyze` prints with the same options.
     """
-    from warninglight.forensics import report
-    from warninglight.forensics.checks import is_trace_file
+    from warninglight.forensics.presenting import report
+    from warninglight.forensics.trace.checks import is_trace_file
 
     if fmt is Format.html and out.is_dir():
         raise fail(f"--out {out} is a folder; pass an .html file, e.g. -o {out / 'report.html'}, "
@@ -71,3 +69,8 @@ def report_cmd(
             raise fail(f"cannot write the report to {out}: {exc.strerror or exc} — pass a writable -o path") from None
     for path in paths:
         typer.echo(str(path))
+
+
+def register(app: typer.Typer) -> None:
+    """Add these commands to `app`."""
+    app.command("report")(report_cmd)

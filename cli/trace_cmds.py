@@ -8,7 +8,6 @@ from typing import Annotated
 
 import typer
 from warninglight.cli.common import TraceArg, bad_input, fail, table, warn
-from warninglight.cli.main import app
 
 
 class Format(StrEnum):
@@ -17,10 +16,9 @@ class Format(StrEnum):
     json = "json"
 
 
-@app.command("info")
 def info_cmd(trace: TraceArg) -> None:
     """Summarise a trace: run id, steps, incarnations, components, ranks, segments, size, dropped steps, precision of the estimates."""
-    from warninglight.forensics.store import info, open_trace
+    from warninglight.forensics.trace.store import info, open_trace
 
     with bad_input():
         t = open_trace(trace)
@@ -39,7 +37,6 @@ def info_cmd(trace: TraceArg) -> None:
         typer.echo(f"{labels.get(key, key)}: {'' if value is None else value}")
 
 
-@app.command("query")
 def query_cmd(
     trace: TraceArg,
     sql: Annotated[str, typer.Argument(help="SQL over the views health, steps, components, events, checkpoints, scalars (and *_all for every incarnation).")],
@@ -49,8 +46,8 @@ def query_cmd(
                                  "outside the trace directory; by default a query only reads the trace.")] = False,
 ) -> None:
     """Run SQL over a trace's DuckDB views and print the result (read-only unless --allow-external)."""
-    from warninglight.forensics.query import run_query
-    from warninglight.forensics.store import open_trace
+    from warninglight.forensics.trace.query import run_query
+    from warninglight.forensics.trace.store import open_trace
 
     with bad_input():
         t = open_trace(trace)
@@ -72,3 +69,9 @@ def query_cmd(
         typer.echo(result.json())
     else:
         typer.echo(table(result.dicts(), result.columns))
+
+
+def register(app: typer.Typer) -> None:
+    """Add these commands to `app`."""
+    app.command("info")(info_cmd)
+    app.command("query")(query_cmd)

@@ -104,7 +104,8 @@ def run_demo(out: Path | str, scenario: str = DEMO_SCENARIO, seed: int = 0,
 
 
 def _run(out: Path, scenario: str, seed: int, steps: int | None) -> DemoResult:
-    from warninglight.forensics import analyze, report, wording
+    from warninglight.forensics import analyze
+    from warninglight.forensics.presenting import report, wording
     from warninglight.lab.rehearsal import rehearse
 
     trace, ckpt = out / "trace", out / "checkpoints"

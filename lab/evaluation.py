@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from warninglight.forensics.static_rules import StaticAlarm
+from warninglight.forensics.comparators.static_rules import StaticAlarm
 
 if TYPE_CHECKING:
     from warninglight.forensics import Analysis
@@ -280,7 +280,8 @@ def run_of(result: Analysis) -> tuple[int, Comparators]:
     that). Opening it again every time took ~2 s of `eval --trace` at 1e8 component-steps."""
     import numpy as np
     import polars as pl
-    from warninglight.forensics import detectors, open_trace
+    from warninglight.forensics import open_trace
+    from warninglight.forensics.comparators import detectors
 
     rows = result.health_rows
     if rows is None:
@@ -439,48 +440,3 @@ def summarise_clean(runs: Sequence[RunScore]) -> dict[str, Any]:
         "loss rule fired": f"{sum(r.loss_rule_step is not None for r in runs)}/{len(runs)}",
         "grad rule fired": f"{sum(r.grad_rule_step is not None for r in runs)}/{len(runs)}",
     }
-
-
-def _markdown(rows: Sequence[Mapping[str, Any]], first: str) -> str:
-    cols = [first] + [c for c in rows[0] if c != first]
-    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-    lines += ["| " + " | ".join(str(r[c]) for c in cols) + " |" for r in rows]
-    return "\n".join(lines)
-
-
-def format_tables(runs: Sequence[RunScore]) -> str:
-    """The benchmark's tables (markdown) and the targets, as printed by `warninglight eval`."""
-    faults = [r for r in runs if r.kind != CLEAN]
-    cleans = [r for r in runs if r.kind == CLEAN]
-    out = []
-    if faults:
-        names = list(dict.fromkeys(r.scenario for r in faults))
-        for title, summarise in (
-            ("Fault runs, detection (steps are optimizer steps; latency = the light's first alarm − injection; "
-             "lead = the rule's first firing at/after the injection − the light's first alarm, + means we were earlier):",
-             summarise_faults),
-            ("Fault runs, rollback and fixed rules (discarded = last step − checkpoint step; "
-             "static = SageMaker-style thresholds, first firing at/after the injection):", summarise_recovery),
-        ):
-            rows = [{"scenario": n, **summarise([r for r in faults if r.scenario == n])} for n in names]
-            # the targets' runs: a step-one fault analysed blind (no reference) is reported apart
-            rows.append({"scenario": "**all faults**", **summarise([r for r in faults if r.reference is not False])})
-            blind = [r for r in faults if r.reference is False]
-            if blind:
-                rows.append({"scenario": "**step-one faults, no reference**", **summarise(blind)})
-            out += [title, "", _markdown(rows, "scenario"), ""]
-    if cleans:
-        rows = [{"scenario": s, **summarise_clean([r for r in cleans if r.scenario == s])}
-                for s in dict.fromkeys(r.scenario for r in cleans)]
-        rows.append({"scenario": "**all clean**", **summarise_clean(cleans)})
-        out += ["Clean runs (a `~clean` name is a drill-free twin of that scenario's training set-up; "
-                "the comparators' columns count runs where they fired at all, i.e. false alarms):", "",
-                _markdown(rows, "scenario"), ""]
-    from .results import misses, targets  # formatting of the verdicts lives there
-
-    out += ["Targets:"] + [f"- {line}" for line in targets(runs)]
-    missed = misses(runs)
-    if missed:
-        out += ["", "Misses (every run that missed a target, and what the engine said instead):"]
-        out += [f"- {line}" for line in missed]
-    return "\n".join(out)

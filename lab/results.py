@@ -10,8 +10,9 @@ they are not counted in the accuracy targets.
 from __future__ import annotations
 
 import subprocess
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 from .evaluation import (
     CLEAN,
@@ -20,7 +21,9 @@ from .evaluation import (
     ONSET_TOLERANCE,
     ROOT_ACCURACY_TARGET,
     RunScore,
-    format_tables,
+    summarise_clean,
+    summarise_faults,
+    summarise_recovery,
 )
 
 
@@ -157,3 +160,46 @@ def document(runs: Sequence[RunScore], command: str, at_commit: str | None = Non
     load = " on a shared 2-core machine under load (times are not comparable)" if loaded else ""
     return HEADER.format(command=command, commit=at_commit or commit(), seconds=sum(r.seconds for r in runs),
                          load=load, tables=format_tables(runs))
+
+
+def _markdown(rows: Sequence[Mapping[str, Any]], first: str) -> str:
+    cols = [first] + [c for c in rows[0] if c != first]
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    lines += ["| " + " | ".join(str(r[c]) for c in cols) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def format_tables(runs: Sequence[RunScore]) -> str:
+    """The benchmark's tables (markdown) and the targets, as printed by `warninglight eval`."""
+    faults = [r for r in runs if r.kind != CLEAN]
+    cleans = [r for r in runs if r.kind == CLEAN]
+    out = []
+    if faults:
+        names = list(dict.fromkeys(r.scenario for r in faults))
+        for title, summarise in (
+            ("Fault runs, detection (steps are optimizer steps; latency = the light's first alarm − injection; "
+             "lead = the rule's first firing at/after the injection − the light's first alarm, + means we were earlier):",
+             summarise_faults),
+            ("Fault runs, rollback and fixed rules (discarded = last step − checkpoint step; "
+             "static = SageMaker-style thresholds, first firing at/after the injection):", summarise_recovery),
+        ):
+            rows = [{"scenario": n, **summarise([r for r in faults if r.scenario == n])} for n in names]
+            # the targets' runs: a step-one fault analysed blind (no reference) is reported apart
+            rows.append({"scenario": "**all faults**", **summarise([r for r in faults if r.reference is not False])})
+            blind = [r for r in faults if r.reference is False]
+            if blind:
+                rows.append({"scenario": "**step-one faults, no reference**", **summarise(blind)})
+            out += [title, "", _markdown(rows, "scenario"), ""]
+    if cleans:
+        rows = [{"scenario": s, **summarise_clean([r for r in cleans if r.scenario == s])}
+                for s in dict.fromkeys(r.scenario for r in cleans)]
+        rows.append({"scenario": "**all clean**", **summarise_clean(cleans)})
+        out += ["Clean runs (a `~clean` name is a drill-free twin of that scenario's training set-up; "
+                "the comparators' columns count runs where they fired at all, i.e. false alarms):", "",
+                _markdown(rows, "scenario"), ""]
+    out += ["Targets:"] + [f"- {line}" for line in targets(runs)]
+    missed = misses(runs)
+    if missed:
+        out += ["", "Misses (every run that missed a target, and what the engine said instead):"]
+        out += [f"- {line}" for line in missed]
+    return "\n".join(out)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 import polars as pl
-from warninglight.forensics.baseline import LOG_METRICS, LOG_TINY, LR_SCALED, metrics_in
+from warninglight.forensics.judging.baseline import LOG_METRICS, LOG_TINY, LR_SCALED, metrics_in
 
 
 def bin_heat(scored: pl.DataFrame, width: int, judged: str | None = None) -> pl.DataFrame:

@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from warninglight.forensics import replay
-from warninglight.forensics.analysis import ALARM_KEYS
+from warninglight.forensics.explaining.analysis import ALARM_KEYS
 from warninglight.lab import zoo
 from warninglight.lab.drills import WeightCorruption
 from warninglight.tracer import watch

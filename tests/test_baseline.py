@@ -7,9 +7,9 @@ import math
 import numpy as np
 import polars as pl
 import pytest
-from warninglight.forensics import baseline
-from warninglight.forensics.baseline import band, with_baseline
-from warninglight.forensics.conditions import BaselineConfig
+from warninglight.forensics.judging import baseline
+from warninglight.forensics.judging.baseline import band, with_baseline
+from warninglight.forensics.judging.conditions import BaselineConfig
 
 CFG = BaselineConfig(window=20, lag=2, min_samples=10)
 
@@ -120,7 +120,7 @@ def test_a_step_without_a_value_is_no_departure() -> None:
 def test_the_history_cut_keeps_the_rows_from_the_earliest_step_a_judged_row_reads() -> None:
     # each series' first judged row and the `lead` rows before it (persistence): the rows from the
     # earliest such step on, in every series; None where that is all of them
-    from warninglight.forensics.baseline import history_cut
+    from warninglight.forensics.judging.baseline import history_cut
 
     rng = np.random.default_rng(0)
     cut = 0

@@ -8,7 +8,7 @@ import itertools
 
 import numpy as np
 import pytest
-from warninglight.forensics import bounds, quantiles
+from warninglight.forensics.judging.kernels import bounds, quantiles
 
 SCALES = quantiles.Scales(rel_floor=0.02, log_floor=0.02, tiny=1e-12, iqr_to_sigma=1.349)
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import polars as pl
 import pytest
 from rehearsed import analysed, trace
-from warninglight.forensics.classify import classify
-from warninglight.forensics.conditions import Config
-from warninglight.forensics.store import health_frame, open_trace
+from rules_oracle import classify
+from warninglight.forensics.judging.conditions import Config
+from warninglight.forensics.trace.store import health_frame, open_trace
 
 CLEAN = [("mlp_clean", 1000), ("cnn_clean", 400), ("gpt_clean", 600)]
 

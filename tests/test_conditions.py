@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 from rehearsed import analysed, trace, truth
-from warninglight.forensics.conditions import (
+from warninglight.forensics.judging.conditions import (
     CONDITIONS,
     Config,
     ConfigError,
@@ -93,7 +93,7 @@ def test_registry_rows_cover_every_rule() -> None:
 def test_docs_are_generated_from_the_registry() -> None:
     from pathlib import Path
 
-    from warninglight.forensics.conditions import markdown
+    from warninglight.forensics.judging.conditions import markdown
 
     doc = Path(__file__).parents[1] / "docs" / "conditions.md"
-    assert doc.read_text() == markdown(), "regenerate: python -m warninglight.forensics.conditions > docs/conditions.md"
+    assert doc.read_text() == markdown(), "regenerate: python -m warninglight.forensics.judging.conditions > docs/conditions.md"

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from rehearsed import analysed, truth
-from warninglight.forensics.dataroot import block_of
+from warninglight.forensics.explaining.dataroot import block_of
 
 
 def test_corrupted_batches_are_rooted_on_the_data_with_the_whole_window_skipped() -> None:

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from warninglight.forensics import detectors
-from warninglight.forensics.analysis import Detectors
-from warninglight.forensics.detectors import ZClipRule, grad_norm_spikes
-from warninglight.forensics.wording import comparator_lines
+from warninglight.forensics.comparators import detectors
+from warninglight.forensics.comparators.detectors import ZClipRule, grad_norm_spikes
+from warninglight.forensics.explaining.analysis import Detectors
+from warninglight.forensics.presenting.wording import comparator_lines
 
 
 def _losses(steps: np.ndarray, spike_at: int | None, seed: int = 0) -> np.ndarray:

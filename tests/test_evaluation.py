@@ -5,10 +5,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from warninglight.forensics.analysis import FAULT, HEALTHY, Alarm, Detectors, Root
-from warninglight.forensics.rollback import LossOnlyChoice, Rollback
-from warninglight.forensics.static_rules import StaticAlarm
-from warninglight.lab import evaluation
+from warninglight.forensics.comparators.static_rules import StaticAlarm
+from warninglight.forensics.explaining.analysis import FAULT, HEALTHY, Alarm, Detectors, Root
+from warninglight.forensics.explaining.rollback import LossOnlyChoice, Rollback
+from warninglight.lab import evaluation, results
 
 SAMPLES = Path(__file__).resolve().parents[1] / "sample_traces"
 TRUTH_ABRUPT = {"fault": "weight_corruption", "component": "2", "step": 150, "kind": "abrupt", "healthy": False}
@@ -124,7 +124,7 @@ def test_tables_aggregate_and_state_targets() -> None:
     clean = evaluation.summarise_clean([r for r in runs if r.scenario == "c"])
     assert clean["fault verdicts"] == "1/2"
     assert clean["alarms per 10k comp-steps"] == "2.00"  # 2 alarms over 10,000 component-steps
-    text = evaluation.format_tables(runs)
+    text = results.format_tables(runs)
     assert "root right in ≥ 97% of fault runs: 2/3 = 67% MISSED" in text
     assert "onset within tolerance (2 steps abrupt, 10 steps gradual) in ≥ 97% of fault runs: 2/3 = 67% MISSED" in text
     assert "- a seed 1: named '9' (exploding), truth '2'; onset 5 steps off (tolerance 2)" in text
@@ -199,7 +199,8 @@ def _read_run(path: Path) -> tuple[int, evaluation.Comparators]:
     """The false-alarm denominator and the comparators' firings read from the trace on their own:
     every row the health view holds, and the two rules over the steps view's loss and norm."""
     import numpy as np
-    from warninglight.forensics import detectors, open_trace
+    from warninglight.forensics import open_trace
+    from warninglight.forensics.comparators import detectors
 
     opened = open_trace(path)
     try:
@@ -221,7 +222,7 @@ def test_a_recorded_trace_scores_in_one_pass_as_in_two(name: str) -> None:
     from dataclasses import replace
 
     from warninglight.forensics import analyze
-    from warninglight.forensics.static_rules import static_alarms
+    from warninglight.forensics.comparators.static_rules import static_alarms
 
     path = SAMPLES / name
     truth = evaluation.read_truth(path)

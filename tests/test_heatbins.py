@@ -10,13 +10,13 @@ import numpy as np
 import polars as pl
 import pytest
 from binheat import assert_same_cells, bin_heat
-from warninglight.forensics import heatbins, quantiles
-from warninglight.forensics.analysis import classify_trace
-from warninglight.forensics.baseline import _SCALES
-from warninglight.forensics.classify import score
-from warninglight.forensics.conditions import Config
-from warninglight.forensics.schedule import with_lr
-from warninglight.forensics.store import health_frame, open_trace
+from rules_oracle import score
+from warninglight.forensics.explaining.analysis import classify_trace
+from warninglight.forensics.judging.baseline import SCALES
+from warninglight.forensics.judging.conditions import Config
+from warninglight.forensics.judging.kernels import heatbins, quantiles
+from warninglight.forensics.trace.schedule import with_lr
+from warninglight.forensics.trace.store import health_frame, open_trace
 
 SAMPLES = Path(__file__).resolve().parent.parent / "sample_traces"
 
@@ -76,13 +76,13 @@ def test_at_one_step_a_cell_each_row_has_its_own_z(window: int, log: bool, scale
     col = quantiles.Column(raw, missing, log, scaled, 1e-3)
     for min_samples in (1, window // 4):
         rows = np.full(n, np.nan)
-        quantiles.fold_baseline(col, lr, starts, quantiles.slots(n, np.arange(n)), window, 3, min_samples, _SCALES,
+        quantiles.fold_baseline(col, lr, starts, quantiles.slots(n, np.arange(n)), window, 3, min_samples, SCALES,
                                 rows)
         where = heatbins.bins(step, np.ones(n, dtype=np.bool_), starts, 1)
         cells = np.full(int(where.cell_start[-1]), np.nan)
         series = len(lengths)
         heatbins.fold(col, lr, starts, where, np.full(series, heatbins.NONE), np.full((series, 3), np.nan), window,
-                      3, min_samples, _SCALES, cells)
+                      3, min_samples, SCALES, cells)
         assert where.seen.all() and len(cells) == n
         assert np.isnan(rows).sum() > 0 and np.isfinite(rows).sum() > n // 2
         # the same z; an lr-relative metric's statistics only to rounding (sorted by value / lr)
@@ -138,6 +138,6 @@ def test_a_series_with_no_value_in_a_window_is_judged_against_a_baseline_carried
     for carry_bin, carry_q, expect in ((heatbins.NONE, np.full((1, 3), np.nan), False), (2, carried, True),
                                        (1, carried, False)):  # baseline of another bin: not this one's
         cells = np.full(int(where.cell_start[-1]), np.nan)
-        open_q = heatbins.fold(col, None, starts, where, np.array([carry_bin]), carry_q, 64, 1, 16, _SCALES, cells)
+        open_q = heatbins.fold(col, None, starts, where, np.array([carry_bin]), carry_q, 64, 1, 16, SCALES, cells)
         assert len(cells) == 1 and (cells[0] > 100 if expect else np.isnan(cells[0]))
         assert np.array_equal(open_q, carry_q if expect else np.full((1, 3), np.nan), equal_nan=True)

@@ -9,11 +9,12 @@ import numpy as np
 import polars as pl
 import pytest
 from binheat import assert_same_cells, bin_heat
-from warninglight.forensics.baseline import sort_series
-from warninglight.forensics.classify import hits, lead, score
-from warninglight.forensics.conditions import NONFINITE, Config
-from warninglight.forensics.judge import judge
-from warninglight.forensics.stream import Classifier, heat_of
+from rules_oracle import classify, heat_of, hits, score
+from warninglight.forensics.judging.baseline import sort_series
+from warninglight.forensics.judging.classifier import Classifier
+from warninglight.forensics.judging.conditions import NONFINITE, Config
+from warninglight.forensics.judging.hits import lead
+from warninglight.forensics.judging.judge import judge
 from warninglight.tracer import schema
 
 ROLES = ["param", "activation", "head", None, "param", "activation", "head"]
@@ -102,29 +103,33 @@ def test_judge_gives_the_polars_classifiers_hits_and_heat(seed: int, factor: flo
         assert len(fired) >= 15, fired
 
 
-def _fed_alike(frame: pl.DataFrame, heat_width: int | None, chunk: int) -> list[Classifier]:
-    """The Polars and the compiled classifier fed `frame` (its roles from a components table) in
-    chunks of `chunk` steps, each chunk's new alarms held equal; both, fed."""
+def _fed_alike(frame: pl.DataFrame, heat_width: int | None, chunk: int) -> Classifier:
+    """The classifier fed `frame` (its roles from a components table) in chunks of `chunk` steps:
+    its alarms held to the oracle's on the whole frame, each raised once, in the chunk where its
+    episode begins; the classifier, fed."""
     config = _eager(Config(), 0.3, None)
     components = frame.select("component", "role").unique()
-    both = [Classifier(config, components, heat_width=heat_width, keep_scored=keep) for keep in (True, False)]
+    clf = Classifier(config, components, heat_width=heat_width)
+    fed = []
     for start in range(1, frame["step"].max() + 1, chunk):  # type: ignore[operator]
         rows = frame.filter(pl.col("step").is_between(start, start + chunk - 1)).drop("role")
-        fed = [clf.feed(rows) for clf in both]
-        assert fed[0].equals(fed[1]), start
-    assert both[0].alarms().equals(both[1].alarms())
-    assert len(both[0].alarms()) > 20
-    return both
+        new = clf.feed(rows)
+        assert new.is_empty() or new["step"].min() >= start, start
+        fed.append(new)
+    want = classify(sort_series(frame).lazy(), config)[1]
+    assert clf.alarms().equals(want)
+    assert len(want) > 20
+    assert sorted(pl.concat(fed)["step"].to_list()) == want["step"].to_list()
+    return clf
 
 
 @pytest.mark.parametrize("chunk", [1, 9, 60, 1000])
 def test_the_compiled_classifier_raises_the_same_alarms_fed_in_any_chunks(chunk: int) -> None:
-    both = _fed_alike(_frame(7), 5, chunk)
+    clf = _fed_alike(_frame(7), 5, chunk)
     # the heatmap of 5 steps a cell: each bin against the baseline of its first row, however the
     # rows came (a bin fed in two calls is judged against the statistics the first call took)
     whole = score(sort_series(_frame(7)).lazy(), _eager(Config(), 0.3, None)).collect()
-    assert_same_cells(both[1].heat(), bin_heat(whole, 5))
-    assert both[1].scored is None  # the compiled classifier keeps no scored rows
+    assert_same_cells(clf.heat(), bin_heat(whole, 5))
 
 
 def test_a_role_is_read_row_by_row_however_the_rows_bring_it() -> None:
@@ -143,23 +148,25 @@ def test_a_role_is_read_row_by_row_however_the_rows_bring_it() -> None:
     config = replace(config, conditions=(replace(config.conditions[0], persistence=3),))
     components = pl.DataFrame({"component": ["c"], "role": ["head"]})
     rows = rows.with_columns(pl.lit("head").alias("role"), (pl.col("step") >= 9).cast(pl.Float64).mul(9).add(1).alias("out_mean"))
+    want = classify(sort_series(rows).lazy(), config)[1]
+    assert want["step"].to_list() == [11]
     for first_with_role in (False, True):
-        alarms = []
-        for keep in (True, False):
-            clf = Classifier(config, components, keep_scored=keep)
-            early, late = rows.filter(pl.col("step") <= 10), rows.filter(pl.col("step") > 10)
-            clf.feed(early if first_with_role else early.drop("role"))
-            clf.feed(late.drop("role") if first_with_role else late)
-            alarms.append(clf.alarms())
-        assert alarms[0].equals(alarms[1]) and alarms[0]["step"].to_list() == [11]
+        clf = Classifier(config, components)
+        early, late = rows.filter(pl.col("step") <= 10), rows.filter(pl.col("step") > 10)
+        clf.feed(early if first_with_role else early.drop("role"))
+        clf.feed(late.drop("role") if first_with_role else late)
+        assert clf.alarms().equals(want), first_with_role
 
 
 def test_a_components_table_with_a_nameless_row_is_read_as_before() -> None:
     rows = pl.DataFrame({"component": ["a", "b"] * 80, "step": np.repeat(np.arange(1, 81), 2),
                          "out_mean": np.r_[np.ones(150), np.full(10, 50.0)]})
     components = pl.DataFrame({"component": ["a", "b", None], "role": ["param", "param", "head"]})
-    alarms = [Classifier(Config(), components, heat_width=1, keep_scored=keep).feed(rows) for keep in (True, False)]
-    assert alarms[0].equals(alarms[1])
+    got = Classifier(Config(), components, heat_width=1).feed(rows)
+    roles = components.drop_nulls("component")
+    want = classify(rows.join(roles, on="component", how="left").with_columns(pl.lit(0, pl.Int64).alias("rank")).lazy(),
+                    Config())[1]
+    assert got.equals(want) and len(want) > 0
 
 
 @pytest.mark.parametrize("seed", range(3))
@@ -171,7 +178,7 @@ def test_the_rows_no_rule_can_fire_at_are_passed_over_without_changing_a_hit(
     # fire (`screen.candidates`); forced on every metric however many rows may, the hits are the
     # Polars classifier's, the peers' rule (which reads every component's median) included.
     # A window of 40 holds whole blocks enough for rows to be passed over a block at a time.
-    from warninglight.forensics import screen
+    from warninglight.forensics.judging.kernels import screen
 
     monkeypatch.setattr(screen, "SPARSE", 0)
     config = _eager(Config(), factor, persistence)

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import numpy as np
 from rehearsed import analysed, trace, truth
-from warninglight.forensics.conditions import Config
-from warninglight.forensics.localise import Located, Series, drift_run_start, root_cause
+from warninglight.forensics.explaining.localise import Located, Series, drift_run_start, root_cause
+from warninglight.forensics.judging.conditions import Config
 
 
 def test_middle_layer_corruption_is_attributed_to_that_layer() -> None:
@@ -116,7 +116,7 @@ def test_localisation_read_from_near_the_first_alarm_gives_what_the_whole_run_gi
     and again from the run's first step where an onset or a drift run reaches rows whose trailing
     window that read did not hold whole: at every reach, the alarms, onsets, root and rollback
     of the read from the first step."""
-    import warninglight.forensics.analysis as analysis
+    import warninglight.forensics.explaining.analysis as analysis
 
     kept: list[bool] = []
     held = analysis.onsets_held

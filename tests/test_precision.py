@@ -17,8 +17,8 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 import torch.nn.functional as F
-from warninglight.forensics.analysis import analyze
-from warninglight.forensics.store import info, open_trace
+from warninglight.forensics.explaining.analysis import analyze
+from warninglight.forensics.trace.store import info, open_trace
 from warninglight.lab import zoo
 from warninglight.tracer import schema, watch
 from warninglight.tracer.writer import round_significand, rounded_table

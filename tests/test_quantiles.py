@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import polars as pl
 import pytest
-from warninglight.forensics import quantiles
+from warninglight.forensics.judging.kernels import quantiles
 
 
 def _polars(values: np.ndarray, valid: np.ndarray, series: np.ndarray, window: int, lag: int,
@@ -93,7 +93,7 @@ def _polars_baseline(frame: pl.DataFrame, metric: str, starts: np.ndarray, windo
     """The baseline columns as Polars expressions over the kernel's order statistics: how the
     engine computed them before they moved into the compiled pass (the reference it is held to),
     except that a null value now has no z (a log metric's null used to score as log(1e-12))."""
-    from warninglight.forensics import baseline as b
+    from warninglight.forensics.judging import baseline as b
 
     lr = "lr" in frame.columns
     scaled = lr and metric in b.LR_SCALED
@@ -118,8 +118,8 @@ def _polars_baseline(frame: pl.DataFrame, metric: str, starts: np.ndarray, windo
 
 @pytest.mark.parametrize("seed", range(4))
 def test_baseline_columns_equal_the_polars_expressions_bit_for_bit(seed: int) -> None:
-    from warninglight.forensics import baseline as b
-    from warninglight.forensics.conditions import BaselineConfig
+    from warninglight.forensics.judging import baseline as b
+    from warninglight.forensics.judging.conditions import BaselineConfig
 
     rng = np.random.default_rng(100 + seed)
     lengths = rng.integers(1, 300, size=4)
@@ -163,13 +163,13 @@ def test_baseline_columns_equal_the_polars_expressions_bit_for_bit(seed: int) ->
 def test_baseline_runs_in_a_forked_child_after_the_parent_used_its_workers() -> None:
     import multiprocessing
 
-    from warninglight.forensics import baseline as b
+    from warninglight.forensics.judging import baseline as b
 
     rng = np.random.default_rng(3)
     columns = [quantiles.Column(rng.normal(size=400), None, False, False, 1e-8) for _ in range(4)]
     starts, kept = np.array([0, 150, 400]), np.arange(400)
     def run() -> list[np.ndarray]:
-        return [z for _, _, z, _ in quantiles.baseline_many(columns, None, starts, kept, 16, 2, 8, b._SCALES)]
+        return [z for _, _, z, _ in quantiles.baseline_many(columns, None, starts, kept, 16, 2, 8, b.SCALES)]
     parent = run()  # the parent's worker threads exist now; a forked child inherits none of them
     ctx = multiprocessing.get_context("fork")
     with ctx.Pool(1) as pool:
@@ -179,8 +179,8 @@ def test_baseline_runs_in_a_forked_child_after_the_parent_used_its_workers() -> 
 
 
 def _zs_in_child(columns: list[quantiles.Column], starts: np.ndarray, kept: np.ndarray) -> list[np.ndarray]:
-    from warninglight.forensics import baseline as b
-    return [z for _, _, z, _ in quantiles.baseline_many(columns, None, starts, kept, 16, 2, 8, b._SCALES)]
+    from warninglight.forensics.judging import baseline as b
+    return [z for _, _, z, _ in quantiles.baseline_many(columns, None, starts, kept, 16, 2, 8, b.SCALES)]
 
 
 def test_warm_compiles_every_kernel_the_classifier_runs() -> None:
@@ -194,7 +194,8 @@ def test_warm_compiles_every_kernel_the_classifier_runs() -> None:
 
     samples = Path(__file__).resolve().parents[1] / "sample_traces"
     code = f"""
-from warninglight.forensics import analysis, quantiles
+from warninglight.forensics.explaining import analysis
+from warninglight.forensics.judging.kernels import quantiles
 kernels = (quantiles._baseline, quantiles.fold_heat)
 assert all(len(k.signatures) == 0 for k in kernels)
 quantiles.warm()
@@ -255,7 +256,7 @@ def _lr_surge_numpy(lr: pl.Series, starts: np.ndarray, before: np.ndarray | None
 
 
 def test_the_compiled_lr_surge_equals_its_numpy_passes() -> None:
-    from warninglight.forensics.baseline import lr_surge
+    from warninglight.forensics.judging.baseline import lr_surge
 
     rng = np.random.default_rng(5)
     for _ in range(300):
@@ -273,7 +274,7 @@ def test_the_compiled_lr_surge_equals_its_numpy_passes() -> None:
 def test_a_column_read_through_an_order_equals_the_column_of_the_sorted_frame(seed: int) -> None:
     # Arrow buffers with nulls, NaN, several chunks and an offset (a sliced frame), float32,
     # float64 and integer counts: the one-pass gather gives what sorting the frame first gave
-    from warninglight.forensics import baseline as b
+    from warninglight.forensics.judging import baseline as b
 
     rng = np.random.default_rng(seed)
     n = int(rng.integers(50, 3000))
@@ -289,8 +290,8 @@ def test_a_column_read_through_an_order_equals_the_column_of_the_sorted_frame(se
     for sliced in (frame, frame.slice(7, n - 20), frame.rechunk().slice(5, n - 9)):  # the last read at an offset
         order = rng.permutation(sliced.height)
         for m in ("out_rms", "out_mean", "out_nonfinite_count"):
-            got = b._column(sliced, m, True, order)
-            want = b._column(sliced[order], m, True)
+            got = b.column_of(sliced, m, True, order)
+            want = b.column_of(sliced[order], m, True)
             assert got.raw.dtype == want.raw.dtype and np.array_equal(got.raw, want.raw, equal_nan=True), m
             assert (got.missing is None) == (want.missing is None), m
             if got.missing is not None:

@@ -13,7 +13,8 @@ import polars as pl
 import pytest
 from typer.testing import CliRunner
 from warninglight.cli.main import app
-from warninglight.forensics import analyze, checks, open_trace
+from warninglight.forensics import analyze, open_trace
+from warninglight.forensics.trace import checks
 from warninglight.lab.distributed import CHECKPOINT_EVERY, run_group
 
 TWO_RANKS = ["ddp_weight_scale", "ddp_grad_corrupt", "ddp_unwrapped_steps", "fsdp_clean"]
@@ -124,7 +125,7 @@ def test_fsdp2_shards_are_recorded_per_rank_and_combine_to_the_full_norm(runs: P
 
 
 def test_the_report_shows_a_rank_by_step_panel(runs: Path, tmp_path: Path) -> None:
-    from warninglight.forensics.report import write_html
+    from warninglight.forensics.presenting.report import write_html
 
     a = analyze(runs / "ddp_grad_corrupt")
     at = {r: dev for r, step, dev, _ in a.ranks_panel.iter_rows() if step == 25}

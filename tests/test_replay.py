@@ -60,7 +60,7 @@ def test_restart_is_analysed_on_its_effective_timeline(restarted) -> None:
 
 def test_comparator_rules_fire_where_they_should() -> None:
     import numpy as np
-    from warninglight.forensics.detectors import grad_norm_spikes, loss_spikes
+    from warninglight.forensics.comparators.detectors import grad_norm_spikes, loss_spikes
 
     steps = np.arange(1, 301)
     rng = np.random.default_rng(0)

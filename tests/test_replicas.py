@@ -9,7 +9,7 @@ import duckdb
 import torch
 import torch.nn.functional as F
 from warninglight.forensics import analyze, open_trace
-from warninglight.forensics.ranks import findings
+from warninglight.forensics.explaining.ranks import findings
 from warninglight.lab import zoo
 from warninglight.tracer import schema, watch
 from warninglight.tracer.components import discover

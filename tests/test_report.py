@@ -14,7 +14,7 @@ import pytest
 from PIL import Image
 from typer.testing import CliRunner
 from warninglight.cli.main import app
-from warninglight.forensics import plots, report, wording
+from warninglight.forensics.presenting import contents, plots, report, wording
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -52,7 +52,7 @@ def test_the_root_band_read_beside_the_analysis_is_the_one_read_after_it(fault_t
     # `report` has the analysis read the root's band from the trace it has open (a connection of
     # its own to the same views), beside the comparators: the same frame as reading it afterwards
     from warninglight.forensics import analyze
-    from warninglight.forensics.analysis import band_of
+    from warninglight.forensics.explaining.analysis import band_of
 
     analysis = analyze(fault_trace, band=True)
     which = band_of(analysis.root)
@@ -80,7 +80,7 @@ def test_cli_rejects_a_folder_that_is_not_a_trace(tmp_path: Path) -> None:
 
 def test_components_in_forward_order_and_short_names() -> None:
     comps = pl.DataFrame({"component": ["", "head", "b", "a", "unused"], "forward_index": [None, 2, 1, 0, None]})
-    assert report.component_order(comps) == ["a", "b", "head", "unused"]
+    assert contents.component_order(comps) == ["a", "b", "head", "unused"]
     long = "transformer.h.11.attn.c_attn.lora_A.default"
     assert plots.short_name(long) == "…" + long[-(plots.MAX_LABEL - 1):]
     assert len(plots.short_name(long)) == plots.MAX_LABEL
@@ -129,7 +129,7 @@ def test_figures_leave_the_callers_matplotlib_backend_alone(tmp_path: Path) -> N
     script = (
         "import matplotlib, sys; matplotlib.use('svg')\n"
         "import polars as pl\n"
-        "from warninglight.forensics import plots, report, report_html\n"
+        "from warninglight.forensics.presenting import plots, report, report_html\n"
         "steps = pl.DataFrame({'step': [1, 2], 'loss': [1.0, 0.9], 'grad_norm_total_l2': [1.0, 1.1]})\n"
         "png = plots.png_bytes(plots.loss_and_grad(steps, [plots.Mark('alarm', 2)]))\n"
         "print(matplotlib.get_backend(), png[:4] == b'\\x89PNG', 'matplotlib.pyplot' in sys.modules)\n")

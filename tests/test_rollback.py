@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from rehearsed import analysed, trace, truth
 from warninglight.forensics import analyze
-from warninglight.forensics.rollback import CheckpointError, every, from_glob
+from warninglight.forensics.explaining.rollback import CheckpointError, every, from_glob
 
 FAULTS = ["mlp_weight_corruption", "mlp_nan", "mlp_corrupt_batches", "mlp_dying_layer",
           "mlp_frozen", "mlp_saturation", "mlp_head_shrink", "mlp_vanishing_gradient",

@@ -7,19 +7,19 @@ import polars as pl
 import pytest
 import torch
 from rehearsed import analysed, trace
+from rules_oracle import classify
 from torch import nn
 from warninglight.forensics import analyze, open_trace
-from warninglight.forensics.baseline import lr_surge, series_starts
-from warninglight.forensics.classify import classify
-from warninglight.forensics.conditions import Config
-from warninglight.forensics.schedule import (
+from warninglight.forensics.judging.baseline import lr_surge, series_starts
+from warninglight.forensics.judging.conditions import Config
+from warninglight.forensics.trace.schedule import (
     component_lr,
     join_lr,
     lr_of_components,
     not_held,
     with_lr,
 )
-from warninglight.forensics.store import health_frame
+from warninglight.forensics.trace.store import health_frame
 from warninglight.tracer import watch
 
 

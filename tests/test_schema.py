@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pyarrow as pa
 import pytest
-from warninglight.forensics.classify import signal_of
+from warninglight.forensics.judging.hits import signal_of
 from warninglight.tracer import schema
 
 

@@ -6,8 +6,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from test_bounds import SCALES, _series  # the series the bounds are held on
-from warninglight.forensics import bounds, quantiles, ruletable, screen
-from warninglight.forensics.conditions import Condition, Rule
+from warninglight.forensics.judging.conditions import Condition, Rule
+from warninglight.forensics.judging.kernels import bounds, quantiles, screen
+from warninglight.forensics.judging.kernels import rules as rt
 
 
 def _exact_may_fire(v: np.ndarray, missing: np.ndarray, med: np.ndarray, rule) -> np.ndarray:  # noqa: ANN001
@@ -55,7 +56,7 @@ def test_every_row_a_rule_can_fire_at_is_a_candidate(seed: int, shape: str) -> N
                      for fold in (1.02, 1.3, 2.0)]
             for rules in mixed + folds:
                 cond = Condition("c", "", "", tuple(rules), persistence=1, ceiling=0.1, precedence=1)
-                table = ruletable.table([(cond, r) for r in rules], [])
+                table = rt.table([(cond, r) for r in rules], [])
                 work = bounds.Workspace(n, len(starts) - 1)
                 want = np.empty(len(kept), dtype=np.bool_)
                 screen.candidates(x, missing, lr, starts, kept, window, lag, min_samples, log, scaled, SCALES.tiny,
@@ -81,7 +82,7 @@ def test_rows_at_a_fold_of_their_median_relative_to_the_lr_are_candidates(seed: 
     x = per_lr * lr
     rules = [Rule("m", "up", fold=fold), Rule("m", "down", fold=fold * 1.1), Rule("m", "either", z=3.0, fold=fold)]
     cond = Condition("c", "", "", tuple(rules), persistence=1, ceiling=0.1, precedence=1)
-    table = ruletable.table([(cond, r) for r in rules], [])
+    table = rt.table([(cond, r) for r in rules], [])
     kept = np.arange(n)
     col = quantiles.Column(x, None, True, True, 1e-8)
     med = quantiles.baseline(col, lr, starts, kept, 64, 3, 64, SCALES)[0]

@@ -9,7 +9,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from warninglight.forensics import TraceError
-from warninglight.forensics.static_rules import first_static_alarm, static_alarms
+from warninglight.forensics.comparators.static_rules import first_static_alarm, static_alarms
 from warninglight.tracer import schema
 
 COMPONENTS = {

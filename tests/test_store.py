@@ -16,7 +16,7 @@ from warninglight.forensics import (
     NotATraceError,
     open_trace,
 )
-from warninglight.forensics.store import health_frame, health_window, info
+from warninglight.forensics.trace.store import health_frame, health_window, info
 from warninglight.tracer import schema
 
 
@@ -139,7 +139,7 @@ def test_a_window_read_with_categorical_names_holds_the_rows_read_with_strings(c
 
 def _both_reads(path: Path, first: int, last: int) -> tuple[pl.DataFrame | None, pl.DataFrame]:
     """(Arrow's read of a window's metric columns, DuckDB's), with the component as text."""
-    from warninglight.forensics import store
+    from warninglight.forensics.trace import store
 
     t = open_trace(path)
     metrics = list(schema.HEALTH_METRICS)
@@ -187,7 +187,7 @@ def _view_sql(t, view: str) -> str:  # noqa: ANN001
 def test_files_of_one_schema_are_read_without_unifying_them() -> None:
     # every segment has the same columns and types: the view reads them as they are (binding a
     # union by name read every footer again), and holds the rows a union reads
-    from warninglight.forensics.footers import read_files
+    from warninglight.forensics.trace.footers import read_files
 
     t = open_trace(trace("mlp_clean"))
     try:

@@ -11,13 +11,14 @@ from typing import Any
 
 import polars as pl
 import pytest
-from warninglight.forensics import analysis
-from warninglight.forensics.analysis import _read_ahead, classify_trace
-from warninglight.forensics.classify import classify
-from warninglight.forensics.conditions import Config
-from warninglight.forensics.footers import SegmentSpan
-from warninglight.forensics.schedule import with_lr
-from warninglight.forensics.store import (
+from rules_oracle import classify, heat_of
+from warninglight.forensics.explaining import analysis
+from warninglight.forensics.explaining.analysis import _read_ahead, classify_trace
+from warninglight.forensics.judging.classifier import Classifier, StepOrderError
+from warninglight.forensics.judging.conditions import Config
+from warninglight.forensics.trace.footers import SegmentSpan
+from warninglight.forensics.trace.schedule import with_lr
+from warninglight.forensics.trace.store import (
     Trace,
     health_frame,
     health_window,
@@ -25,7 +26,6 @@ from warninglight.forensics.store import (
     window_files,
     window_starts,
 )
-from warninglight.forensics.stream import Classifier, StepOrderError, heat_of
 
 SAMPLES = Path(__file__).resolve().parent.parent / "sample_traces"
 
@@ -86,8 +86,7 @@ def test_windows_submitted_are_judged_one_behind_and_each_alarm_returned_once() 
     # the compiled classifier judges a window on a thread of its own while the next is read:
     # what `submit` returns is the alarms of windows fed before it, and `drain` the rest
     clf, expected, raised, _ = _fed(lambda clf, trace: [*(clf.submit(health_window(trace, s, s + 9))
-                                                          for s in range(1, 301, 10)), clf.drain()],
-                                    keep_scored=False)
+                                                          for s in range(1, 301, 10)), clf.drain()])
     assert clf.alarms().equals(expected) and len(expected) > 0
     for k, frame in enumerate(raised[:-1]):
         assert frame.is_empty() or frame["step"].max() <= 10 * k  # of windows 0..k-1 only
@@ -210,7 +209,7 @@ def test_a_window_outside_the_run_is_a_one_line_error() -> None:
 
 
 def test_help_and_conditions_load_no_query_engine() -> None:
-    code = ("import sys, warninglight.cli.main, warninglight.forensics.conditions; "
+    code = ("import sys, warninglight.cli.main, warninglight.forensics.judging.conditions; "
             "print(sorted(m for m in ('duckdb', 'polars', 'torch') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"

@@ -5,9 +5,9 @@ from __future__ import annotations
 import dataclasses
 
 from rehearsed import analysed
-from warninglight.forensics import wording
-from warninglight.forensics.analysis import Alarm, Detectors, Root
-from warninglight.forensics.rollback import LossOnlyChoice, Rollback
+from warninglight.forensics.explaining.analysis import Alarm, Detectors, Root
+from warninglight.forensics.explaining.rollback import LossOnlyChoice, Rollback
+from warninglight.forensics.presenting import wording
 
 ROOT = Root(attributed_to="h.0.mlp.c_fc", observed_on="h.0.mlp.c_fc", condition="exploding", onset_step=150,
             alarm_step=151, magnitude=41.27, metric="weight_drift_l2", rank=0, ranks=[0], ranks_disagree=False,
@@ -66,7 +66,7 @@ def test_analysis_text_of_a_real_fault() -> None:
 
 
 def test_timeline_lines_of_the_light_and_the_rules() -> None:
-    from warninglight.forensics.replay import Event
+    from warninglight.forensics.explaining.replay import Event
 
     events = [Event(151, "light", "2", "exploding", 150, 41.27, "weight_drift_l2"), Event(190, "loss_spike")]
     assert wording.timeline_lines(events) == [

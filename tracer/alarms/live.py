@@ -3,10 +3,11 @@ segment by segment.
 
 This is the code path of `warninglight analyze` and `replay`: each closed segment's health rows,
 with the learning rate each component saw joined on (`schedule.join_lr`), are fed to one
-`stream.Classifier`, which carries the trailing history and the open episodes, so an alarm is
-raised at exactly the step the offline analysis raises it. Localisation walks back over the scored
-rows kept in memory: at most `reach` steps, so an excursion that began further back than that is
-dated to the edge of what is kept (the offline analysis has no such limit). Imported only when
+`Classifier`, which carries the trailing history and the open episodes, so an alarm is raised at
+exactly the step the offline analysis raises it. Localisation walks back over the rows kept in
+memory, with the alarmed components' baselines taken when an alarm comes (as `analyze` reads
+them back): at most `reach` steps, so an excursion that began further back than that is dated to
+the edge of what is kept (the offline analysis has no such limit). Imported only when
 `watch(..., alarms=...)` is used.
 """
 
@@ -17,18 +18,25 @@ from typing import Any
 
 import numpy as np
 import polars as pl
-from warninglight.forensics import detectors
-from warninglight.forensics import rollback as rb
-from warninglight.forensics.analysis import ALARM_KEYS, Alarm, Detectors, _root, param_components
-from warninglight.forensics.conditions import Config, load_config
-from warninglight.forensics.localise import Located, RootCause, locate, root_cause
-from warninglight.forensics.schedule import join_lr, lr_of_components
-from warninglight.forensics.stream import Classifier
-from warninglight.forensics.wording import alarm_line, summary_line
+from warninglight.forensics.comparators import detectors
+from warninglight.forensics.explaining import rollback as rb
+from warninglight.forensics.explaining.analysis import (
+    ALARM_KEYS,
+    Alarm,
+    Detectors,
+    param_components,
+    typed_root,
+)
+from warninglight.forensics.explaining.localise import Located, RootCause, locate, root_cause
+from warninglight.forensics.judging.baseline import with_baseline
+from warninglight.forensics.judging.classifier import Classifier
+from warninglight.forensics.judging.conditions import Config, load_config
+from warninglight.forensics.presenting.wording import alarm_line, summary_line
+from warninglight.forensics.trace.schedule import join_lr, lr_of_components
 
 from ..writer import Segment, health_table
 
-DEFAULT_REACH = 1024  # steps of scored rows kept for walking an onset back (memory: reach × components rows)
+DEFAULT_REACH = 1024  # steps of rows kept for walking an onset back (memory: reach × components rows)
 _COMPONENT_COLUMNS = ("component", "kind", "role", "bound", "parent_param", "forward_index")
 
 
@@ -42,7 +50,7 @@ class LiveClassifier:
         self.reach = max(reach, self.history)
         self.components: pl.DataFrame | None = None
         self._classifier: Classifier | None = None  # made when the components are known
-        self._scored: pl.DataFrame | None = None   # scored rows of the last `reach` steps
+        self._rows: pl.DataFrame | None = None  # health rows of the last `reach` steps and their history
         self._located: list[Located] = []
         self._checkpoints: list[rb.Checkpoint] = []
         self._batches: dict[int, list[int] | None] = {}
@@ -58,33 +66,47 @@ class LiveClassifier:
         self.last_step = int(seg.steps[-1])
         if self._classifier is None:
             self._classifier = Classifier(self.config, self.components)
-        new = self._classifier.feed(self._health_rows(seg))
-        scored = self._classifier.scored
-        self._scored = scored if self._scored is None else pl.concat(
-            [self._scored.filter(pl.col("step") > self.last_step - self.reach), scored], how="diagonal_relaxed")
+        rows = self._health_rows(seg)
+        new = self._classifier.feed(rows)
+        kept_from = self.last_step - self.reach - self.history  # every kept step's baseline is whole
+        self._rows = rows if self._rows is None else pl.concat(
+            [self._rows.filter(pl.col("step") > kept_from), rows], how="diagonal_relaxed")
         if new.is_empty():
             return []
-        fresh = locate(new, self._scored, self.components, self.config)
+        fresh = locate(new, self._scored(new), self.components, self.config)
         self._located += fresh
         # the root as it stands with every alarm so far (it can move as later alarms come in)
         root, _ = root_cause(self._located, self.config, param_components(self.components))
         return [self._alarm(a, root) for a in fresh]
+
+    def _scored(self, alarms: pl.DataFrame) -> pl.DataFrame:
+        """The kept rows of the alarmed components (and the layers feeding alarmed activations)
+        of the last `reach` steps, with the baselines of the alarms' metrics."""
+        assert self._rows is not None and self.components is not None
+        parents = self.components.filter(pl.col("component").is_in(alarms["component"].implode()))
+        names = {*alarms["component"].to_list(), *parents["parent_param"].drop_nulls().to_list()} \
+            if "parent_param" in parents.columns else set(alarms["component"].to_list())
+        rows = self._rows.filter(pl.col("component").is_in(sorted(names)))
+        have = {*rows.columns, *(["lr_surge"] if "lr" in rows.columns else [])}  # the surge: from the lr
+        metrics = [m for m in sorted(set(alarms["metric"].to_list())) if m in have]
+        scored = with_baseline(rows.lazy(), self.config.baseline, metrics).collect()
+        return scored.filter(pl.col("step") > self.last_step - self.reach)
 
     def _alarm(self, a: Located, root: RootCause | None) -> dict[str, Any]:
         """The JSON of one alarm: `analyze --json`'s alarm fields, the root and rollback as they
         stand now, and `text` (the verdict line and this alarm's line, worded by the engine)."""
         alarm = Alarm(**{k: _plain(getattr(a, k)) for k in ALARM_KEYS})
         alarm = replace(alarm, last_step=alarm.step)  # the episode is still open
-        typed_root = _root(root, self._located, 1)
+        top = typed_root(root, self._located, 1)
         loss_steps, losses = self._loss_series()
         fired, judged = detectors.judge_losses(loss_steps, losses)  # on the losses logged so far
         loss_spike = detectors.first_at_or_after(fired, root.alarm.onset_step if root else None)
         rollback = self._rollback(root, loss_spike) if root else None
         out: dict[str, Any] = {"text": "", **alarm.to_dict(),
                                "step_wall_time_s": self._wall.get(alarm.step),
-                               "root": typed_root.to_dict() if typed_root else None,
+                               "root": top.to_dict() if top else None,
                                "rollback": rollback.to_dict() if rollback else None}
-        if typed_root is not None and rollback is not None:
+        if top is not None and rollback is not None:
             first = min(r.step for r in self._located)
             found = Detectors(  # as far as the run has gone; the gradient-norm rule is judged offline
                 loss_spike_step=loss_spike, grad_norm_spike_step=None, loss_spike_first_step=loss_spike,
@@ -93,7 +115,7 @@ class LiveClassifier:
                 loss_points=len(loss_steps),
                 loss_steps_judged=judged,
                 light_lead_over_loss_spike=None if loss_spike is None else loss_spike - first)
-            out["text"] = f"{summary_line(typed_root, rollback, found, 'fault')}\n{alarm_line(alarm)}"
+            out["text"] = f"{summary_line(top, rollback, found, 'fault')}\n{alarm_line(alarm)}"
         else:
             out["text"] = alarm_line(alarm)
         return out

@@ -73,7 +73,7 @@ class LiveMonitor:
 
     def _run(self) -> None:
         try:  # load the compiled baseline kernel now (compiled on first use, ~2 s), not at the first alarm
-            from warninglight.forensics.quantiles import warm
+            from warninglight.forensics.judging.kernels.quantiles import warm
 
             warm()
         except Exception as exc:  # the first segment will report what fails
@@ -107,7 +107,7 @@ def _span(seg: Segment) -> str:
 def _config(config: Any) -> Any:
     if config is None:
         return None
-    from warninglight.forensics.conditions import Config, load_config
+    from warninglight.forensics.judging.conditions import Config, load_config
     return config if isinstance(config, Config) else load_config(config)
 
 

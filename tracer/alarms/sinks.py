@@ -20,18 +20,9 @@ import threading
 import time
 import urllib.request
 from pathlib import Path
-from typing import Any, Protocol, runtime_checkable
+from typing import Any
 
-
-class SinkError(ValueError):
-    """A sink named in `watch(..., alarms=[...])` that cannot be used."""
-
-
-@runtime_checkable
-class Sink(Protocol):
-    """Receives one alarm (a JSON-ready dict) per call; may block or raise."""
-
-    def send(self, alarm: dict[str, Any]) -> None: ...
+from .base import Sink, SinkError
 
 
 class JsonlSink:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from .sinks import SinkError
+from .base import SinkError
 
 PREFIX = "warninglight"
 

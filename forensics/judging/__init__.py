@@ -1,0 +1,1 @@
+"""Judging: the conditions' registry, each component's baseline, the one classifier."""

@@ -1,0 +1,1 @@
+"""The classifier's compiled passes (numba), behind the names `judging` calls."""

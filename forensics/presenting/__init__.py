@@ -1,0 +1,1 @@
+"""The verdict in words, tables, figures and the HTML report."""

@@ -1,0 +1,103 @@
+"""What the report shows, gathered once from one analysis (`gather`).
+
+It reads back only the root component's metric: the components in forward order, the heatmap
+scores, the root metric against its baseline, what fixed-threshold rules saw, the dated marks the
+step-axis figures draw, and the rehearsal's answer key if the trace has one.
+"""
+
+from __future__ import annotations
+
+import json
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import polars as pl
+from warninglight.forensics.comparators.static_rules import StaticAlarm
+from warninglight.forensics.explaining.analysis import Analysis, band_of
+from warninglight.forensics.presenting import plots
+
+# marks drawn on the component figures (the step-axis figures draw them all)
+ALARM_MARKS = ("onset", "first alarm", "alarm")
+
+
+@dataclass
+class ReportData:
+    """Everything the report shows, gathered once from one analysis."""
+
+    analysis: Analysis
+    order: list[str]  # components in forward order
+    kinds: dict[str, str]  # component -> module class, for axis labels
+    scores: pl.DataFrame  # component, step (bin start), score (worst |robust z| over the metrics)
+    band: Future[pl.DataFrame | None] = field(repr=False)  # the root metric's band, read beside the drawing
+    static: list[StaticAlarm] = field(default_factory=list)
+    truth: dict[str, Any] | None = None
+
+    @property
+    def root_band(self) -> pl.DataFrame | None:
+        """The root metric against its baseline over the run (None: no such root), once read."""
+        return self.band.result()
+
+    @property
+    def trace(self) -> Path:
+        return self.analysis.trace_dir
+
+
+def component_order(components: pl.DataFrame) -> list[str]:
+    """Components sorted by forward order (never-called ones last, by name); the root left out."""
+    c = components.unique("component", keep="first").filter(pl.col("component") != "")
+    c = c.sort([pl.col("forward_index").is_null(), "forward_index", "component"])
+    return c["component"].to_list()
+
+
+def read_truth(trace: Path) -> dict[str, Any] | None:
+    """The answer key a rehearsal left in the trace (truth.json), or None for a real run."""
+    path = trace / "truth.json"
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def gather(analysis: Analysis) -> ReportData:
+    """Everything the report needs, from one analysis: only the root component's metric is read
+    back from the trace, unless the analysis read it (`analyze(band=True)`), on a thread of its
+    own while the other figures are drawn (the read waits on DuckDB, which holds no lock the
+    drawing needs: ~1.4 s of a 1e8 component-step trace, the trace opened again)."""
+    components = analysis.components
+    which = band_of(analysis.root)
+    band: Future[pl.DataFrame | None] = Future()
+    if analysis.root_band is not None or which is None:
+        band.set_result(analysis.root_band)
+    else:
+        pool = ThreadPoolExecutor(1, thread_name_prefix="warninglight-band")
+        band = pool.submit(analysis.baseline_frame, *which)
+        pool.shutdown(wait=False)  # the thread ends with the read
+    return ReportData(analysis, component_order(components),
+                      dict(zip(components["component"], components["kind"], strict=True)),
+                      analysis.heat, band, analysis.static, read_truth(analysis.trace_dir))
+
+
+def marks(data: ReportData) -> list[plots.Mark]:
+    """Every dated event the step-axis figures draw: onset, alarm, detectors, rollbacks, truth."""
+    a = data.analysis
+    root, det = a.root, a.detectors
+    first = det.first_alarm_step
+    candidates = [
+        ("injected", (data.truth or {}).get("step")),
+        ("onset", root.onset_step if root else None),
+        ("first alarm", first if root is None or first != root.alarm_step else None),
+        ("alarm", root.alarm_step if root else None),
+        ("loss-spike rule", det.loss_spike_step),
+        ("grad-norm rule", det.grad_norm_spike_step),
+        ("static rules", data.static[0].step if data.static else None),
+        ("rollback (ours)", a.rollback.checkpoint_step),
+        ("rollback (loss-only)", a.rollback.loss_only.checkpoint_step),
+    ]
+    return [plots.Mark(label, int(step)) for label, step in candidates if step is not None]
+
+
+def never_fired(data: ReportData) -> list[str]:
+    """The comparators that did not fire at all, named in the loss figure's legend."""
+    det = data.analysis.detectors
+    out = [label for label, step in (("loss-spike rule", det.loss_spike_step),
+                                     ("grad-norm rule", det.grad_norm_spike_step)) if step is None]
+    return out + ([] if data.static else ["static rules"])

@@ -1,0 +1,1 @@
+"""The trace on disk: segments, footers, the DuckDB store, checks, SQL, the lr schedule."""

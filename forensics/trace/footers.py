@@ -55,7 +55,7 @@ def read_files(files: list[Path], one_schema: bool = False) -> str:
     """DuckDB's table function reading exactly `files`, with their rank and incarnation folders.
     Columns are matched by name across files unless `one_schema` says every file has the same
     columns of the same types in the same order: binding the union read every file's footer
-    again, each time a view over it was made (~0.9 s of opening a trace of 2,000 files)."""
+    again, each time a view over it was made, so opening a trace slowed with every file."""
     return (f"read_parquet([{', '.join(literal(p) for p in files)}], hive_partitioning = true, "
             "hive_types = {'rank': BIGINT, 'incarnation': BIGINT}"
             + (")" if one_schema else ", union_by_name = true)"))
@@ -139,8 +139,8 @@ def read_spans(con: duckdb.DuckDBPyConnection, by_table: dict[str, list[Path]]) 
     every = [p for t in schema.TABLES for p in by_table.get(t, [])]
     if not every:
         return spans
-    # one query each for every table's files (~3 ms a query on a small trace, where a quick
-    # command's whole answer is due in 0.5 s)
+    # one query each for every table's files, not one a file: each query has a fixed cost, and a
+    # quick command's whole answer is due in 0.5 s
     # each element's name and type, as one string per element with every field in its place; the
     # lists come in each file's schema order (one file's rows are one run of the table function):
     # were they not, two files would only look different, and be unified by name (`same_schema`)

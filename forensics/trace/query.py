@@ -88,7 +88,7 @@ def run_query(trace: Trace, sql: str, allow_external: bool = False) -> QueryResu
     if not allow_external:
         try:
             # the trace's connection parses it: `duckdb.extract_statements` opened DuckDB's default
-            # database for that (~30 ms of a quick command)
+            # database for that, a cost every quick command paid
             kinds = [s.type for s in trace.con.extract_statements(sql)]
         except duckdb.Error:
             kinds = []  # let DuckDB word the syntax error below

@@ -122,8 +122,8 @@ def join_lr(health: F, schedule: Schedule | None) -> F:
     """
     if schedule is None:
         return health
-    # the rows are read once (a scan read twice may not give one order), and eagerly: the same
-    # joins as a lazy query took ~2.4x as long on a large run's window
+    # the rows are read once (a scan read twice may not give one order), and eagerly: the joins
+    # below then run on rows in memory, not as one more lazy plan over the scan
     rows = (health.collect() if isinstance(health, pl.LazyFrame) else health).with_columns(
         pl.col("rank").cast(pl.Int64), pl.col("step").cast(pl.Int64))
     if "grad_norm_l2" in rows.columns:
@@ -135,7 +135,7 @@ def join_lr(health: F, schedule: Schedule | None) -> F:
     lr = _lr_indexed(rows, schedule)
     if lr is None:  # names as strings, or keys too sparse for a table: joined
         # the joins take only the columns the lr is made of, and the lr goes beside the rows:
-        # joining the whole rows copied every column twice (~7% of `analyze` on a large run). The
+        # joining the whole rows copied every column twice. The
         # small tables hold one row per (rank, step) and per (rank, component), so the joins keep
         # the rows' number and order
         lr = (rows.select(read)
@@ -187,8 +187,8 @@ def _lr_of_rows(rank: np.ndarray, step: np.ndarray, code: np.ndarray, r0: int, s
 
 
 def _lr_indexed(rows: pl.DataFrame, schedule: Schedule) -> pl.Series | None:
-    """`join_lr`'s lr column of `rows`, by lookups instead of joins (two joins of every row of a
-    large window on two keys took ~70 ms; here the lr of each (step, group) is taken once from
+    """`join_lr`'s lr column of `rows`, by lookups instead of joins (two joins hash every row of a
+    window on two keys; here the lr of each (step, group) is taken once from
     the small tables, then one compiled pass over the rows): for rows whose component is
     Categorical (`health_window(categorical=True)`) and whose keys span tables of at most
     `_TABLE_CELLS`. None otherwise."""

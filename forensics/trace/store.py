@@ -80,7 +80,7 @@ class Trace:
     def once(self, key: Hashable, read: Callable[[], _T]) -> _T:
         """`read()` the first time `key` is asked for while the trace is open, then what it gave:
         an analysis asks for the run's loss, gradient norm and lr schedule more than once (each a
-        query over every steps file: ~0.3 s apiece on a 1e8 component-step run)."""
+        query over every steps file)."""
         if key not in self._read:
             self._read[key] = read()
         return self._read[key]
@@ -332,7 +332,7 @@ def window_starts(trace: Trace, table: str, first: int, last: int, steps: int, l
     start + `steps`, within start + `least` .. start + 9/8 `steps`, that no segment straddles
     (none: start + `steps`). A window that starts inside a segment reads all of it and keeps only
     its own steps: with windows of a fixed length, the segment on each edge was read and
-    filtered twice (a sixth of a large run's read). `opening`: the first window's length instead,
+    filtered twice. `opening`: the first window's length instead,
     its end the segment start nearest it from `first` + 1 as far as a window of `steps` reaches (a
     short first window starts a pipeline sooner)."""
     spans = sorted((s.first, s.last) for s in trace.spans if s.table == table and s.rows and s.first is not None)
@@ -370,7 +370,7 @@ def health_window(trace: Trace, first: int, last: int, *, columns: list[str] | N
     that rank. The components' attributes are not joined (the classifier joins the one its
     rules read, localisation the ones it reads). `categorical`: the component column comes as
     a Polars Categorical, read through a DuckDB enum of the trace's component names (no string
-    is made per row: a large window's names as strings took a quarter of its read, and every
+    is made per row: the names as strings were made for every row of the window, and every
     sort, join and gather of the window after it moved them).
     """
     import polars as pl
@@ -394,7 +394,7 @@ def health_window(trace: Trace, first: int, last: int, *, columns: list[str] | N
         where += f" AND t.rank = {int(rank)}"
     source = f"{read_files(files, same_schema(spans)) if files else 'health_all'} t"
     if trace.restarted:  # the effective timeline; with no step superseded the join keeps every
-        # row, and took a third of a large window's read
+        # row, so it is made only where a rank restarted
         source += " JOIN _superseded s ON t.rank = s.rank AND t.incarnation = s.incarnation"
         where += " AND (s.at_step IS NULL OR t.step < s.at_step)"
     arrow = trace.con.sql(f"SELECT {picked} FROM {source} WHERE {where}").to_arrow_table()
@@ -404,7 +404,7 @@ def health_window(trace: Trace, first: int, last: int, *, columns: list[str] | N
                  health_window(trace, first, last, columns=columns, names=names, rank=rank))
         return plain.with_columns(pl.col("component").cast(pl.Categorical))  # type: ignore[union-attr]
     # one chunk: DuckDB hands over several, and every later column added to or taken from a frame
-    # of several chunks copied all of it again (~9 ms each on a large window: once here)
+    # of several chunks copied all of it again: the copy is made once, here
     frame: pl.DataFrame = pl.from_arrow(arrow).rechunk()  # type: ignore[union-attr]
     return frame
 
@@ -413,12 +413,12 @@ def _arrow_window(spans: list[SegmentSpan], first: int, last: int, columns: list
     """`health_window(categorical=True)` of a whole run's metric columns in steps first..last, from
     the window's segments `spans` (`window_spans`), read by Arrow's Parquet reader straight into
     the frame: the component's dictionary pages come as Categorical codes,
-    and no step is copied through DuckDB's result into Arrow (which took about twice the CPU of
-    scanning the files). Each file is read whole by `pyarrow.parquet.ParquetFile` (a dataset
-    fragment's scan of the same columns took 1.1-1.5x its CPU), a segment on the window's edge
-    filtered to its steps after. None where DuckDB must read it: a file that is not readable
-    here, or whose columns are missing or differ in type from another's (DuckDB unifies them by
-    name)."""
+    and no step is copied through DuckDB's result into Arrow (a second copy of every value after
+    the scan). Each file is read whole by `pyarrow.parquet.ParquetFile` (a dataset fragment's
+    scan of the same columns adds the dataset layer's work to the same read), a segment on the
+    window's edge filtered to its steps after. None where DuckDB must read it: a file that is not
+    readable here, or whose columns are missing or differ in type from another's (DuckDB unifies
+    them by name)."""
     import numpy as np
     import pyarrow as pa
     import pyarrow.compute as pc
@@ -444,7 +444,7 @@ def _arrow_window(spans: list[SegmentSpan], first: int, last: int, columns: list
             if s.first < first or s.last > last:  # type: ignore[operator]
                 step = table.column("step")
                 table = table.filter(pc.and_(pc.greater_equal(step, first), pc.less_equal(step, last)))
-            # the rank from numpy: Arrow's `repeat` of a scalar took ~12x as long (0.26 ms a segment)
+            # the rank from numpy: `np.full` fills one buffer, quicker than Arrow's scalar `repeat`
             tables.append(table.add_column(2, "rank", pa.array(np.full(table.num_rows, s.rank, dtype=np.int64))))
     except (OSError, pa.ArrowException):
         return None  # DuckDB reads it, or names the file it cannot

@@ -55,9 +55,8 @@ from warninglight.tracer import schema
 # the heatmap keeps at most this many step columns (one bin = several steps): about the pixels its
 # figure has across (~850), so no column is dropped when the image is drawn
 HEAT_BINS = 800
-# steps before the first alarm that localisation reads first (on a 1e8 component-step run the
-# alarmed components' rows from the first step took ~2.5 s to read; from here, 11 of its 993
-# files, 0.02 s)
+# steps before the first alarm that localisation reads first: the alarmed components' rows from
+# the run's first step are in nearly every file of a long run, these steps in a few of them
 LOCATE_REACH = 1024
 
 HEALTHY, FAULT = "healthy", "fault"  # the two verdicts
@@ -391,8 +390,8 @@ def classify_trace(trace: Trace, config: Config, components: pl.DataFrame, heat_
     metrics = [c for c in trace.columns("health") if c in schema.HEALTH_METRICS]
 
     # windows of `chunk` steps, or (unless asked for that many) ending where the segments do,
-    # the first an eighth as long: the pipeline below starts on it (Arrow's first read of a
-    # large window took 0.54 s, against 0.07 s for a tenth of it and 0.1 s for the next whole one)
+    # the first an eighth as long: the pipeline below waits on the first read alone, and Arrow's
+    # first read of a window is slower than the reads after it
     starts = (list(range(read_from, last + 1, chunk)) if chunk_steps else
               window_starts(trace, "health", read_from, last, chunk, max(history, chunk // 2),
                             opening=max(history, chunk // 8)))
@@ -402,7 +401,7 @@ def classify_trace(trace: Trace, config: Config, components: pl.DataFrame, heat_
         return join_lr(health_window(trace, start, ends[start], columns=metrics, categorical=True), lr)
     # the reads DuckDB still makes (a restarted run's, files that differ in columns: most are
     # Arrow's, `store._arrow_window`) on one thread: they run beside the classifier's threads,
-    # which keep the cores busy (DuckDB's own threads cost 3-9% more CPU, and no time)
+    # which keep the cores busy (DuckDB's own threads would add CPU and save no time)
     threads = trace.one("SELECT current_setting('threads')")[0]
     trace.con.execute("SET threads = 1")
     try:

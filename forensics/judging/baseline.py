@@ -104,11 +104,11 @@ SERIES_KEY = "__key"  # `sort_series`'s key: (series << _STEP_BITS) + step offse
 
 def sort_series(frame: pl.DataFrame, names: pl.Series | None = None) -> pl.DataFrame:
     """`frame` sorted by rank, component and step, in the order `frame.sort([*KEYS, "step"])`
-    gives, by one integer key: a sort on the component's name took ~3x as long on a step
-    window of a large run (names and ranks become their places among the window's own, sorted).
+    gives, by one integer key: a sort on names compares strings, one integer key does not (names
+    and ranks become their places among the window's own, sorted).
     The key stays as column `SERIES_KEY`, from which `series_starts` and `with_baseline` read
     the order without comparing names again. `names`: every component name the frame may hold,
-    sorted (the trace's components: finding a large window's own took ~30 ms); a frame with a
+    sorted (the trace's components, so a window's own need not be found again); a frame with a
     name outside them is sorted by its own."""
     keyed, order = series_order(frame, names)
     return keyed if order is None else keyed[order]
@@ -212,8 +212,8 @@ def history_cut(frame: pl.DataFrame, starts: np.ndarray, judged: str, lead: int)
 def with_series_values(frame: pl.DataFrame, values: pl.DataFrame) -> pl.DataFrame:
     """`frame` (sorted by rank, component, step) with the columns of `values` (one row per
     rank and component, null for a series it lacks) on every row of each series: a join of
-    one row per series, spread over the rows (a join on names of every row cost ~25 ms a
-    window of a large run)."""
+    one row per series, spread over the rows (a join on names of every row hashes every row's
+    name)."""
     starts = series_starts(frame)
     firsts = frame[starts[:-1]].select(*KEYS).join(values, on=list(KEYS), how="left", maintain_order="left")
     spread = np.repeat(np.arange(len(starts) - 1), np.diff(starts))
@@ -231,7 +231,7 @@ def column_of(frame: pl.DataFrame, metric: str, lr: bool, order: np.ndarray | No
         raw, missing = quantiles.gathered([c.to_arrow() for c in values.get_chunks()], order)
     else:
         missing = None
-        if values.null_count():  # NaN where null: filled by Polars, ~7x quicker than to_numpy's own fill
+        if values.null_count():  # NaN where null: filled by Polars, quicker than to_numpy's own fill
             missing = values.is_null().to_numpy()
             values = values.fill_null(np.nan)
         raw = values.to_numpy()

@@ -85,8 +85,8 @@ class Classifier:
 
     def submit(self, rows: pl.DataFrame) -> pl.DataFrame:
         """`feed`, the compiled rules left to run on a thread of their own while the caller reads
-        and sorts the next rows (a step window's sort, gathers and carry took ~40% of the
-        classifier's time, with a core idle): at most one window is judged behind the caller.
+        and sorts the next rows (done in turn on one thread, the rules' cores sat idle while
+        a window was sorted, gathered and carried): at most one window is judged behind the caller.
         Returns the alarms that begin in the windows whose judging ended; `drain` waits for the
         rest."""
         if rows.is_empty():
@@ -99,7 +99,7 @@ class Classifier:
                 self._tail = self._with_roles(self._tail)
             else:
                 rows = self._with_roles(rows)
-        # two chunks, not copied into one (~76 ms a 1M-row window): each column read of it reads
+        # two chunks, not copied into one: each column read of it reads
         # both (`series_order` adds its key in the same two, the metrics are gathered from them)
         window = rows if self._tail is None else pl.concat([self._tail, rows], how="diagonal_relaxed")
         # once: the baseline and the carry read series in order. Only the columns that are not
@@ -109,7 +109,7 @@ class Classifier:
         if order is not None and not increasing(source[SERIES_KEY].to_numpy()[order]):
             source, order = source[order], None  # sorted whole (also where a step's rows came twice)
         # the columns left made one chunk before the gather: Polars gathers from two chunks
-        # row by row (~23 ms a 1M-row window; the copy and a gather from one took ~11)
+        # row by row, from one chunk in one take
         window = source if order is None else source.drop(metrics).rechunk()[order]
         if self._lr_peak is not None and "lr" in window.columns:  # the run's lr before the window
             window = with_series_values(window, self._lr_peak)
@@ -150,8 +150,7 @@ class Classifier:
         self.drain()
         if not self._heat:
             return pl.DataFrame(schema=HEAT_SCHEMA)
-        # one lazy query: the eager group_by then sort took 0.30-0.33 s on a 1e8 component-step
-        # run's 902,160 window cells, the query 0.14 s
+        # one lazy query: Polars plans the group_by and the sort together
         return (pl.concat(self._heat).lazy().group_by("component", "step").agg(pl.col("score").max())
                 .sort("component", "step").collect())
 
@@ -175,7 +174,7 @@ class Classifier:
     def _with_roles(self, rows: pl.DataFrame) -> pl.DataFrame:
         """`rows` with what the rules read of the components table (the role), joined to each
         row; every other column of it would ride through each window's sort, concatenation and
-        carry (four string columns of it took ~80% of the sort on a large run's windows)."""
+        carry (a string column most of all: each sort moves its strings too)."""
         comps = self._components
         if comps is None:
             return rows

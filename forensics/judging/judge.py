@@ -312,6 +312,5 @@ def _heat(rows: pl.DataFrame, kept: np.ndarray, kstarts: np.ndarray, marked: np.
 
 def _series_names(rows: pl.DataFrame, at: np.ndarray) -> pl.Series:
     """The components of rows `at` (one per series), made afresh: a gather of the window's own
-    would keep the window's string buffers alive in every heat frame kept (~30 MB a window on a
-    large run)."""
+    would keep the window's string buffers alive in every heat frame kept."""
     return pl.Series(rows["component"].gather(at).to_list(), dtype=pl.String)

@@ -61,7 +61,7 @@ def gather(analysis: Analysis) -> ReportData:
     """Everything the report needs, from one analysis: only the root component's metric is read
     back from the trace, unless the analysis read it (`analyze(band=True)`), on a thread of its
     own while the other figures are drawn (the read waits on DuckDB, which holds no lock the
-    drawing needs: ~1.4 s of a 1e8 component-step trace, the trace opened again)."""
+    drawing needs; the trace is opened again for it)."""
     components = analysis.components
     which = band_of(analysis.root)
     band: Future[pl.DataFrame | None] = Future()

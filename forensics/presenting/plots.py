@@ -26,9 +26,8 @@ MAX_ROWS_LABELLED = 60  # more component rows than this and labels would overlap
 STEP_COLUMNS = 2000  # a line over steps is cut to at most twice this many points (`_envelope`)
 # A component x step map draws at most this many step columns (bins of steps): fewer than its axes
 # have pixels across at the report's size and dpi (~900-1,000), so the image is never shrunk and
-# no column dropped (with 2,000 columns, a one-step episode on a 1e5-step run did not show at 17
-# of 40 places; each column now takes a pixel or more, and the map of a 1e8 component-step
-# run draws in 0.44-0.50 s, not 0.52-0.64).
+# no column dropped (a shrunk image drops whole columns, and a one-step episode with them; each
+# column takes a pixel or more).
 MAP_COLUMNS = 800
 Z_CAP = 12.0  # |z| colour scale saturates here; beyond it every cell looks equally alarming
 Z_LEVELS = (0.0, 3.0, 4.0, 6.0, 8.0, Z_CAP, 2 * Z_CAP)  # heatmap colour bins of |z|; the last is ">= Z_CAP"
@@ -94,9 +93,8 @@ def heatmap(scores: pl.DataFrame, order: Sequence[str], marks: Sequence[Mark] = 
     Where the axes have fewer pixels across than there are columns (at `DPI`, once laid out: long
     component labels narrow them), a column is the worst of as many neighbouring ones as it
     takes (`_pooled`): an image shrunk to fit drops whole columns, and a one-bin departure
-    with them (1 column in 6 at 800 columns, one row labelled with 53 characters). Where none is
-    pooled the figure comes laid out for `DPI`, its layout engine set aside: a caller that adds
-    to it lays it out again (`fig.set_layout_engine("constrained")`).
+    with them. Where none is pooled the figure comes laid out for `DPI`, its layout engine set
+    aside: a caller that adds to it lays it out again (`fig.set_layout_engine("constrained")`).
     """
     first = int(scores["step"].min())
     steps = np.arange(first, int(scores["step"].max()) + step_width, step_width)
@@ -128,7 +126,7 @@ def heatmap(scores: pl.DataFrame, order: Sequence[str], marks: Sequence[Mark] = 
     if len(steps) > 1:
         fig.get_layout_engine().execute(fig)  # where the axes fall, to count their pixels
         pooled, k = _pooled(grid, int(ax.get_window_extent().width))
-        if k == 1:  # laid out at `DPI` as it is drawn: `png_bytes` need not again (~0.1 s at 1e8)
+        if k == 1:  # laid out at `DPI` as it is drawn: `png_bytes` need not lay it out again
             fig.set_layout_engine(None)
             return fig
         im.set_data(pooled)
@@ -175,7 +173,8 @@ def baseline_band(frame: pl.DataFrame, component: str, metric: str,
 def _envelope(x: np.ndarray, y: np.ndarray, points: int = 2 * STEP_COLUMNS) -> tuple[np.ndarray, np.ndarray]:
     """A long line cut to at most `points`: in each run of consecutive points, its lowest and
     highest, in step order (a spike stays as tall as it is; a run with no number is a gap).
-    ~1e5 points took ~1 s to draw, for a figure ~1,000 pixels across."""
+    A figure about 1,000 pixels across shows no more points than that: drawing every point of a
+    long run costs time and shows nothing more."""
     n = len(y)
     per = -(-n // (points // 2))
     if per <= 1:
@@ -259,7 +258,8 @@ def condition_map(alarms: pl.DataFrame, order: Sequence[str], last_step: int,
 
     `alarms`: rows with observed_on, condition, onset_step and (optionally) last_step. A run of
     more than `MAP_COLUMNS` steps is drawn in bins of steps (a cell shows an episode that covers
-    any of its steps): one column per step of a 1e5-step run took ~6 GiB to draw.
+    any of its steps): one column per step would make the image as wide as the run, in memory
+    and in drawing time.
     """
     conditions = sorted(set(alarms["condition"].to_list())) if len(alarms) else []
     index = {c: i for i, c in enumerate(order)}

@@ -6,18 +6,16 @@ import os
 import sys
 
 # Polars' allocator (jemalloc) hands freed pages back to the OS soon after they fall idle, and
-# takes them again (a page fault each) for the next step window of a large trace: ~1.3 million
-# faults and ~6 s of system time on a 1e7 component-step analysis. Kept 5 s, the same run takes
-# ~0.8 million and ~4 s (peak +~200 MB). Read once, when Polars loads: set before any import of
+# takes them again (a page fault each) for the next step window of a large trace: kept 5 s, the
+# pages one window freed serve the next. Read once, when Polars loads: set before any import of
 # it, and never over a setting of the user's.
 os.environ.setdefault("_RJEM_MALLOC_CONF", "dirty_decay_ms:5000,muzzy_decay_ms:5000")
 # The same for Arrow's allocator (mimalloc, which purges freed pages after 10 ms), read when
 # pyarrow loads; and for the C library's (glibc), which gives each block of 32 MiB or less
 # (a step window's metric column, 8 MiB) pages of its own and returns them when it is freed,
 # and trims the heap past 128 KiB free: blocks under 64 MiB now come from the heap, which keeps
-# up to 256 MiB free. `report` on a 1e8 component-step trace, three alternated pairs: 27.3,
-# 27.7, 27.8 s -> 26.5, 26.7, 26.2 s, page faults 1.04M -> 0.70M, system time 5.0 -> 4.1 s,
-# peak 1.47 -> 1.49 GB; `analyze`, two pairs: 23.6, 24.1 -> 21.7, 23.1 s.
+# up to 256 MiB free: a step window's columns take the pages the last window's gave back, not
+# fresh ones from the OS (a page fault each).
 os.environ.setdefault("MIMALLOC_PURGE_DELAY", "2000")
 if sys.platform.startswith("linux") and "MALLOC_MMAP_THRESHOLD_" not in os.environ:
     try:
@@ -47,10 +45,10 @@ def run() -> None:
     """The installed `warninglight` command: the app, with the collector set for a process that
     starts, answers and exits.
 
-    Starting a command imports ~250 modules (typer, DuckDB's Python layer, ours) and makes some
-    hundred thousand objects, none of them garbage; the collector's default (a pass every 700 new
-    objects) walked them again and again, and the interpreter's exit walked them all once more:
-    ~0.1 s of a quick command's ~0.5 s (`warninglight info` on a sample trace). A pass every
+    Starting a command imports many modules (typer, DuckDB's Python layer, ours) and makes a
+    great many objects, none of them garbage; the collector's default (a pass every 700 new
+    objects) walked them again and again, and the interpreter's exit walked them all once more,
+    time a quick command spent on nothing it needed. A pass every
     20,000 new objects still collects a long analysis's cycles (a cycle waits for more new
     objects before it is freed), and what is alive at the end is frozen out of the exit's
     passes (`gc.freeze`): no object of the engine needs a collector's pass to flush or close,

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import shutil
+from pathlib import Path
+
 import pytest
+import torch
 from rehearsed import analysed, trace, truth
 from warninglight.forensics import analyze
 from warninglight.forensics.explaining.rollback import CheckpointError, every, from_glob
@@ -76,3 +80,38 @@ def test_bad_checkpoint_options_are_named(tmp_path) -> None:
         every(0, 100)
     with pytest.raises(CheckpointError, match="pass one of them"):  # the glob used to win silently
         analyze(trace("mlp_weight_corruption"), checkpoints_glob=str(tmp_path / "*.pt"), checkpoint_every=50)
+
+
+def _unrecorded_run(tmp_path: Path, layout: str) -> Path:
+    """A faulty run whose script saved checkpoints every 50 steps without `rec.checkpoint`, in
+    one framework's layout beside its trace; the trace's path."""
+    run = tmp_path / layout
+    shutil.copytree(trace("mlp_weight_corruption", checkpoint_every=0), run / "trace")
+    state = {"model": torch.nn.Linear(2, 2).state_dict()}  # the engine reads names, never weights
+    for step in range(50, 301, 50):
+        path = {"script": run / "checkpoints" / f"step-{step:06d}.pt",
+                "trainer": run / f"checkpoint-{step}" / "pytorch_model.bin",
+                "lightning": run / "lightning_logs" / "version_0" / "checkpoints" / f"epoch=0-step={step}.ckpt"}[layout]
+        path.parent.mkdir(parents=True, exist_ok=True)
+        torch.save(state, path)
+    return run / "trace"
+
+
+@pytest.mark.parametrize("layout", ["script", "trainer", "lightning"])
+def test_checkpoints_beside_a_trace_that_recorded_none_are_found_and_said(tmp_path: Path, layout: str) -> None:
+    path = _unrecorded_run(tmp_path, layout)
+    onset = truth(path)["step"]
+    a = analyze(path)
+    r = a.to_dict()["rollback"]
+    assert r["checkpoint_source"] == "found"
+    assert r["checkpoint_step"] == max(s for s in range(50, 301, 50) if s < onset)
+    assert str(r["checkpoint_step"]) in Path(r["checkpoint_path"]).name
+    said = [w for w in a.warnings if w.startswith("no checkpoint recorded in the trace")]
+    assert len(said) == 1 and "rec.checkpoint(path)" in said[0] and "--checkpoints" in said[0]
+
+
+def test_a_trace_without_checkpoints_anywhere_says_why_it_restarts(tmp_path: Path) -> None:
+    shutil.copytree(trace("mlp_weight_corruption", checkpoint_every=0), tmp_path / "trace")
+    r = analyze(tmp_path / "trace").to_dict()["rollback"]
+    assert (r["checkpoint_step"], r["checkpoint_source"]) == (0, "trace")
+    assert "no checkpoint was recorded (rec.checkpoint(path)) or found beside the trace" in r["note"]

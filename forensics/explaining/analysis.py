@@ -345,15 +345,25 @@ def comparators(trace: Trace, onset: int | None) -> dict[str, Any]:
 
 
 def _checkpoints(trace: Trace, checkpoints_glob: str | None, checkpoint_every: int | None,
-                 last_step: int, before: list[int | None]) -> tuple[list[rb.Checkpoint], str]:
+                 last_step: int, before: list[int | None]) -> tuple[list[rb.Checkpoint], str, str | None]:
+    """(checkpoints, where they came from, a warning to show): the options', else the trace's,
+    else files found in the conventional places beside the trace (said in the warning)."""
     if checkpoints_glob and checkpoint_every:
         raise rb.CheckpointError(f"--checkpoints {checkpoints_glob!r} and --checkpoint-every {checkpoint_every} "
                                  "both say where the checkpoints are; pass one of them")
     if checkpoints_glob:
-        return rb.from_glob(checkpoints_glob), "glob"
+        return rb.from_glob(checkpoints_glob), "glob", None
     if checkpoint_every:
-        return rb.every(checkpoint_every, last_step, before), "every"
-    return rb.from_trace(trace), "trace"
+        return rb.every(checkpoint_every, last_step, before), "every", None
+    recorded = rb.from_trace(trace)
+    found = rb.beside(trace.root) if not recorded else None
+    if found is None:
+        return recorded, "trace", None
+    steps = [c.step for c in found.checkpoints]
+    return found.checkpoints, "found", (
+        f"no checkpoint recorded in the trace: using the {len(steps)} found in {found.pattern} (steps "
+        f"{steps[0]}-{steps[-1]}, read from the file names); record them with rec.checkpoint(path) "
+        f"or pass --checkpoints '{found.pattern}' to say so")
 
 
 class StepWindowError(ValueError):
@@ -509,11 +519,11 @@ def analyze(trace_dir: str | Path, *, config: Config | str | Path | None = None,
         onset = top.onset_step if top else None
         found = comparators(trace, onset)
         last = int(summary["last_step"] or 0)
-        ckpts, source = _checkpoints(trace, checkpoints_glob, checkpoint_every, last,
-                                     [onset, found["loss_spike_step"]])
+        ckpts, source, found_warning = _checkpoints(trace, checkpoints_glob, checkpoint_every, last,
+                                                    [onset, found["loss_spike_step"]])
         rollback = rb.recommend(trace, ckpts, source, onset, top.alarm_step if top else None,
                                 found["loss_spike_step"], last, skip_until)
-        warnings = list(trace.warnings)
+        warnings = [*trace.warnings, *([found_warning] if found_warning else [])]
         missing = checks.checkpoint_warning(rollback.checkpoint_path, rollback.checkpoint_step,
                                             trace.root)
         warnings += [missing] if missing else []

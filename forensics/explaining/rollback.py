@@ -22,6 +22,9 @@ from warninglight.forensics.trace.store import Trace
 
 _MAX_ASSUMED = 100_000  # checkpoints listed one by one for --checkpoint-every
 _STEP_IN_NAME = re.compile(r"(\d+)(?!.*\d)")  # the last number in a file name
+# What a checkpoint file is called by the frameworks' conventions (torch.save, Lightning, safetensors).
+_CHECKPOINT_SUFFIXES = frozenset({".pt", ".pth", ".ckpt", ".bin", ".safetensors", ".tar"})
+CONVENTIONS = "checkpoints/, Trainer's checkpoint-N/, Lightning's checkpoints/*.ckpt"
 
 
 class CheckpointError(ValueError):
@@ -82,6 +85,41 @@ def from_glob(pattern: str) -> list[Checkpoint]:
     return sorted(found, key=lambda c: c.step)
 
 
+@dataclass(frozen=True)
+class Found:
+    """Checkpoint files found beside a trace that recorded none, and the glob that names them."""
+
+    checkpoints: list[Checkpoint]
+    pattern: str
+
+
+def _numbered(paths: Iterable[Path]) -> list[Checkpoint]:
+    found = [(m, p) for p in paths if (m := _STEP_IN_NAME.search(p.stem if p.is_file() else p.name))]
+    return sorted((Checkpoint(int(m.group(1)), str(p)) for m, p in found), key=lambda c: c.step)
+
+
+def beside(trace_root: Path) -> Found | None:
+    """Checkpoints in the conventional places beside a trace (`CONVENTIONS`), in the trace's
+    folder or the run folder that holds it: files with a step number in their name under
+    `checkpoints/` (the demo's layout, and most scripts'), transformers Trainer's `checkpoint-N/`
+    folders, Lightning's `lightning_logs/version_K/checkpoints/*.ckpt`. The first place that holds
+    any is used; None where none does."""
+    for base in (trace_root, trace_root.parent):
+        folder = base / "checkpoints"
+        if folder.is_dir():
+            files = [p for p in folder.iterdir() if p.is_file() and p.suffix in _CHECKPOINT_SUFFIXES]
+            if found := _numbered(files):
+                return Found(found, str(folder / "*"))
+        trainer = [p for p in base.glob("checkpoint-*") if p.is_dir() and p.name[len("checkpoint-"):].isdigit()]
+        if found := _numbered(trainer):
+            return Found(found, str(base / "checkpoint-*"))
+        lightning = sorted(base.glob("lightning_logs/version_*/checkpoints/*.ckpt"))
+        if found := _numbered(lightning):
+            folder = lightning[-1].parent  # the latest version's, where a run was restarted
+            return Found([c for c in found if Path(c.path or "").parent == folder], str(folder / "*.ckpt"))
+    return None
+
+
 def every(n: int, last_step: int, before: Iterable[int | None] = ()) -> list[Checkpoint]:
     """Checkpoints assumed at every `n` steps up to the last step.
 
@@ -136,7 +174,9 @@ def recommend(trace: Trace | None, checkpoints: list[Checkpoint], source: str, o
         return Rollback(None, None, None, None, None, loss_only, source, "healthy: nothing to roll back", steps)
     ckpt = _before(checkpoints, onset)
     note = (f"resume from the checkpoint at step {ckpt.step}" if ckpt.step else
-            "no checkpoint before the onset: restart from initialisation")
+            "no checkpoint before the onset: restart from initialisation" if checkpoints else
+            "no checkpoint was recorded (rec.checkpoint(path)) or found beside the trace "
+            f"({CONVENTIONS}): restart from initialisation, or pass --checkpoints GLOB")
     last_skip = max(alarm, skip_until or alarm)
     note += f"; skip steps {onset}-{last_skip}"
     if loss_only.alarm_step is None:

@@ -90,8 +90,8 @@ def run_demo(out: Path | str, scenario: str = DEMO_SCENARIO, seed: int = 0,
              steps: int | None = None, threads: int = 1) -> DemoResult:
     """Train, record, analyse and report one rehearsal into `out`.
 
-    `threads`: torch CPU threads while training. One is fastest for a model this small: on a
-    shared 2-core machine two threads spin against each other (measured 34 s vs 3 s to train).
+    `threads`: torch CPU threads while training. One is fastest for a model this small: its ops
+    are too small to split, and on a shared machine two threads spin against each other.
     """
     import torch
 

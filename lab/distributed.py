@@ -4,8 +4,8 @@
 joins them in one gloo process group, and trains each scenario in turn: a small GPT wrapped in
 DistributedDataParallel, every rank on its own batches, recorded by `watch` into
 `root/<scenario>` (one partition per rank), with the truth in `root/<scenario>/truth.json`.
-Scenarios of one group share the spawned processes (spawning costs seconds; a scenario
-less than one); they must share a world size.
+Scenarios of one group share the spawned processes (spawning and joining a process group costs
+more than training a scenario); they must share a world size.
 
 The faults:
 

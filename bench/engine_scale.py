@@ -6,14 +6,14 @@ size, one clean and one carrying the recorded weight corruption, and prints per 
 time and peak RSS of `warninglight analyze`, `replay`, `report` and `eval --trace` (scoring the
 trace against the answer key grow.py leaves in it; each command in its own process, so each peak
 is its own) next to a DuckDB scan of the same health files (the median of one before each command
-and one after them all: a single scan on a shared machine moves by up to a third), each command's
-time as a multiple of it, and the bytes a 1% step window (`--steps`) reads. The faulty trace must
-be named at the right component and step. One `report` on a small grown trace runs first, untimed
-in the table (its time is printed): the kernels are compiled, or loaded from numba's cache, before
-any command is timed.
+and one after them all: a single scan on a shared machine moves with the others' load), each
+command's time as a multiple of it, and the bytes a 1% step window (`--steps`) reads. The faulty
+trace must be named at the right component and step. One `report` on a small grown trace runs
+first, untimed in the table (its time is printed): the kernels are compiled, or loaded from
+numba's cache, before any command is timed.
 
 Run: `python bench/engine_scale.py [--sizes 1e6 1e7] [--copies 56] [--keep]`. Traces are written
-under /tmp and deleted afterwards (a 1e8 trace is ~0.4-2 GB).
+under /tmp and deleted afterwards (`--keep` keeps them; a large trace needs room there).
 """
 
 from __future__ import annotations
@@ -70,8 +70,8 @@ def run_alone(cmd: list[str]) -> tuple[float, float, str]:
 
 def _scan(trace: Path, row: dict[str, object], scans: list[tuple[float, float]]) -> None:
     """One DuckDB scan more of `trace` into `row`: taken before each command and once after them
-    all, the ratios read their median (one scan on this shared machine moved by up to a third
-    from run to run)."""
+    all, the ratios read their median (one scan on a shared machine moves from run to run with
+    the others' load)."""
     _, row["scan_gib"], out = run_alone([sys.executable, "-c", SCAN, str(trace)])
     wall, cpu = (float(x) for x in out.split())  # the query alone
     scans.append((wall, cpu))
@@ -182,7 +182,7 @@ def table(rows: list[dict[str, object]]) -> str:
 def cli_times(trace: Path, repeats: int = 9) -> dict[str, tuple[float, float]]:
     """(median wall seconds, best CPU seconds) of the quick commands on a small trace, each a fresh
     process as typed. The installed command is timed: from an editable install under
-    PYTHONDONTWRITEBYTECODE, Python compiles the CLI's own modules at every start (~40 ms more);
+    PYTHONDONTWRITEBYTECODE, Python compiles the CLI's own modules at every start;
     `pip install .` compiles them once."""
     import statistics
 
@@ -200,8 +200,8 @@ def cli_times(trace: Path, repeats: int = 9) -> dict[str, tuple[float, float]]:
 def warm_up(workdir: Path, copies: int) -> float:
     """Wall seconds of one `report` on a small grown trace (two step windows), run before anything
     is timed: the compiled kernels are then in numba's cache. After an edit of a kernel's module
-    its first run compiles it again (the heatmap's pass alone took ~17 s for its three column
-    types), which would land on whichever command the bench timed first."""
+    its first run compiles it again (the heatmap's pass once for each of its column types), which
+    would land on whichever command the bench timed first."""
     trace = workdir / "warm-up"
     shutil.rmtree(trace, ignore_errors=True)
     grow.grow(trace, grow.steps_for(2e6, 18 * copies), copies, True)

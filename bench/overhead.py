@@ -45,7 +45,7 @@ def gpt_case(batch: int, n_layer: int, n_embd: int, block: int) -> tuple[torch.n
 
 
 def mlp_case(batch: int) -> tuple[torch.nn.Module, Callable[[], torch.Tensor]]:
-    """The worst case: a tiny MLP whose step is a few hundred microseconds."""
+    """The worst case: a tiny MLP, its step so short that the recorder's fixed costs weigh most."""
     model = zoo.mlp()
     data = zoo.batches(*zoo.teacher_classification(), batch)
 
@@ -194,8 +194,8 @@ def measure_interleaved(name: str, make: Callable[[], Case], steps: int, chunks:
     """Alternate single steps of a plain and a watched copy (`steps` each, order swapped every
     step); print the ratio of the summed step times, and its spread over `chunks` runs of steps.
 
-    A block of 100 steps on a shared machine varies by +-10% from the next: noise that lasts
-    seconds hits one side of a block pair. Steps 0.04-0.2 s long, alternated, share it. Every
+    A block of steps on a shared machine varies from the next: noise that lasts longer than a
+    step hits one side of a block pair. Single steps, alternated, share it. Every
     watched step is timed until the writer thread is idle again, so a flush's writing is charged
     to the watched side in full (more than a real run pays: there it overlaps the next steps);
     flushes at the recorder's default interval (100 steps)."""

@@ -43,7 +43,7 @@ def report_cmd(
 
     It reports the same analysis `warninglight analyze` prints with the same options.
     """
-    from warninglight.forensics.presenting import report
+    from warninglight.forensics.presenting import contents, report
     from warninglight.forensics.trace.checks import is_trace_file
 
     if fmt is Format.html and out.is_dir():
@@ -51,6 +51,8 @@ def report_cmd(
                    "or use --format png to write the figures into it")
     if fmt is Format.png and out.exists() and not out.is_dir():
         raise fail(f"--out {out} is a file; --format png writes into a folder, e.g. -o {out.with_suffix('')}_figures")
+    if not out.parent.is_dir():
+        raise fail(f"--out {out}: folder {out.parent} does not exist — create it or pass another path")
     if is_trace_file(trace, out):
         raise fail(f"--out {out} is inside the trace's own files; write the report elsewhere, "
                    f"e.g. -o {trace / 'report.html'}")
@@ -61,6 +63,8 @@ def report_cmd(
         refuse_overwrite(out, force, "--out")
     analysis = analysis_from(trace, config, overrides, checkpoints, every, steps, heat=True, band=True)
     warn(analysis.warnings)
+    _, truth_problem = contents.read_truth(trace)  # the report's own input: said beside the analysis'
+    warn([truth_problem] if truth_problem else [])
     with bad_input():
         try:
             paths = (report.write_pngs(trace, out, analysis) if fmt is Format.png

@@ -175,6 +175,41 @@ def test_duplicate_and_non_positive_steps_are_named(copy: Path) -> None:
                           "-4); steps count from 1, so these rows come from a different writer"]
 
 
+def test_a_step_far_past_the_others_is_named(copy: Path) -> None:
+    last = segments(copy, "steps")[-1]
+    table = pq.read_table(last)
+    corrupted = table.slice(table.num_rows - 1).set_column(0, "step", pa.array([10**12], pa.int64()))
+    rewrite(last, lambda t: pa.concat_tables([t, corrupted]))
+    warned = warnings_of(copy)
+    assert warned == [f"implausible step: `steps` holds step {10**12}, where the step before it is 300; "
+                      f"a corrupted row? It is analysed as recorded: check the file that holds it ({last.name})"]
+
+
+def test_a_run_whose_steps_move_on_normally_is_not_named(copy: Path) -> None:
+    assert not any(w.startswith("implausible step") for w in warnings_of(copy))
+
+
+def test_report_goes_past_a_missing_steps_table_and_an_unreadable_answer_key(tmp_path: Path) -> None:
+    faulty = tmp_path / "run"
+    shutil.copytree(trace("mlp_weight_corruption"), faulty)  # alarms: the condition map is drawn
+    shutil.rmtree(faulty / "steps")
+    (faulty / "truth.json").write_text("{not json")
+    out = tmp_path / "report.html"
+    got = run("report", faulty, "-o", out)
+    assert got.exit_code == 0, got.output
+    said = got.stderr.splitlines()
+    assert said[0].startswith("warning: no steps table: ")
+    assert said[-1].startswith(f"warning: unreadable answer key: {faulty / 'truth.json'} is not JSON")
+    page = out.read_text()
+    assert "no steps table" in page and "unreadable answer key" in page  # the page says it too
+
+
+def test_report_into_a_folder_that_does_not_exist_is_refused(copy: Path, tmp_path: Path) -> None:
+    one_line_error(run("report", copy, "-o", tmp_path / "no" / "such" / "r.html"),
+                   f"--out {tmp_path / 'no' / 'such' / 'r.html'}: folder {tmp_path / 'no' / 'such'} does not exist")
+    assert not (tmp_path / "no").exists()
+
+
 def test_a_missing_metric_column_is_named(copy: Path) -> None:
     for seg in segments(copy, "health"):
         rewrite(seg, lambda t: t.drop_columns(["out_rms", "grad_norm_l2"]))

@@ -8,6 +8,7 @@ step-axis figures draw, and the rehearsal's answer key if the trace has one.
 from __future__ import annotations
 
 import json
+import math
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,6 +34,7 @@ class ReportData:
     band: Future[pl.DataFrame | None] = field(repr=False)  # the root metric's band, read beside the drawing
     static: list[StaticAlarm] = field(default_factory=list)
     truth: dict[str, Any] | None = None
+    warnings: list[str] = field(default_factory=list)  # the analysis' and the report's own
 
     @property
     def root_band(self) -> pl.DataFrame | None:
@@ -51,10 +53,21 @@ def component_order(components: pl.DataFrame) -> list[str]:
     return c["component"].to_list()
 
 
-def read_truth(trace: Path) -> dict[str, Any] | None:
-    """The answer key a rehearsal left in the trace (truth.json), or None for a real run."""
+def read_truth(trace: Path) -> tuple[dict[str, Any] | None, str | None]:
+    """(the answer key a rehearsal left in the trace (truth.json), a warning where it cannot be
+    read); (None, None) for a real run, which has none."""
     path = trace / "truth.json"
-    return json.loads(path.read_text()) if path.exists() else None
+    if not path.exists():
+        return None, None
+    try:
+        truth = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        return None, (f"unreadable answer key: {path} is not JSON ({exc}); the report leaves the injected "
+                      "fault out — fix or delete the file")
+    if not isinstance(truth, dict):
+        return None, (f"unreadable answer key: {path} holds a JSON {type(truth).__name__}, not an object; "
+                      "the report leaves the injected fault out — fix or delete the file")
+    return truth, None
 
 
 def gather(analysis: Analysis) -> ReportData:
@@ -71,9 +84,10 @@ def gather(analysis: Analysis) -> ReportData:
         pool = ThreadPoolExecutor(1, thread_name_prefix="warninglight-band")
         band = pool.submit(analysis.baseline_frame, *which)
         pool.shutdown(wait=False)  # the thread ends with the read
+    truth, problem = read_truth(analysis.trace_dir)
     return ReportData(analysis, component_order(components),
                       dict(zip(components["component"], components["kind"], strict=True)),
-                      analysis.heat, band, analysis.static, read_truth(analysis.trace_dir))
+                      analysis.heat, band, analysis.static, truth, [*analysis.warnings, *([problem] if problem else [])])
 
 
 def marks(data: ReportData) -> list[plots.Mark]:
@@ -92,7 +106,8 @@ def marks(data: ReportData) -> list[plots.Mark]:
         ("rollback (ours)", a.rollback.checkpoint_step),
         ("rollback (loss-only)", a.rollback.loss_only.checkpoint_step),
     ]
-    return [plots.Mark(label, int(step)) for label, step in candidates if step is not None]
+    return [plots.Mark(label, int(step)) for label, step in candidates
+            if isinstance(step, int | float) and not isinstance(step, bool) and math.isfinite(step)]
 
 
 def never_fired(data: ReportData) -> list[str]:

@@ -45,10 +45,20 @@ def _drawers(data: ReportData) -> list[tuple[str, Callable[[], Figure | None]]]:
          if len(data.scores) and data.order else None),  # no components table: no rows to draw
         ("loss", lambda: plots.loss_and_grad(a.steps, m, never_fired(data))),
         ("ranks", lambda: plots.rank_panel(a.ranks_panel, near) if len(a.ranks_panel) else None),
-        ("conditions", lambda: plots.condition_map(a.alarms, data.order, int(a.steps["step"].max()), near,
+        ("conditions", lambda: plots.condition_map(a.alarms, data.order, last_step(a), near,
                                                    kinds=data.kinds) if len(a.alarms) and data.order else None),
         ("root_metric", root_metric),
     ]
+
+
+def last_step(a: Analysis) -> int:
+    """The run's last step: the steps table's, else the health rows' (a trace without a steps
+    table), else the last alarm's."""
+    for last in (a.steps["step"].max() if len(a.steps) else None, a.summary.get("last_step"),
+                 a.alarms["last_step"].max() if len(a.alarms) else None):
+        if isinstance(last, int):
+            return last
+    return 1
 
 
 def images(data: ReportData) -> dict[str, bytes]:

@@ -18,6 +18,7 @@ _CSS = """body{font-family:system-ui,sans-serif;max-width:1150px;margin:2em auto
 h1{font-size:1.5em}h2{font-size:1.15em;margin-top:1.6em;border-bottom:1px solid #ddd}
 .verdict{font-size:1.05em;padding:.7em 1em;border-left:6px solid #d62728;background:#fbeaea}
 .verdict.clean{border-color:#2ca02c;background:#eaf6ea}
+.warnings{padding:.4em 1em;border-left:6px solid #e6a700;background:#fdf6e3}
 table{border-collapse:collapse;font-size:.9em}td,th{border:1px solid #ccc;padding:.25em .6em;text-align:left}
 th{background:#f3f3f3}img{max-width:100%;border:1px solid #eee}code{background:#f5f5f5}"""
 
@@ -87,6 +88,9 @@ def _header(data: ReportData) -> list[str]:
         parts.append(f"<p><b>Why this component:</b> {html.escape(a.root.evidence)}{seen}</p>")
     if a.rollback.note:
         parts.append(f"<p><b>Rollback:</b> {html.escape(a.rollback.note)}</p>")
+    if data.warnings:  # what `analyze` printed as `warning:` lines: the report says it too
+        items = "".join(f"<li>{html.escape(' '.join(w.split()))}</li>" for w in data.warnings)
+        parts.append(f"<div class='warnings'><b>Warnings</b> (what the analysis went past):<ul>{items}</ul></div>")
     if data.truth:
         parts.append(f"<p><b>Answer key</b> (truth.json of this rehearsal): <code>{html.escape(json.dumps(data.truth))}</code></p>")
     return parts

@@ -29,6 +29,9 @@ class Trace(Protocol):
 _MANIFEST_INTS = ("rank", "world_size")
 _INCARNATION_INTS = ("incarnation", "first_step", "last_step", "steps_recorded", "dropped_steps",
                      "segments")
+# Steps a run's last step may lie past the one before it, beyond twice that step, before it is
+# named as implausible: a restart at a later step leaves a gap, never one this size alone.
+_FAR_STEPS = 100_000
 # What a reader loses when a table is missing, said to the user.
 _MISSING_TABLE = {
     "steps": "loss, learning rate and the comparators (loss-spike and gradient-norm rules) are "
@@ -99,7 +102,31 @@ def _step_warnings(trace: Trace) -> list[str]:
         if low[0]:
             out.append(f"non-positive steps: {low[0]} row(s) of `{table}` with step < 1 (lowest "
                        f"{low[1]}); steps count from 1, so these rows come from a different writer")
+        far = _step_far_past(trace, table)
+        if far:
+            out.append(far)
     return out
+
+
+def _step_far_past(trace: Trace, table: str) -> str | None:
+    """A warning when a table's last step lies far past every other step it holds (a corrupted
+    row): more than twice the step before it and `_FAR_STEPS` beyond. Only the file holding the
+    last step is read (its two highest steps); the others' are their spans' last steps."""
+    spans = sorted((s for s in trace.spans if s.table == table and s.rows and s.last is not None),
+                   key=lambda s: s.last or 0)
+    if not spans:
+        return None
+    top = trace.con.execute(f"SELECT DISTINCT step FROM {read_files([spans[-1].path])} "
+                            "WHERE step IS NOT NULL ORDER BY step DESC LIMIT 2").fetchall()
+    before = [int(s) for (s,) in top[1:]] + [s.last for s in spans[:-1] if s.last is not None]
+    if not top or not before:
+        return None
+    last, prior = int(top[0][0]), max(before)
+    if last <= 2 * prior + _FAR_STEPS:
+        return None
+    return (f"implausible step: `{table}` holds step {last}, where the step before it is {prior}; a "
+            "corrupted row? It is analysed as recorded: check the file that holds it "
+            f"({spans[-1].path.name})")
 
 
 def _column_warnings(trace: Trace) -> list[str]:

@@ -14,7 +14,7 @@ trace (best of 5), and the classifier's window reads again alone against a DuckD
 same files. Four kinds of thread run at once: the reader (`health_window`, `join_lr`: the
 next window), the main thread (`submit`: a window's sort and carry), the judging thread
 (`judge`: the window before) and the baseline's workers (the metric columns, the screen, the
-kernel and the compiled rules, `judge._hits`), whose seconds are summed over them: the parts add
+kernel and the compiled rules, `rules.hits`), whose seconds are summed over them: the parts add
 up to more than the wall time. The trace is a GPT sample trace grown to `--size` component-steps
 (bench/grow.py, the faulty one) unless `--trace` names one. Run: `python bench/engine_breakdown.py
 [--size 1e7 | --trace DIR] [--heat]` (with the heatmap, as `report` runs it: also the cells'
@@ -43,22 +43,22 @@ from warninglight.forensics.comparators import static_rules  # noqa: E402
 from warninglight.forensics.explaining import analysis  # noqa: E402
 from warninglight.forensics.judging import baseline, judge  # noqa: E402
 from warninglight.forensics.judging import classifier as stream  # noqa: E402
+from warninglight.forensics.judging.conditions import Config  # noqa: E402
 from warninglight.forensics.judging.kernels import heatbins, quantiles, screen  # noqa: E402
 from warninglight.forensics.judging.kernels import rules as ruletable  # noqa: E402
 from warninglight.forensics.presenting import plots, report  # noqa: E402
-from warninglight.forensics.judging.conditions import Config  # noqa: E402
 from warninglight.forensics.trace.store import health_window, open_trace, window_spans  # noqa: E402
 from warninglight.tracer import schema  # noqa: E402
 
 PARTS = ((stream.Classifier, "submit", 0), (stream, "series_order", 1), (stream.Classifier, "_carry", 1),
          (stream, "judge", 0), (judge, "prepare", 1), (judge, "column_of", 1), (screen, "wanted", 1),
-         (quantiles, "baseline_at", 1), (quantiles, "baseline", 1), (judge, "_hits", 1),
+         (quantiles, "baseline_at", 1), (quantiles, "baseline", 1), (ruletable, "hits", 1),
          (quantiles, "fold_baseline", 1), (heatbins, "fold", 1), (judge, "_heat", 1), (stream.Classifier, "heat", 0),
          (analysis, "health_window", 0), (analysis, "join_lr", 0), (static_rules.StaticScan, "feed", 0),
          (analysis, "component_lr", 0), (analysis, "locate_alarms", 0), (analysis, "comparators", 0),
          (analysis, "_step_series", 0), (plots, "png_bytes", 0), (analysis, "_baseline_frame", 0))
 # run on the baseline's workers: their seconds are summed over them
-THREADS = {"column_of", "wanted", "baseline_at", "baseline", "_hits", "fold_baseline", "fold"}
+THREADS = {"column_of", "wanted", "baseline_at", "baseline", "hits", "fold_baseline", "fold"}
 READER = {"health_window", "join_lr"}  # run on the reader thread, beside the classifier
 JUDGE = {"judge"}  # runs on a thread of its own, beside `submit` sorting the next window
 BAND = {"_baseline_frame"}  # `report` reads the root's band on a thread of its own, beside the analysis' tail

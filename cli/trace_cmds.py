@@ -17,7 +17,7 @@ class Format(StrEnum):
 
 
 def info_cmd(trace: TraceArg) -> None:
-    """Summarise a trace: run id, steps, incarnations, components, ranks, segments, size, dropped steps, precision of the estimates."""
+    """Summarise a trace: run id, steps, incarnations, components, ranks, segments, size, dropped steps, precision of the estimates, how the run ended."""
     from warninglight.forensics.trace.store import info, open_trace
 
     with bad_input():
@@ -29,6 +29,8 @@ def info_cmd(trace: TraceArg) -> None:
     warn(t.warnings)
     if summary["dropped_steps"] is None:
         summary["dropped_steps"] = "unknown (a rank has no manifest)"
+    if summary["ended"] == "running":
+        summary["ended"] = "running (never closed: the process was killed, or is still training)"
     bits = summary["estimate_bits"]
     summary["estimate_bits"] = "every bit" if bits is None else f"{bits} significand bits (docs/trace-format.md, Precision)"
     labels = {"run_id": "run", "size_bytes": "size (bytes)", "dropped_steps": "dropped steps",

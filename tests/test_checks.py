@@ -369,3 +369,58 @@ def test_a_model_with_5000_components_all_alarming_replays(tmp_path: Path) -> No
     assert len(lines) == 5000 and all(" LIGHT  layer" in ln and " exploding (out_nonfinite_count" in ln
                                       for ln in lines)
     assert "components: 5000\n" in run("info", tmp_path).stdout
+
+
+# --- what the recorder said, and how the run ended ---------------------------------------------
+
+def _recorded(path: Path, *, eval_mode: bool = False, fail_at: int | None = None) -> Path:
+    """A small MLP trained 80 steps under `watch` (in eval() mode, or raising at step `fail_at`)."""
+    import torch
+    import torch.nn.functional as F
+    from warninglight.lab import zoo
+    from warninglight.tracer import watch
+
+    torch.manual_seed(0)
+    model = zoo.mlp()
+    model.train(not eval_mode)
+    opt = torch.optim.SGD(model.parameters(), 0.05)
+    data = zoo.batches(*zoo.teacher_classification(n=512), 32)
+    try:
+        with watch(model, opt, path) as rec:
+            for step in range(1, 81):
+                _, x, y = next(data)
+                if step == fail_at:
+                    raise RuntimeError("the data loader died")
+                loss = F.cross_entropy(model(x), y)
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+                rec.log(loss=loss.item())
+    except RuntimeError:
+        pass
+    return path
+
+
+def test_what_the_recorder_warned_of_at_run_time_is_in_analyze(tmp_path: Path) -> None:
+    import warnings as py_warnings
+
+    with py_warnings.catch_warnings():
+        py_warnings.simplefilter("ignore")  # the run-time warning: said again by analyze, checked here
+        path = _recorded(tmp_path / "run", eval_mode=True)
+    said = [w for w in warnings_of(path) if w.startswith("the recorder warned at step ")]
+    assert len(said) == 1 and "eval() mode" in said[0] and "call model.train()" in said[0]
+
+
+def test_a_run_that_ended_with_an_exception_says_so_in_info_and_analyze(tmp_path: Path) -> None:
+    path = _recorded(tmp_path / "run", fail_at=40)
+    assert "ended: exception" in run("info", path).stdout.splitlines()
+    assert any(w.startswith("the run ended with an exception (rank 0, incarnation 1, last step recorded 39)")
+               for w in warnings_of(path))
+    assert "ended: normal" in run("info", _recorded(tmp_path / "clean")).stdout.splitlines()
+
+
+def test_a_run_folder_given_for_its_trace_names_the_trace_inside(tmp_path: Path, copy: Path) -> None:
+    (tmp_path / "demo").mkdir()
+    shutil.move(copy, tmp_path / "demo" / "trace")
+    one_line_error(run("analyze", tmp_path / "demo"),
+                   f"{tmp_path / 'demo'} is not a trace directory but holds one: pass {tmp_path / 'demo' / 'trace'}")

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import dataclasses
 
+import pytest
 from rehearsed import analysed
 from warninglight.forensics.explaining.analysis import Alarm, Detectors, Root
 from warninglight.forensics.explaining.rollback import LossOnlyChoice, Rollback
 from warninglight.forensics.presenting import wording
+from warninglight.forensics.presenting.texttable import text_table
 
 ROOT = Root(attributed_to="h.0.mlp.c_fc", observed_on="h.0.mlp.c_fc", condition="exploding", onset_step=150,
             alarm_step=151, magnitude=41.27, metric="weight_drift_l2", rank=0, ranks=[0], ranks_disagree=False,
@@ -73,3 +75,13 @@ def test_timeline_lines_of_the_light_and_the_rules() -> None:
         "step    151  LIGHT  2 exploding (weight_drift_l2 z=41.3), onset 150",
         "step    190  loss-spike rule fires"]
     assert wording.timeline_lines([]) == ["no alarm: the light never lit"]
+
+
+@pytest.mark.parametrize(("n", "said"), [(0, "0 steps"), (1, "1 step"), (2, "2 steps")])
+def test_step_counts_agree_with_their_number(n: int, said: str) -> None:
+    assert wording.steps(n) == said
+
+
+def test_a_timestamp_prints_every_whole_digit_and_a_loss_four_figures() -> None:
+    table = text_table([{"wall_time_s": 1796005072.00802, "loss": 2.30258}], ["wall_time_s", "loss"])
+    assert table.splitlines()[1].split() == ["1796005072.00802", "2.303"]

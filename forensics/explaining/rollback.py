@@ -141,10 +141,11 @@ def _before(checkpoints: list[Checkpoint], step: int) -> Checkpoint:
 
 
 def batches_in(trace: Trace, first: int, last: int) -> list[int] | None:
-    """Batch ids recorded for steps first..last, or None if the run did not record them."""
+    """Batch ids recorded for steps first..last, each once (a sample drawn twice in the window is
+    skipped once), or None if the run did not record them."""
     rows = trace.con.execute(
         "SELECT batch_ids FROM steps WHERE step BETWEEN ? AND ? ORDER BY step", [first, last]).fetchall()
-    ids = [int(i) for (b,) in rows if b is not None for i in b]
+    ids = list(dict.fromkeys(int(i) for (b,) in rows if b is not None for i in b))  # each id once, in order
     return ids if ids or any(b is not None for (b,) in rows) else None
 
 
@@ -156,6 +157,7 @@ def batches_by_rank(trace: Trace, first: int, last: int) -> dict[str, list[int]]
     by: dict[str, list[int]] = {}
     for rank, ids in rows:
         by.setdefault(str(rank), []).extend(int(i) for i in ids)
+    by = {rank: list(dict.fromkeys(ids)) for rank, ids in by.items()}
     return by if len(by) > 1 and len({tuple(v) for v in by.values()}) > 1 else None
 
 

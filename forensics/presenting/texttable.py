@@ -12,6 +12,8 @@ from typing import Any
 
 def _cell(v: Any) -> str:
     if isinstance(v, float):
+        if 1e6 <= abs(v) < 1e15:  # a timestamp or a count: every whole digit, none in an exponent
+            return f"{v:.6f}".rstrip("0").rstrip(".")
         return f"{v:.4g}"
     return "" if v is None else str(v)
 

@@ -18,6 +18,11 @@ from warninglight.forensics.presenting.texttable import text_table  # noqa: F401
 ALARM_TABLE_COLUMNS = ("step", "onset_step", "observed_on", "attributed_to", "condition", "metric", "magnitude")
 
 
+
+def steps(n: int | None) -> str:
+    """`n` steps, in words that agree with the number ("1 step", "3 steps")."""
+    return f"{n} step" if n == 1 else f"{n} steps"
+
 def number(v: Any) -> str:
     """A value as a person reads it: 3 significant digits, a dash for missing, a–b for a range."""
     if v is None:
@@ -41,7 +46,7 @@ def summary_line(root: Root | None, rollback: Rollback, detectors: Detectors, ve
     if rollback.checkpoint_step is None:
         return line + " — no checkpoint before the onset: restart from scratch."
     line += (f" — roll back to step {rollback.checkpoint_step} ({rollback.checkpoint_path or 'checkpoint'}), "
-             f"discard {rollback.steps_discarded} steps")
+             f"discard {steps(rollback.steps_discarded)}")
     if rollback.skip_step_range:
         line += f", skip the batches of steps {number(rollback.skip_step_range)}"
     return line + _loss_only_clause(rollback) + "."
@@ -56,7 +61,7 @@ def _loss_only_clause(rollback: Rollback) -> str:
     if other.steps_discarded is not None and rollback.steps_discarded is not None:
         saved = other.steps_discarded - rollback.steps_discarded
         return (f"; the loss-only choice (step {other.checkpoint_step}, clean) "
-                f"would discard {other.steps_discarded}: {saved} steps saved")
+                f"would discard {other.steps_discarded}: {steps(saved)} saved")
     return ""
 
 
@@ -107,7 +112,7 @@ def rollback_lines(rollback: Rollback) -> list[str]:
     where = f" ({rollback.checkpoint_path})" if rollback.checkpoint_path else ""
     batches = "" if rollback.skip_batches is None else f", {len(rollback.skip_batches)} batch ids to skip"
     first, last = rollback.skip_step_range
-    lines = [f"rollback: checkpoint at step {rollback.checkpoint_step}{where}, {rollback.steps_discarded} steps "
+    lines = [f"rollback: checkpoint at step {rollback.checkpoint_step}{where}, {steps(rollback.steps_discarded)} "
              f"discarded; skip steps {first}-{last}{batches}"]
     other = rollback.loss_only
     if other.alarm_step is None:
@@ -115,7 +120,7 @@ def rollback_lines(rollback: Rollback) -> list[str]:
     else:
         held = "already held the damage" if other.contaminated else "is clean"
         lines.append(f"loss-only operator: loss spike at step {other.alarm_step} -> checkpoint at step "
-                     f"{other.checkpoint_step}, which {held}; {other.steps_discarded} steps discarded")
+                     f"{other.checkpoint_step}, which {held}; {steps(other.steps_discarded)} discarded")
     lines.append(f"  {rollback.note}")
     return lines
 
@@ -133,7 +138,7 @@ def comparator_lines(detectors: Detectors) -> list[str]:
     for lead, name in ((detectors.light_lead_over_loss_spike, "loss spike"),
                        (detectors.light_lead_over_grad_norm_spike, "gradient-norm spike")):
         if lead is not None:
-            lines.append(f"  the light lit {abs(lead)} steps {'before' if lead >= 0 else 'after'} the {name}")
+            lines.append(f"  the light lit {steps(abs(lead))} {'before' if lead >= 0 else 'after'} the {name}")
     return lines
 
 

@@ -32,6 +32,8 @@ _INCARNATION_INTS = ("incarnation", "first_step", "last_step", "steps_recorded",
 # Steps a run's last step may lie past the one before it, beyond twice that step, before it is
 # named as implausible: a restart at a later step leaves a gap, never one this size alone.
 _FAR_STEPS = 100_000
+# The recorder's warnings said one by one; past this many, their number and where to read them.
+_MAX_RECORDER_WARNINGS = 10
 # What a reader loses when a table is missing, said to the user.
 _MISSING_TABLE = {
     "steps": "loss, learning rate and the comparators (loss-spike and gradient-norm rules) are "
@@ -139,12 +141,56 @@ def _column_warnings(trace: Trace) -> list[str]:
             "read them cannot fire"]
 
 
+def _recorder_warnings(trace: Trace, has_events: bool) -> list[str]:
+    """What the recorder warned of while the run trained (its `warning` events, each said once,
+    at the first step it held) and what its writer could not write (the manifests' warnings);
+    and a run that ended with an exception."""
+    out = []
+    if has_events:
+        rows = trace.con.execute("SELECT detail, min(step), list(DISTINCT rank ORDER BY rank) FROM events "
+                                 "WHERE kind = 'warning' AND detail IS NOT NULL GROUP BY detail "
+                                 "ORDER BY min(step), detail").fetchall()
+        for detail, step, ranks in rows[:_MAX_RECORDER_WARNINGS]:
+            where = f" (rank {', '.join(map(str, ranks))})" if len(trace.manifests) > 1 else ""
+            out.append(f"the recorder warned at step {step}{where}: {detail}")
+        if len(rows) > _MAX_RECORDER_WARNINGS:
+            out.append(f"the recorder warned of {len(rows) - _MAX_RECORDER_WARNINGS} more things: "
+                       "query the trace's events (kind = 'warning') for them")
+    for m in trace.manifests:
+        for inc in m.get("incarnations", []):
+            where = f"rank {m.get('rank')}, incarnation {inc.get('incarnation')}"
+            out += [f"the recorder could not write everything ({where}): {w}" for w in inc.get("warnings") or []
+                    if isinstance(w, str)]
+            if inc.get("status") == "exception":
+                out.append(f"the run ended with an exception ({where}, last step recorded "
+                           f"{inc.get('last_step')}): the trace holds what was recorded before it")
+    return out
+
+
+def run_status(trace: Trace) -> str | None:
+    """How the run's latest incarnation ended, per rank: `normal`, `exception`, `signal`, or
+    `running` where it never closed (killed, or still training); None without a manifest."""
+    ended = {}
+    for m in trace.manifests:
+        incarnations = [i for i in m.get("incarnations", []) if isinstance(i, dict)]
+        if incarnations:
+            last = max(incarnations, key=lambda i: i.get("incarnation") or 0)
+            ended[m.get("rank")] = str(last.get("status"))
+    if not ended:
+        return None
+    if len(set(ended.values())) == 1:
+        return next(iter(ended.values()))
+    return ", ".join(f"rank {r}: {s}" for r, s in sorted(ended.items(), key=lambda kv: str(kv[0])))
+
+
 def trace_warnings(trace: Trace, by_table: dict[str, list[Path]]) -> list[str]:
-    """Every warning about a trace that opened: manifests, tables, columns, step numbers."""
+    """Every warning about a trace that opened: manifests, tables, columns, step numbers, and
+    what the recorder itself warned of."""
     out = _manifest_warnings(trace)
     out += [f"no {t} table: {why}" for t, why in _MISSING_TABLE.items() if not by_table.get(t)]
     out += _column_warnings(trace)
     out += _step_warnings(trace)
+    out += _recorder_warnings(trace, bool(by_table.get("events")))
     return out
 
 

@@ -161,6 +161,20 @@ def _empty_select(table: str) -> str:
     return f"SELECT {', '.join(cols)}, CAST(NULL AS BIGINT) AS rank, CAST(NULL AS BIGINT) AS incarnation WHERE false"
 
 
+def _traces_inside(root: Path, depth: int = 2) -> list[Path]:
+    """Trace directories (a `health` folder beside a `manifest` one) at most `depth` folders
+    below `root`, at most three: a run folder given where its trace was meant."""
+    found: list[Path] = []
+    level = [root]
+    for _ in range(depth):
+        level = sorted(p for d in level for p in d.iterdir() if p.is_dir() and not p.is_symlink()) \
+            if level else []
+        found += [p for p in level if (p / "health").is_dir() and (p / schema.MANIFEST_DIR).is_dir()]
+        if found:
+            return found[:3]
+    return []
+
+
 def _raw_view(con: duckdb.DuckDBPyConnection, table: str, spans: list[SegmentSpan]) -> None:
     # an explicit list of literal names (the table's segments): never another run's files
     mine = [s for s in spans if s.table == table]
@@ -234,6 +248,11 @@ def open_trace(path: str | Path) -> Trace:
             raise EmptyTraceError(
                 f"no health segments under {root / 'health'} — the run recorded no complete steps "
                 f"yet (segments are written every few steps and at exit); expected files like {example}")
+        inside = _traces_inside(Path(root))
+        if inside:
+            which = f"one: pass {inside[0]}" if len(inside) == 1 else \
+                f"traces: pass one of {', '.join(str(p) for p in inside)}"
+            raise NotATraceError(f"{root} is not a trace directory but holds {which}")
         raise NotATraceError(
             f"no trace segments under {root / 'health'} — is this a trace directory? "
             f"expected files like {example}")
@@ -277,6 +296,7 @@ def info(trace: Trace) -> dict[str, Any]:
         "size_bytes": sum(p.stat().st_size for p in trace.segments),
         "dropped_steps": dropped,
         "estimate_bits": _estimate_bits(trace.manifests),
+        "ended": checks.run_status(trace),
     }
 
 

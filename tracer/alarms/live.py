@@ -129,7 +129,8 @@ class LiveClassifier:
         onset, step = root.alarm.onset_step, root.alarm.step
         rec = rb.recommend(None, self._checkpoints, "trace", onset, step, loss_spike, self.last_step)
         ids = [self._batches.get(s) for s in range(onset, step + 1)]
-        return replace(rec, skip_batches=[i for b in ids if b for i in b] if any(b is not None for b in ids) else None)
+        skip = list(dict.fromkeys(i for b in ids if b for i in b))  # each id once, as analyze lists them
+        return replace(rec, skip_batches=skip if any(b is not None for b in ids) else None)
 
     def _take_tables(self, seg: Segment) -> None:
         if "components" in seg.tables:

@@ -203,8 +203,10 @@ class ParamProbe:
         # the memory stays theirs while their storage keeps it (checked at each pass: a storage
         # freed in place, as sharding wrappers do, moves the address). Sharded parameters, and
         # a shape other than the one the sketch was laid out for, are read by the eager ops
-        # (which then fail loudly, caught like any recorder fault)
+        # (which then fail loudly, caught like any recorder fault). A weight whose storage is
+        # freed is read by neither: the eager ops would read freed memory too
         self._weight_ptrs = [p.data_ptr() for p in self._flat]
+        self._lost_weights = [i for i, p in enumerate(self._flat) if _lost_storage(p)]
         usable = self._compiled and self._dot["weights"] and not self._sharded and all(
             type(p) is torch.Tensor and p.numel() == n and n > 0 and not _lost_storage(p)
             for p, n in zip(self._flat, self._numel, strict=True))
@@ -232,7 +234,18 @@ class ParamProbe:
         its sketch and norms read the same answer."""
         if self._weight_addrs is not None and [p.data_ptr() for p in self._flat] != self._weight_ptrs:
             self.refresh()
+        if self._lost_weights:
+            self._refuse_lost_weights()
         return self._weight_addrs
+
+    def _refuse_lost_weights(self) -> None:
+        """Raise (a probe failure, caught by the recorder) while a weight's storage is freed. Once
+        it is back the eager ops read it (the views hold its storage), until the next `refresh`
+        (at a flush) gives the compiled passes its address again."""
+        self._lost_weights = [i for i in self._lost_weights if _lost_storage(self._flat[i])]
+        if self._lost_weights:
+            raise RuntimeError(f"the weights of parameter {self._lost_weights[0]} have lost their "
+                               "storage (freed in place?): their norms are not taken this step")
 
     def _views_of(self, rows: torch.Tensor | np.ndarray) -> list[_Row]:
         return [_Row(*(r[sl] for sl in (self._fwd_sketch, self._end_sketch, self._fwd_n,
@@ -427,11 +440,11 @@ class ParamProbe:
         has = np.fromiter((p.grad is not None for p in self.params), dtype=bool, count=len(self.params))
         self._preclip, self._bad = _NO_PRECLIP, None
         at_bw, self._at_backward = self._at_backward, None
+        self.has_grad = None  # set last: a pass that fails leaves the step without gradient norms
         if not has.any():
-            self.has_grad = None
             return
-        self.has_grad = np.zeros(self.n, dtype=bool)
-        self.has_grad[self.param_comp_np[has]] = True
+        has_grad = np.zeros(self.n, dtype=bool)
+        has_grad[self.param_comp_np[has]] = True
         grads = self._grads()
         # always a pass of its own, even when no version counter moved since the backward-end
         # pass: some writes move none (GradScaler's unscale), so copying those norms could be
@@ -452,6 +465,7 @@ class ParamProbe:
             counts = torch.stack([g.numel() - torch.isfinite(g).sum() for g in grads])
             self._bad = torch.zeros(self.n, dtype=torch.long, device=self.device).index_add_(
                 0, self.param_comp, counts).double()
+        self.has_grad = has_grad
 
     @torch.no_grad()
     def end(self, slot: int) -> tuple[np.ndarray, bool, bool]:

@@ -125,10 +125,11 @@ COMPONENT_COLUMNS: tuple[Column, ...] = (
 # Significand bits kept of an estimate (a statistic of a 16-row subsample of an output, or of a
 # 256-coordinate sketch of a parameter): rounded to nearest, a value moves by at most 2**-11 of
 # itself (0.05%), against a sampling error of 0.4% and more (a subsample holds at most 65,536
-# values: 1/sqrt(65536)) and a baseline scale of at least 2% (`forensics.baseline.REL_FLOOR`,
-# `LOG_SCALE_FLOOR`). The low bits of such a value are sampling noise, and noise does not
-# compress: stored whole, these 8 columns are most of a trace's bytes; rounded, they compress
-# (`bench/trace_format.py` prints both sizes).
+# values: 1/sqrt(65536)) and a baseline scale of at least 2% (`REL_FLOOR` in
+# forensics/judging/baseline.py, `LOG_SCALE_FLOOR` in forensics/explaining/ranks.py). The low
+# bits of such a value are sampling noise, and noise does not compress: stored whole, these 8
+# columns are most of a trace's bytes; rounded, they compress (`bench/trace_format.py` prints
+# both sizes).
 # Exact values (norms of whole tensors, counts, fractions) keep every bit. (The update of a tensor
 # of at most 256 entries is its whole sketch, so exact, and rounded all the same: 0.05% is still
 # far under the 2% the engine's scale resolves.) `watch(..., full_precision=True)`

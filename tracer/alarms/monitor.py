@@ -72,7 +72,7 @@ class LiveMonitor:
             self.errors += w.errors
 
     def _run(self) -> None:
-        try:  # load the compiled baseline kernel now (compiled on first use, ~2 s), not at the first alarm
+        try:  # load the compiled baseline kernel now (its first compile takes seconds), not at the first alarm
             from warninglight.forensics.judging.kernels.quantiles import warm
 
             warm()

@@ -6,6 +6,7 @@ import warnings
 from pathlib import Path
 
 import duckdb
+import numpy as np
 import torch
 import torch.nn.functional as F
 from warninglight.forensics import analyze, open_trace
@@ -16,10 +17,12 @@ from warninglight.tracer.components import discover
 from warninglight.tracer.replicas import ReplicaProbe
 
 
-def _checksums(model: torch.nn.Module) -> list[int]:
+def _checksums(model: torch.nn.Module) -> dict[str, int]:
+    """{component: weight checksum} as the replicas table gets it at the end of a step."""
     probe = ReplicaProbe(discover(model), model, 2)
     probe.end_step(1)
-    return probe.rows[1][0][0].tolist()  # (after the step, at the forward) x components
+    rows = probe.take(np.array([1]))
+    return dict(zip(rows["component"], rows["weight_checksum"], strict=True))
 
 
 def test_checksum_is_equal_on_identical_weights_and_changes_with_one_flipped_bit() -> None:
@@ -32,10 +35,8 @@ def test_checksum_is_equal_on_identical_weights_and_changes_with_one_flipped_bit
         w = b[2].weight.view(-1).view(torch.int32)
         w[17] ^= 1
     ca, cb = _checksums(a), _checksums(b)
-    differ = [i for i, (x, y) in enumerate(zip(ca, cb, strict=True)) if x != y]
-    names = [c.name for c in discover(b)]
-    assert [names[i] for i in differ] == ["2"]
-    assert abs(cb[differ[0]] - ca[differ[0]]) == 1  # the sum moved by exactly that bit
+    assert [c for c in ca if ca[c] != cb[c]] == ["2"]
+    assert abs(cb["2"] - ca["2"]) == 1  # the sum moved by exactly that bit
 
 
 def test_the_norm_misses_a_low_bit_flip_the_checksum_catches() -> None:

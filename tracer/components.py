@@ -38,6 +38,8 @@ class Component:
     parent_param: str | None = None
     head: bool = False
     param_group: int | None = None     # optimizer param group holding its parameters
+    param_names: list[str] = field(default_factory=list)  # state-dict keys of `params`, in order
+    optimizer_index: list[int | None] = field(default_factory=list)  # each one's optimizer state key
     extra: dict[str, object] = field(default_factory=dict)
 
     @property
@@ -51,7 +53,8 @@ def discover(model: nn.Module) -> list[Component]:
     seen: set[int] = set()
     found: list[Component] = []
     for name, module in model.named_modules():
-        own = [p for p in module.parameters(recurse=False) if id(p) not in seen]
+        named = [(n, p) for n, p in module.named_parameters(recurse=False) if id(p) not in seen]
+        own = [p for _, p in named]
         seen.update(id(p) for p in own)  # a tied parameter belongs to its first owner
         if own:
             role, bound = "param", None
@@ -60,7 +63,8 @@ def discover(model: nn.Module) -> list[Component]:
         else:
             continue
         found.append(Component(len(found), name, module, own, role, bound,
-                               channel_first=isinstance(module, _CHANNEL_FIRST)))
+                               channel_first=isinstance(module, _CHANNEL_FIRST),
+                               param_names=[f"{name}.{n}" if name else n for n, _ in named]))
     return found
 
 
@@ -96,13 +100,18 @@ def assign_parents(components: list[Component]) -> None:
 
 
 def assign_param_groups(components: list[Component], param_groups: list[dict[str, object]]) -> None:
-    """For each component, the first optimizer param group holding any of its parameters."""
+    """For each component, the first optimizer param group holding any of its parameters, and
+    each parameter's index in the optimizer's order (how `state_dict()["state"]` is keyed: the
+    groups' `params` lists one after another, counted from 0)."""
     group_of: dict[int, int] = {}
+    index_of: dict[int, int] = {}
     for i, group in enumerate(param_groups):
         for p in group.get("params", ()):  # type: ignore[union-attr]
             group_of.setdefault(id(p), i)
+            index_of.setdefault(id(p), len(index_of))
     for c in components:
         c.param_group = next((group_of[id(p)] for p in c.params if id(p) in group_of), None)
+        c.optimizer_index = [index_of.get(id(p)) for p in c.params]
 
 
 def component_rows(components: list[Component]) -> dict[str, list[object]]:
@@ -116,4 +125,6 @@ def component_rows(components: list[Component]) -> dict[str, list[object]]:
         "bound": [c.bound for c in components],
         "parent_param": [c.parent_param for c in components],
         "param_group": [c.param_group for c in components],
+        "param_names": [c.param_names or None for c in components],
+        "optimizer_index": [c.optimizer_index if c.params and c.optimizer_index else None for c in components],
     }

@@ -95,14 +95,15 @@ class Column:
 # which the engine's quick commands (`info`, `query`) never load; `Column.type` builds the Arrow
 # type.
 F32, F64, I64, STR, BOOL = "float", "double", "int64", "string", "bool"
-LIST_F64, LIST_I64 = "list<item: double>", "list<item: int64>"
+LIST_F64, LIST_I64, LIST_STR = "list<item: double>", "list<item: int64>", "list<item: string>"
 
 
 def _arrow_type(name: str) -> pa.DataType:
     import pyarrow as pa
 
     return {F32: pa.float32, F64: pa.float64, I64: pa.int64, STR: pa.string, BOOL: pa.bool_,
-            LIST_F64: lambda: pa.list_(pa.float64()), LIST_I64: lambda: pa.list_(pa.int64())}[name]()
+            LIST_F64: lambda: pa.list_(pa.float64()), LIST_I64: lambda: pa.list_(pa.int64()),
+            LIST_STR: lambda: pa.list_(pa.string())}[name]()
 
 
 def _schema(columns: tuple[Column, ...]) -> pa.Schema:
@@ -120,6 +121,8 @@ COMPONENT_COLUMNS: tuple[Column, ...] = (
     Column("bound", STR, "", "range of a bounded activation: `tanh` (-1,1), `sigmoid` (0,1), `relu` [0,inf), or null"),
     Column("parent_param", STR, "", "for an activation: the parameter-owning component called just before it (the layer it reads from)"),
     Column("param_group", I64, "", "index of the optimizer param group holding this component's parameters (the first that holds any); null if it owns none or the optimizer holds none of them"),
+    Column("param_names", LIST_STR, "", "the names (`model.named_parameters()`, i.e. state-dict keys) of the parameters this module owns directly, in its own order; null if it owns none"),
+    Column("optimizer_index", LIST_I64, "", "each of those parameters' index in the optimizer's parameter order at the first step (param groups in order, each group's `params` in order): the key of `optimizer.state_dict()[\"state\"]`; null entries for parameters the optimizer does not hold. `warninglight repair` matches optimizer state to parameters through it"),
 )
 
 # Significand bits kept of an estimate (a statistic of a 16-row subsample of an output, or of a

@@ -189,13 +189,14 @@ def test_a_one_bin_departure_shows_on_the_heatmap_whatever_the_labels_leave_of_i
             score[column] = 20.0
         scores = pl.concat([pl.DataFrame({"component": c, "step": steps, "score": score if c == "b" else 1.0})
                             for c in order])
-        fig = plots.heatmap(scores, order, kinds=kinds, step_width=125)
+        episode = pl.DataFrame({"observed_on": ["b"], "onset_step": [1], "last_step": [int(steps[-1])]})
+        fig = plots.heatmap(scores, order, kinds=kinds, step_width=125, episodes=episode)
         rgb = np.asarray(Image.open(io.BytesIO(plots.png_bytes(fig))).convert("RGB")).astype(int)
         return int((np.abs(rgb - (0x3D, 0x15, 0x02)).sum(axis=2) < 30).sum()), fig  # the ">= 12" colour
 
     legend, fig = dark_pixels(None)  # the colour bar's swatch alone
     assert fig.axes[0].images[0].get_array().shape[1] < 800  # pooled
-    assert "the worst of 2 bins of 125 steps" in fig.axes[1].get_ylabel()
+    assert "the worst of 2 bins of 125 steps" in fig.axes[2].get_ylabel()  # the alarm colours' bar
     for column in range(300, 308):
         assert dark_pixels(column)[0] > legend, column
 
@@ -212,3 +213,39 @@ def test_a_long_line_is_drawn_from_each_runs_lowest_and_highest_point() -> None:
     assert np.isnan(y[(x >= 7_050) & (x <= 7_150)]).all() and np.isnan(y).sum() >= 2
     short = np.arange(10.0)
     assert plots._envelope(short, short)[1] is short  # a short line is drawn as it is
+
+
+def _pixels(fig: plots.Figure, colour: str) -> int:
+    rgb = np.asarray(Image.open(io.BytesIO(plots.png_bytes(fig))).convert("RGB")).astype(int)
+    want = tuple(int(colour[i:i + 2], 16) for i in (1, 3, 5))
+    return int((np.abs(rgb - want).sum(axis=2) < 12).sum())
+
+
+def test_a_departure_no_alarm_counted_is_drawn_apart_from_an_alarms_episode() -> None:
+    # the same |z| of 20 on two components at steps 40-49: one of them in an alarm's episode
+    steps = np.arange(1, 101)
+    score = np.where((steps >= 40) & (steps < 50), 20.0, 1.0)
+    scores = pl.concat([pl.DataFrame({"component": c, "step": steps, "score": score}) for c in ("a", "b")])
+    episode = pl.DataFrame({"observed_on": ["b"], "onset_step": [40], "last_step": [49]})
+    fig = plots.heatmap(scores, ["a", "b"], episodes=episode)
+    aside, alarmed = (im.get_array() for im in fig.axes[0].images)
+    assert not aside.mask[0, 39] and aside.mask[1, 39]  # a's departure: set aside, b's: alarmed
+    assert alarmed.mask[0, 39] and not alarmed.mask[1, 39] and alarmed.mask[1, 50]
+    darkest_alarm, darkest_aside = plots.ALARM_COLOURS[-1], plots.SET_ASIDE_COLOURS[-1]
+    with_alarm = (_pixels(fig, darkest_alarm), _pixels(fig, darkest_aside))
+    none = plots.heatmap(scores, ["a", "b"])  # no alarm at all: nothing in the alarm colours
+    without = (_pixels(none, darkest_alarm), _pixels(none, darkest_aside))
+    assert with_alarm[0] > without[0] and with_alarm[1] < without[1]
+    assert [ax.get_ylabel().split(":")[0] for ax in fig.axes[1:]] == ["no alarm", "in an alarm's episode"]
+
+
+def test_the_heatmaps_note_names_the_metrics_no_rule_reads(fault_trace: Path, tmp_path: Path) -> None:
+    from warninglight.forensics.judging.conditions import CONDITIONS, Condition, Config
+    from warninglight.forensics.presenting import report_html
+
+    assert report_html.unread_metrics(Config()) == ["weight_drift_l2"]
+    dropped = tuple(Condition(**{**c.__dict__, "rules": tuple(r for r in c.rules if r.metric != "out_mean")})
+                    for c in CONDITIONS)
+    assert report_html.unread_metrics(Config(conditions=dropped)) == ["out_mean", "weight_drift_l2"]
+    text = report.write_html(fault_trace, tmp_path / "r.html").read_text()
+    assert "Blue: a departure no alarm counted" in text and "no rule reads weight_drift_l2" in text

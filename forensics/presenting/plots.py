@@ -17,8 +17,10 @@ import matplotlib
 import numpy as np
 import polars as pl
 from matplotlib.axes import Axes
+from matplotlib.colorbar import Colorbar
 from matplotlib.colors import BoundaryNorm, ListedColormap
 from matplotlib.figure import Figure
+from matplotlib.image import AxesImage
 from matplotlib.patches import Rectangle
 
 MAX_LABEL = 26  # characters of a component name on an axis before it is shortened
@@ -31,6 +33,11 @@ STEP_COLUMNS = 2000  # a line over steps is cut to at most twice this many point
 MAP_COLUMNS = 800
 Z_CAP = 12.0  # |z| colour scale saturates here; beyond it every cell looks equally alarming
 Z_LEVELS = (0.0, 3.0, 4.0, 6.0, 8.0, Z_CAP, 2 * Z_CAP)  # heatmap colour bins of |z|; the last is ">= Z_CAP"
+# The heatmap's colours, one per level of Z_LEVELS. Under 3, ordinary noise, both are the same
+# pale colour, so departures stand out. A cell in an alarm's episode is warm, up to near black; a
+# departure no alarm counted is blue, and never as dark: the eye goes to what the rules counted.
+ALARM_COLOURS = ("#fbfbf4", "#fee391", "#fe9929", "#d95f0e", "#993404", "#3d1502")
+SET_ASIDE_COLOURS = ("#fbfbf4", "#dbe9f6", "#bad6eb", "#89bedc", "#539ecd", "#2b7bba")
 DPI = 110  # the report's figures are rendered at this many pixels per inch (`png_bytes`)
 
 # One colour per mark kind, used on every figure so the legend reads the same everywhere.
@@ -86,9 +93,14 @@ def _draw_marks(ax: Axes, marks: Sequence[Mark]) -> None:
 def heatmap(scores: pl.DataFrame, order: Sequence[str], marks: Sequence[Mark] = (),
             kinds: dict[str, str] | None = None,
             title: str = "Component health: worst |robust z| of any metric against the component's own baseline",
-            colour_label: str = "worst |robust z| over the metrics", step_width: int = 1) -> Figure:
+            colour_label: str = "worst |robust z| over the metrics", step_width: int = 1,
+            episodes: pl.DataFrame | None = None) -> Figure:
     """Component × step image of `scores` (columns component, step, score), rows in `order`.
 
+    `episodes` (columns observed_on, onset_step, last_step: the alarms): a cell inside one of its
+    component's episodes is drawn in the alarm colours, every other cell in the set-aside ones (a
+    departure no alarm counted: a rule needs more than |z|, or no rule reads the metric), each
+    with its colour bar. None: every cell is set aside.
     `step_width` > 1: each `step` is the first of a bin of that many steps (one image column).
     Where the axes have fewer pixels across than there are columns (at `DPI`, once laid out: long
     component labels narrow them), a column is the worst of as many neighbouring ones as it
@@ -104,39 +116,67 @@ def heatmap(scores: pl.DataFrame, order: Sequence[str], marks: Sequence[Mark] = 
     r = rows["component"].replace_strict(index, return_dtype=pl.Int64).to_numpy()
     s = (rows["step"].to_numpy() - first) // step_width
     grid[r, s] = np.clip(np.abs(rows["score"].fill_null(np.nan).to_numpy()), 0, Z_CAP + 1)
-    height = min(14.0, 1.6 + 0.28 * len(order))
+    alarmed = _in_episodes(episodes, index, first, len(steps), step_width)
+    height = min(14.0, 2.2 + 0.28 * len(order))
     fig = Figure(figsize=(11, height), dpi=DPI, layout="constrained")
     ax = fig.subplots()
-    # Discrete levels: |z| under 3 is ordinary noise and stays pale, so departures stand out.
-    cmap = ListedColormap(["#fbfbf4", "#fee391", "#fe9929", "#d95f0e", "#993404", "#3d1502"]).with_extremes(
-        bad="#dddddd")  # no data: warm-up before a baseline exists, or no such metric
-    norm = BoundaryNorm(Z_LEVELS, cmap.N)
-    im = ax.imshow(grid, aspect="auto", interpolation="nearest", cmap=cmap, norm=norm,
-                   extent=(steps[0] - 0.5, steps[-1] + step_width - 0.5, len(order) - 0.5, -0.5))
+    extent = (steps[0] - 0.5, steps[-1] + step_width - 0.5, len(order) - 0.5, -0.5)
+    # the set-aside cells beneath (their "bad" colour, grey, is also the warm-up's), the alarmed
+    # ones over them (transparent where none)
+    layers = [(np.where(alarmed, np.nan, grid), SET_ASIDE_COLOURS, "#dddddd"),
+              (np.where(alarmed, grid, np.nan), ALARM_COLOURS, (0, 0, 0, 0))]
+    images = [ax.imshow(g, aspect="auto", interpolation="nearest", extent=extent,
+                        cmap=ListedColormap(colours).with_extremes(bad=bad), norm=BoundaryNorm(Z_LEVELS, len(colours)))
+              for g, colours, bad in layers]
     _set_rows(ax, order, kinds)
     ax.set_xlabel("optimizer step")
     ax.set_title(title)
     _draw_marks(ax, marks)
     if marks:
         ax.legend(loc="upper left", fontsize=8, framealpha=0.9)
-    bar = fig.colorbar(im, ax=ax, shrink=0.9, ticks=Z_LEVELS[:-1])
-    bar.ax.set_yticklabels([f"{v:g}" for v in Z_LEVELS[:-2]] + [f"≥ {Z_CAP:g}"])
-    bar.set_label(colour_label if step_width == 1 else
-                  f"{colour_label}\n(bins of {step_width} steps, each against its first step's baseline)", fontsize=9)
+    binned = "" if step_width == 1 else f"\n(bins of {step_width} steps, each against its first step's baseline)"
+    _z_bar(fig, ax, images[0], "no alarm: departures\nthe rules set aside")
+    alarm = _z_bar(fig, ax, images[1], f"in an alarm's episode:\n{colour_label}{binned}")  # the later, the nearer
     if len(steps) > 1:
         fig.get_layout_engine().execute(fig)  # where the axes fall, to count their pixels
-        pooled, k = _pooled(grid, int(ax.get_window_extent().width))
+        columns = int(ax.get_window_extent().width)
+        k = _pooled(grid, columns)[1]
         if k == 1:  # laid out at `DPI` as it is drawn: `png_bytes` need not lay it out again
             fig.set_layout_engine(None)
             return fig
-        im.set_data(pooled)
-        im.set_extent((steps[0] - 0.5, steps[0] + pooled.shape[1] * k * step_width - 0.5, len(order) - 0.5, -0.5))
+        for im, (g, _, _) in zip(images, layers, strict=True):
+            pooled = _pooled(g, columns)[0]
+            im.set_data(pooled)
+            im.set_extent((steps[0] - 0.5, steps[0] + pooled.shape[1] * k * step_width - 0.5, len(order) - 0.5, -0.5))
         ax.set_xlim(steps[0] - 0.5, steps[-1] + step_width - 0.5)
         label = (f"{colour_label}\n(a column: the worst of {k} steps)" if step_width == 1 else
                  f"{colour_label}\n(a column: the worst of {k} bins of {step_width} steps, each against its "
                  "first step's baseline)")
-        bar.set_label(label, fontsize=9)  # laid out again when drawn
+        alarm.set_label(f"in an alarm's episode:\n{label}", fontsize=9)  # laid out again when drawn
     return fig
+
+
+def _z_bar(fig: Figure, ax: Axes, im: AxesImage, label: str) -> Colorbar:
+    """A colour bar of the |z| levels, the last one labelled "≥ Z_CAP"."""
+    bar = fig.colorbar(im, ax=ax, shrink=0.9, pad=0.01, ticks=Z_LEVELS[:-1])
+    bar.ax.set_yticklabels([f"{v:g}" for v in Z_LEVELS[:-2]] + [f"≥ {Z_CAP:g}"])
+    bar.set_label(label, fontsize=9)
+    return bar
+
+
+def _in_episodes(episodes: pl.DataFrame | None, index: dict[str, int], first: int, columns: int,
+                 step_width: int) -> np.ndarray:
+    """Rows × columns: whether a cell (a bin of `step_width` steps from `first`) holds a step of
+    one of its component's episodes (onset to last alarming step)."""
+    inside = np.zeros((len(index), columns), dtype=np.bool_)
+    if episodes is None:
+        return inside
+    for name, onset, last in episodes.select("observed_on", "onset_step", "last_step").iter_rows():
+        if name in index and onset is not None:
+            a = max(0, (int(onset) - first) // step_width)
+            b = min(columns - 1, (int(last if last is not None else onset) - first) // step_width)
+            inside[index[name], a:b + 1] = True
+    return inside
 
 
 def _pooled(grid: np.ndarray, columns: int) -> tuple[np.ndarray, int]:

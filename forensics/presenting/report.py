@@ -41,7 +41,8 @@ def _drawers(data: ReportData) -> list[tuple[str, Callable[[], Figure | None]]]:
         return plots.baseline_band(band, name, root.metric, [x for x in m if x.label in ("injected", *ALARM_MARKS)])
 
     return [
-        ("heatmap", lambda: plots.heatmap(data.scores, data.order, near, kinds=data.kinds, step_width=a.heat_width)
+        ("heatmap", lambda: plots.heatmap(data.scores, data.order, near, kinds=data.kinds, step_width=a.heat_width,
+                                          episodes=a.alarms)
          if len(data.scores) and data.order else None),  # no components table: no rows to draw
         ("loss", lambda: plots.loss_and_grad(a.steps, m, never_fired(data))),
         ("ranks", lambda: plots.rank_panel(a.ranks_panel, near) if len(a.ranks_panel) else None),

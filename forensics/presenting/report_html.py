@@ -11,8 +11,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict
 from typing import Any
 
+from warninglight.forensics.judging.conditions import Config
 from warninglight.forensics.presenting import plots, wording
 from warninglight.forensics.presenting.contents import ReportData
+from warninglight.tracer import schema
 
 _CSS = """body{font-family:system-ui,sans-serif;max-width:1150px;margin:2em auto;color:#222}
 h1{font-size:1.5em}h2{font-size:1.15em;margin-top:1.6em;border-bottom:1px solid #ddd}
@@ -33,7 +35,11 @@ _CAPTIONS = {  # figure stem -> (heading, note under the image)
     "heatmap": ("Where: every component at every step",
                 "Each cell: the largest |robust z| of any recorded metric of that component at that step, "
                 "against the component's own trailing baseline (a cell of several steps: each against the "
-                "baseline of its first). Grey: no baseline yet (warm-up)."),
+                "baseline of its first). Orange to brown: the cell is in an alarm's episode on that "
+                "component (its onset to its last alarming step). Blue: a departure no alarm counted, "
+                "which the engine judged and set aside: a rule asks more than |z| (a fold of the baseline "
+                "or a change in the metric's units too, held on consecutive steps, as warninglight "
+                "conditions lists them){unread}. Grey: no baseline yet (warm-up)."),
     "root_metric": ("The root component against its baseline", ""),
     "loss": ("When: the light against the loss and gradient-norm rules",
              "Vertical lines: the fault's onset and our alarm, the comparators' first firing at or after "
@@ -96,10 +102,18 @@ def _header(data: ReportData) -> list[str]:
     return parts
 
 
-def _figures(images: Mapping[str, bytes]) -> list[str]:
+def unread_metrics(config: Config) -> list[str]:
+    """The health metrics no rule of `config` reads: the heatmap shows their departures, which never alarm."""
+    read = {r.metric for c in config.conditions for r in c.rules}
+    return [m for m in schema.HEALTH_METRICS if m not in read]
+
+
+def _figures(data: ReportData, images: Mapping[str, bytes]) -> list[str]:
     parts = []
+    unread = unread_metrics(data.analysis.config)
     for name, png in images.items():
         heading, note = _CAPTIONS.get(name, (name, ""))
+        note = note.replace("{unread}", f", and no rule reads {', '.join(unread)}" if unread else "")
         parts.append(f"<h2>{html.escape(heading)}</h2><img alt='{name}' src='{plots.data_uri(png)}'>")
         if note:
             parts.append(f"<p><small>{html.escape(note)}</small></p>")
@@ -116,7 +130,7 @@ def _rollback(data: ReportData) -> str:
 
 def render_html(data: ReportData, images: Mapping[str, bytes]) -> str:
     """The report as one HTML string with the PNGs inlined."""
-    parts = [*_header(data), *_figures(images), _rollback(data),
+    parts = [*_header(data), *_figures(data, images), _rollback(data),
              "<h2>Detectors</h2>" + _table(_comparator_rows(data), ["detector", "first alarm step", "names a component"]),
              f"<h2>Alarms ({len(data.analysis.alarms)})</h2>" + _table(alarm_rows(data), list(ALARM_HEADERS.values())),
              f"<h2>Static-rule firings ({len(data.static)})</h2>"

@@ -66,6 +66,20 @@ def test_norms_are_judged_in_log_units_and_band_brackets_the_median() -> None:
     assert b["upper"][0] == pytest.approx(100 * math.exp(0.06))
 
 
+def test_a_held_band_stays_as_it_stood_at_its_first_step() -> None:
+    # a jump at step 30 that lasts: the trailing band climbs to it, the held one does not
+    s = scored(frame([1.0 + 0.01 * (i % 3) for i in range(30)] + [50.0] * 30, [0.0] * 60)).filter(
+        pl.col("component") == "a").filter(pl.col("step") != 30)  # the onset's own row not recorded
+    trailing, held = band(s, "out_mean"), band(s, "out_mean", hold=(30, 45))
+    before = trailing.filter(step=29)
+    inside = held.filter(pl.col("step").is_between(30, 45))
+    assert len(inside) == 15 and inside["held"].all() and not held.filter(step=46)["held"].item()
+    for column in ("median", "lower", "upper"):
+        assert (inside[column] == before[column].item()).all(), column
+    assert trailing.filter(step=45)["median"].item() == pytest.approx(50.0)  # taken in
+    assert held.filter(step=46).equals(trailing.filter(step=46))  # trailing again after it
+
+
 @pytest.mark.parametrize(("step_span", "ranks", "dtype", "given", "shuffled"), [
     (1_000, [0, 3, 17], pl.String, None, True),
     (1 << 41, [0, 3, 17], pl.String, None, True),  # too wide for the one integer key: the plain sort

@@ -52,14 +52,39 @@ def test_the_root_band_read_beside_the_analysis_is_the_one_read_after_it(fault_t
     # `report` has the analysis read the root's band from the trace it has open (a connection of
     # its own to the same views), beside the comparators: the same frame as reading it afterwards
     from warninglight.forensics import analyze
-    from warninglight.forensics.explaining.analysis import band_of
+    from warninglight.forensics.explaining.analysis import band_of, root_episode
 
     analysis = analyze(fault_trace, band=True)
     which = band_of(analysis.root)
     assert which is not None and analysis.root_band is not None and len(analysis.root_band) > 100
-    assert analysis.root_band.equals(analysis.baseline_frame(*which))
+    assert analysis.root_band.equals(analysis.baseline_frame(*which, hold=root_episode(analysis.root, analysis.alarms)))
     assert analyze(fault_trace).root_band is None  # not asked: not read
     assert report.gather(analysis).root_band is analysis.root_band
+
+
+def test_the_root_band_is_held_at_the_onset_through_the_episode(fault_trace: Path) -> None:
+    # a trailing baseline takes the fault in as its window fills with it: the root's band is the
+    # baseline as it stood at the onset, from the onset to the alarm's last step, then trailing
+    from warninglight.forensics import analyze
+    from warninglight.forensics.explaining.analysis import band_of, root_episode
+
+    analysis = analyze(fault_trace, band=True)
+    root, band = analysis.root, analysis.root_band
+    assert root is not None and band is not None
+    onset, last = root_episode(root, analysis.alarms)
+    own = analysis.alarms.filter(observed_on=root.observed_on, metric=root.metric, step=root.alarm_step)
+    assert onset == root.onset_step and last == own["last_step"].item() > root.alarm_step + 10
+    trailing = analysis.baseline_frame(*band_of(root))
+    inside = pl.col("step").is_between(onset, last)
+    at_onset = trailing.filter(step=onset)
+    for column in ("median", "lower", "upper"):
+        assert (band.filter(inside)[column] == at_onset[column].item()).all(), column
+    assert band["held"].to_list() == band.select(inside).to_series().to_list()
+    assert band.filter(~inside).drop("held").equals(trailing.filter(~inside).drop("held"))
+    # the trailing band had taken the fault in by the episode's end; the held one had not
+    assert trailing.filter(step=last)["upper"].item() > 10 * at_onset["upper"].item()
+    labels = plots.baseline_band(band, root.name, root.metric).axes[0].get_legend_handles_labels()[1]
+    assert f"baseline band as at the onset, held over steps {onset}–{last}" in labels
 
 
 def test_png_format_via_cli(fault_trace: Path, tmp_path: Path) -> None:

@@ -35,6 +35,7 @@ from warninglight.forensics.explaining.localise import (
     root_cause,
 )
 from warninglight.forensics.explaining.reference import check_components, reference_baseline
+from warninglight.forensics.explaining.repairable import Soundness, judge
 from warninglight.forensics.judging.baseline import band, with_baseline
 from warninglight.forensics.judging.classifier import Classifier
 from warninglight.forensics.judging.conditions import Config, load_config
@@ -162,10 +163,14 @@ class Analysis:
     # health rows in the segments, from their footers (None: a restarted run, whose effective
     # timeline leaves some out, or an incident window): what `eval` divides false alarms by
     health_rows: int | None = None
-    # the root metric against its baseline over the run (`baseline_frame`'s columns), read beside
-    # the analysis' tail when asked (`analyze(band=True)`, the report's figure); None: not asked,
-    # no root, or a metric with no band (a rank finding's)
+    # the root metric against its baseline over the run (`baseline_frame`'s columns, the band held
+    # at the onset's through the root's episode: `root_episode`), read beside the analysis' tail
+    # when asked (`analyze(band=True)`, the report's figure); None: not asked, no root, or a
+    # metric with no band (a rank finding's)
     root_band: pl.DataFrame | None = field(default=None, repr=False)
+    # whether the root component alone can be repaired in the latest checkpoint (`repairable`);
+    # None: healthy
+    repair: Soundness | None = None
 
     def alarm_list(self) -> list[Alarm]:
         """The alarms as records, in step order (non-finite floats as None)."""
@@ -179,20 +184,23 @@ class Analysis:
             "affected": self.affected, "alarms": [a.to_dict() for a in self.alarm_list()],
             "rollback": self.rollback.to_dict(), "detectors": self.detectors.to_dict(), "trace_info": self.summary,
             "warnings": self.warnings,
+            "repair": None if self.repair is None else self.repair.to_dict(),
         }
 
     def baseline_frame(self, component: str, metric: str, rank: int = 0,
-                       width_z: float = 3.0) -> pl.DataFrame:
-        """step, value, median, lower, upper (median ± width_z robust scales) of one metric."""
+                       width_z: float = 3.0, hold: tuple[int, int] | None = None) -> pl.DataFrame:
+        """step, value, median, lower, upper (median ± width_z robust scales), held of one metric;
+        `hold` = (first, last): the band as it stood at step first, held to step last
+        (`baseline.band`; `root_episode` gives the root's)."""
         trace = open_trace(self.trace_dir)  # one component is read back: the analysis keeps none
         try:
-            return _baseline_frame(trace, self.config, component, metric, rank, width_z)
+            return _baseline_frame(trace, self.config, component, metric, rank, width_z, hold)
         finally:
             trace.close()
 
 
 def _baseline_frame(trace: Trace, config: Config, component: str, metric: str, rank: int = 0,
-                    width_z: float = 3.0) -> pl.DataFrame:
+                    width_z: float = 3.0, hold: tuple[int, int] | None = None) -> pl.DataFrame:
     """`Analysis.baseline_frame` from an open trace."""
     if metric not in trace.sql("SELECT * FROM health WHERE false").columns:
         raise KeyError(f"no metric {metric!r} in {trace.root}; try out_rms, grad_norm_l2, update_ratio")
@@ -200,7 +208,7 @@ def _baseline_frame(trace: Trace, config: Config, component: str, metric: str, r
     rows = health_window(trace, first, last, columns=[metric], names=[component], rank=rank)
     if rows.is_empty():
         raise KeyError(f"no component {component!r} on rank {rank} in {trace.root}")
-    return band(with_baseline(rows.lazy(), config.baseline, [metric]).collect(), metric, width_z)
+    return band(with_baseline(rows.lazy(), config.baseline, [metric]).collect(), metric, width_z, hold)
 
 
 def band_of(root: Root | None) -> tuple[str, str, int] | None:
@@ -212,9 +220,23 @@ def band_of(root: Root | None) -> tuple[str, str, int] | None:
     return root.observed_on, root.metric, root.rank if root.rank is not None else (root.ranks or [0])[0]
 
 
-def _root_band(trace: Trace, config: Config, root: Root | None, pool: ThreadPoolExecutor) -> Future[pl.DataFrame | None]:
-    """The root metric's band (`Analysis.root_band`), read on `pool` through a connection of its
-    own to the open trace's database (its views are the trace's), beside what the caller does next."""
+def root_episode(root: Root | None, alarms: pl.DataFrame) -> tuple[int, int] | None:
+    """(onset, last step) of the root's episode: its alarm's last alarming step among `alarms`
+    (columns observed_on, condition, metric, step, last_step), else its alarm step. The root's
+    band is held at the onset's through it: the fault is shown against the baseline before it."""
+    if root is None:
+        return None
+    own = alarms.filter(pl.col("observed_on") == root.observed_on, pl.col("condition") == root.condition,
+                        pl.col("metric") == root.metric, pl.col("step") == root.alarm_step)
+    last = own["last_step"].max() if len(own) else None
+    return root.onset_step, max(root.alarm_step, int(last) if isinstance(last, int) else root.alarm_step)
+
+
+def _root_band(trace: Trace, config: Config, root: Root | None, pool: ThreadPoolExecutor,
+               hold: tuple[int, int] | None = None) -> Future[pl.DataFrame | None]:
+    """The root metric's band (`Analysis.root_band`), held through `hold` (`root_episode`), read
+    on `pool` through a connection of its own to the open trace's database (its views are the
+    trace's), beside what the caller does next."""
     which = band_of(root)
     if which is None:
         done: Future[pl.DataFrame | None] = Future()
@@ -224,7 +246,7 @@ def _root_band(trace: Trace, config: Config, root: Root | None, pool: ThreadPool
 
     def read() -> pl.DataFrame:
         try:
-            return _baseline_frame(beside, config, *which)
+            return _baseline_frame(beside, config, *which, hold=hold)
         finally:
             beside.con.close()
     return pool.submit(read)
@@ -515,7 +537,7 @@ def analyze(trace_dir: str | Path, *, config: Config | str | Path | None = None,
         ranked = rank_analysis.findings(trace)  # empty for a single rank
         panel = rank_analysis.panel(trace)
         top = with_ranks(typed_root(root, located, summary["ranks"]), ranked)
-        root_band = _root_band(trace, cfg, top, side) if band else None
+        root_band = _root_band(trace, cfg, top, side, root_episode(top, located_frame(located))) if band else None
         onset = top.onset_step if top else None
         found = comparators(trace, onset)
         last = int(summary["last_step"] or 0)
@@ -547,4 +569,14 @@ def analyze(trace_dir: str | Path, *, config: Config | str | Path | None = None,
     return Analysis(Path(trace_dir), FAULT if top else HEALTHY, top, affected,
                     alarms, rollback, Detectors(**found, **leads, first_alarm_step=first_light),
                     clf.heat(), summary, components, table, cfg.baseline.min_samples + cfg.baseline.lag,
-                    warnings, panel, static.alarms(), cfg, width, health_rows, band_frame)
+                    warnings, panel, static.alarms(), cfg, width, health_rows, band_frame,
+                    _repair(top, alarms, components, rollback))
+
+
+def _repair(root: Root | None, alarms: pl.DataFrame, components: pl.DataFrame, rollback: rb.Rollback) -> Soundness | None:
+    """Whether the root alone can be repaired from the rollback's checkpoint into the latest one."""
+    if root is None:
+        return None
+    clean = rollback.checkpoint_step or None  # step 0 is the initialisation: no file to repair from
+    latest = max(rollback.checkpoints) if rollback.checkpoints else None
+    return judge(root.scope, root.attributed_to, root.condition, root.onset_step, alarms, components, clean, latest)

@@ -386,14 +386,25 @@ def _heat_of_z(metric: str) -> pl.Expr:
     return pl.when(z.is_finite() & pl.col(f"{metric}__med").is_not_null()).then(z.abs())
 
 
-def band(frame: pl.DataFrame, metric: str, width_z: float = 3.0) -> pl.DataFrame:
-    """step, value, median, lower, upper of one metric (rows of one component), for plotting."""
+def band(frame: pl.DataFrame, metric: str, width_z: float = 3.0,
+         hold: tuple[int, int] | None = None) -> pl.DataFrame:
+    """step, value, median, lower, upper, held of one metric (rows of one component), for plotting.
+
+    `hold` = (first, last): from step `first` to `last` (`held`) the median and scale stay as
+    they stood at `first` (its row, else the last row before it): a fault's onset to its
+    episode's end, against the baseline before it, which a trailing window would soon take in."""
+    frame = frame.sort("step")
     med, scale = pl.col(f"{metric}__med"), pl.col(f"{metric}__scale")
+    held = pl.lit(False)
+    if hold is not None:
+        held = pl.col("step").is_between(*hold)
+        before = pl.col("step") <= hold[0]
+        med, scale = (pl.when(held).then(c.filter(before).last()).otherwise(c) for c in (med, scale))
     if metric in LOG_METRICS:
         lower, upper = med * (-width_z * scale).exp(), med * (width_z * scale).exp()
     else:
         lower, upper = med - width_z * scale, med + width_z * scale
     return frame.select(
         "step", pl.col(metric).cast(pl.Float64).alias("value"), med.alias("median"),
-        lower.alias("lower"), upper.alias("upper"),
-    ).sort("step")
+        lower.alias("lower"), upper.alias("upper"), held.alias("held"),
+    )

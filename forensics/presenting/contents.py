@@ -16,7 +16,7 @@ from typing import Any
 
 import polars as pl
 from warninglight.forensics.comparators.static_rules import StaticAlarm
-from warninglight.forensics.explaining.analysis import Analysis, band_of
+from warninglight.forensics.explaining.analysis import Analysis, band_of, root_episode
 from warninglight.forensics.presenting import plots
 
 # marks drawn on the component figures (the step-axis figures draw them all)
@@ -31,7 +31,7 @@ class ReportData:
     order: list[str]  # components in forward order
     kinds: dict[str, str]  # component -> module class, for axis labels
     scores: pl.DataFrame  # component, step (bin start), score (worst |robust z| over the metrics)
-    band: Future[pl.DataFrame | None] = field(repr=False)  # the root metric's band, read beside the drawing
+    band: Future[pl.DataFrame | None] = field(repr=False)  # the root metric's band (held through its episode), read beside the drawing
     static: list[StaticAlarm] = field(default_factory=list)
     truth: dict[str, Any] | None = None
     warnings: list[str] = field(default_factory=list)  # the analysis' and the report's own
@@ -82,7 +82,7 @@ def gather(analysis: Analysis) -> ReportData:
         band.set_result(analysis.root_band)
     else:
         pool = ThreadPoolExecutor(1, thread_name_prefix="warninglight-band")
-        band = pool.submit(analysis.baseline_frame, *which)
+        band = pool.submit(analysis.baseline_frame, *which, hold=root_episode(analysis.root, analysis.alarms))
         pool.shutdown(wait=False)  # the thread ends with the read
     truth, problem = read_truth(analysis.trace_dir)
     return ReportData(analysis, component_order(components),

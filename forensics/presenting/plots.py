@@ -191,12 +191,20 @@ def _pooled(grid: np.ndarray, columns: int) -> tuple[np.ndarray, int]:
 
 def baseline_band(frame: pl.DataFrame, component: str, metric: str,
                   marks: Sequence[Mark] = ()) -> Figure:
-    """One component's metric over steps with its trailing baseline (median, lower..upper band)."""
+    """One component's metric over steps with its trailing baseline (median, lower..upper band);
+    where the frame's `held` is true, the band held as it stood at an onset, hatched."""
     fig = Figure(figsize=(11, 3.8), layout="constrained")
     ax = fig.subplots()
     step = frame["step"].to_numpy()
-    lower, upper = _envelope(step, frame["lower"].to_numpy()), _envelope(step, frame["upper"].to_numpy())
-    ax.fill_between(lower[0], lower[1], upper[1], color="#1f77b4", alpha=0.18, step="mid", label="baseline band")
+    held = frame["held"].to_numpy() if "held" in frame.columns else np.zeros(len(frame), dtype=np.bool_)
+    parts = [(~held, {"alpha": 0.18, "label": "baseline band (trailing)" if held.any() else "baseline band"})]
+    if held.any():
+        span = f"{step[held].min()}–{step[held].max()}"
+        parts.append((held, {"alpha": 0.12, "hatch": "///", "edgecolor": "#1f77b4", "linewidth": 0,
+                             "label": f"baseline band as at the onset, held over steps {span}"}))
+    for where, style in parts:
+        lower, upper = (_envelope(step, np.where(where, frame[c].to_numpy(), np.nan)) for c in ("lower", "upper"))
+        ax.fill_between(lower[0], lower[1], upper[1], color="#1f77b4", step="mid", **style)
     ax.plot(*_envelope(step, frame["median"].to_numpy()), color="#1f77b4", linewidth=1, label="baseline median")
     ax.plot(*_envelope(step, frame["value"].to_numpy()), color="black", linewidth=0.9, label=metric)
     _mark_nonfinite(ax, step, frame["value"])

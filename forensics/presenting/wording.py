@@ -8,12 +8,16 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from warninglight.forensics.explaining.analysis import HEALTHY, Alarm, Analysis, Detectors, Root
+from warninglight.forensics.explaining.repairable import Soundness
 from warninglight.forensics.explaining.replay import Event
 from warninglight.forensics.explaining.rollback import Rollback
 from warninglight.forensics.presenting.texttable import text_table  # noqa: F401  (one table format for every command and the report)
+
+if TYPE_CHECKING:
+    from warninglight.forensics.explaining.repair import Repair
 
 ALARM_TABLE_COLUMNS = ("step", "onset_step", "observed_on", "attributed_to", "condition", "metric", "magnitude")
 
@@ -152,6 +156,33 @@ def warmup_note(a: Analysis) -> str | None:
             "so until then only non-finite values can raise an alarm")
 
 
+def repair_line(s: Soundness) -> str:
+    """Whether to repair the root component instead of rolling back (`warninglight repair`)."""
+    if not s.sound:
+        return f"component repair: not sound — {s.reason}"
+    what = ", ".join(s.components)
+    if not s.recommended:
+        return f"component repair of {what}: possible, not recommended — {s.reason}"
+    return (f"component repair: recommended — `warninglight repair TRACE --from LATEST -o NEW` puts back {what} "
+            f"from step {s.clean_step} and keeps {steps(s.steps_kept)} of every other component's learning "
+            f"(to step {s.latest_step}); {s.reason}")
+
+
+def repair_lines(r: Repair) -> list[str]:
+    """What `warninglight repair` changed, per component, and what it kept."""
+    lines = [f"repaired: {r.output} ({r.format}) = {r.latest} (step {r.latest_step}) with "
+             f"{', '.join(c.component for c in r.components)} from {r.clean} (step {r.clean_step})"]
+    rows = [{"component": c.component, "tensors": len(c.tensors), "optimizer_states": len(c.optimizer_states),
+             "relative_change": number(c.relative_change), "ceiling": number(c.ceiling), "condition": c.condition}
+            for c in r.components]
+    lines += ["  " + line for line in text_table(rows, list(rows[0])).splitlines()] if rows else []
+    lines.append(f"kept: {steps(r.steps_kept)} of learning (step {r.latest_step} - step {r.clean_step}) "
+                 f"in each of {r.components_kept} other components")
+    if not r.recommended:
+        lines.append("note: the rehearsals did not measure this condition's repair no worse than the full rollback")
+    return lines + ([f"note: {r.note}"] if r.note else [])
+
+
 def analysis_text(a: Analysis) -> str:
     """The human-readable answer of `warninglight analyze`."""
     lines = [f"verdict: {a.verdict}"]
@@ -162,6 +193,7 @@ def analysis_text(a: Analysis) -> str:
         rows = [alarm.to_dict() for alarm in a.alarm_list()]
         lines += ["  " + line for line in text_table(rows, ALARM_TABLE_COLUMNS).splitlines()]
     lines += rollback_lines(a.rollback)
+    lines += [repair_line(a.repair)] if a.repair is not None else []
     lines += comparator_lines(a.detectors)
     note = warmup_note(a)
     return "\n".join(lines + ([note] if note else []))

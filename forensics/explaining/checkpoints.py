@@ -72,7 +72,8 @@ def _torch_load(path: Path) -> Any:
         except Exception as exc:  # noqa: BLE001 - any failure to read is the same error to a user
             raise CheckpointFormatError(f"{path}: not a torch.save file, a Trainer checkpoint-N/ folder "
                                         f"or a Lightning .ckpt ({type(exc).__name__})") from None
-    raise CheckpointFormatError(f"{path}: torch.load cannot read its objects")
+    raise CheckpointFormatError(f"{path}: not a torch.save file, a Trainer checkpoint-N/ folder or a "
+                                "Lightning .ckpt (torch.load cannot read it)")
 
 
 def _tensors(d: Any) -> bool:

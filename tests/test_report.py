@@ -171,15 +171,39 @@ def test_the_condition_map_of_a_long_run_is_drawn_in_bins_of_steps() -> None:
     image = fig.axes[0].images[0]
     grid = image.get_array()
     width = -(-99_300 // plots.MAP_COLUMNS)  # 125 steps a column: 795 columns
-    assert grid.shape == (3, 795) and grid.shape[1] * width >= 99_300
+    assert grid.shape == (4, 795) and grid.shape[1] * width >= 99_300  # b: a row per condition
     conditions = ["dead", "exploding", "unclassified"]
     assert grid[0, (99_150 - 1) // width] == conditions.index("exploding")
-    assert grid[1, 0] == conditions.index("dead")  # drawn over the unclassified episode
-    assert grid[1, (5_000 - 1) // width] == conditions.index("unclassified")
-    assert grid.mask[2].all() and image.get_extent()[1] >= 99_300
+    assert grid[1, 0] == conditions.index("dead") and grid.mask[1, 1]  # steps 10-20, in the first column
+    assert grid[2, 0] == grid[2, (5_000 - 1) // width] == conditions.index("unclassified")  # not drawn over
+    assert grid.mask[3].all() and image.get_extent()[1] >= 99_300
+    assert [t.get_text() for t in fig.axes[0].get_yticklabels()] == ["a", "b", "b", "c"]
     short = plots.condition_map(alarms.head(1).with_columns(pl.lit(150).alias("onset_step"),
                                                             pl.lit(152).alias("last_step")), ["a"], last_step=300)
     assert short.axes[0].images[0].get_array().shape == (1, 300)  # a step per column, as before
+
+
+def test_the_condition_map_holds_the_alarmed_components_only_and_is_sized_to_them(fault_trace: Path) -> None:
+    from warninglight.forensics import analyze
+
+    data = report.gather(analyze(fault_trace))
+    alarmed = contents.alarmed_order(data.order, data.analysis.alarms)
+    assert alarmed == [c for c in data.order if c in set(data.analysis.alarms["observed_on"])]
+    assert 0 < len(alarmed) < len(data.order)
+    fig = dict(report._drawers(data))["conditions"]()
+    assert [t.get_text().split()[0] for t in fig.axes[0].get_yticklabels()] == alarmed  # one condition each
+    assert fig.get_figheight() < plots.heatmap(data.scores, data.order).get_figheight()
+    plots.png_bytes(fig)  # laid out
+    legend = fig.legends[0].get_window_extent()
+    assert legend.y1 <= fig.axes[0].get_window_extent().y0  # below the rows, not over them
+
+
+def test_no_alarm_no_condition_map(tmp_path: Path) -> None:
+    clean = Path(__file__).parent.parent / "sample_traces" / "gpt_clean"
+    data = report.gather(report.analyze(clean, band=True))
+    assert data.analysis.alarms.is_empty()
+    assert "conditions" not in report.images(data)
+    assert "What: conditions by component" not in report.write_html(clean, tmp_path / "r.html").read_text()
 
 
 def test_a_one_step_episode_shows_on_the_condition_map_of_a_long_run_wherever_it_falls() -> None:

@@ -53,6 +53,13 @@ def component_order(components: pl.DataFrame) -> list[str]:
     return c["component"].to_list()
 
 
+def alarmed_order(order: list[str], alarms: pl.DataFrame) -> list[str]:
+    """The components of `order` (in its order) that an alarm was observed on: the condition
+    map's rows, which draws nothing on the others."""
+    seen = set(alarms["observed_on"].to_list()) if len(alarms) else set()
+    return [c for c in order if c in seen]
+
+
 def read_truth(trace: Path) -> tuple[dict[str, Any] | None, str | None]:
     """(the answer key a rehearsal left in the trace (truth.json), a warning where it cannot be
     read); (None, None) for a real run, which has none."""

@@ -304,36 +304,42 @@ def condition_map(alarms: pl.DataFrame, order: Sequence[str], last_step: int,
                   marks: Sequence[Mark] = (), kinds: dict[str, str] | None = None) -> Figure:
     """Component × step map coloured by the alarmed condition, from each alarm's onset to its last step.
 
-    `alarms`: rows with observed_on, condition, onset_step and (optionally) last_step. A run of
-    more than `MAP_COLUMNS` steps is drawn in bins of steps (a cell shows an episode that covers
-    any of its steps): one column per step would make the image as wide as the run, in memory
-    and in drawing time.
+    `alarms`: rows with observed_on, condition, onset_step and (optionally) last_step. A
+    component of `order` gets a row per condition alarmed on it (one empty row if none), so no
+    episode is drawn over another's. A run of more than `MAP_COLUMNS` steps is drawn in bins of
+    steps (a cell shows an episode that covers any of its steps): one column per step would make
+    the image as wide as the run, in memory and in drawing time.
     """
     conditions = sorted(set(alarms["condition"].to_list())) if len(alarms) else []
-    index = {c: i for i, c in enumerate(order)}
+    on = set(alarms.select("observed_on", "condition").iter_rows()) if len(alarms) else set()
+    rows = [(c, k) for c in order for k in [k for k in conditions if (c, k) in on] or [None]]
+    index = {row: i for i, row in enumerate(rows)}
     width = -(-last_step // MAP_COLUMNS) if last_step > MAP_COLUMNS else 1  # steps per column
-    grid = np.full((len(order), -(-last_step // width)), np.nan)
-    # unclassified first, so a named condition on the same component and steps is drawn over it
-    ordered = alarms.sort(pl.col("condition") != "unclassified")
-    for row in ordered.iter_rows(named=True):
-        if row["observed_on"] in index and row["onset_step"] is not None:
+    grid = np.full((len(rows), -(-last_step // width)), np.nan)
+    for row in alarms.iter_rows(named=True):
+        if (row["observed_on"], row["condition"]) in index and row["onset_step"] is not None:
             end = row.get("last_step") or last_step  # the episode's last alarming step, if known
             first_col, last_col = (int(row["onset_step"]) - 1) // width, (int(end) - 1) // width
-            grid[index[row["observed_on"]], first_col:last_col + 1] = conditions.index(row["condition"])
-    height = min(14.0, 1.6 + 0.28 * len(order))
+            grid[index[row["observed_on"], row["condition"]], first_col:last_col + 1] = conditions.index(row["condition"])
+    height = min(14.0, 1.6 + 0.3 * len(rows))  # as tall as its rows, and its legend's line below them
     fig = Figure(figsize=(11, height), layout="constrained")
     ax = fig.subplots()
     palette = ListedColormap(matplotlib.colormaps["tab10"].colors[: max(1, len(conditions))]).with_extremes(bad="#f4f4f4")
     ax.imshow(grid, aspect="auto", interpolation="nearest", cmap=palette, vmin=-0.5,
-              vmax=max(1, len(conditions)) - 0.5, extent=(0.5, grid.shape[1] * width + 0.5, len(order) - 0.5, -0.5))
-    _set_rows(ax, order, kinds)
+              vmax=max(1, len(conditions)) - 0.5, extent=(0.5, grid.shape[1] * width + 0.5, len(rows) - 0.5, -0.5))
+    _set_rows(ax, [c for c, _ in rows], kinds)
+    if len(rows) < 4:  # the axis label would be taller than the rows; their names say it
+        ax.set_ylabel("")
     ax.set_xlabel("optimizer step")
     ax.set_title("Alarmed components by condition (onset to last alarming step"
                  + (f"; a column is {width} steps)" if width > 1 else ")"))
     handles = [Rectangle((0, 0), 1, 1, color=palette(i)) for i in range(len(conditions))]
     _draw_marks(ax, marks)
     lines, labels = ax.get_legend_handles_labels()
-    ax.legend(handles + lines, conditions + labels, loc="upper left", fontsize=8, framealpha=0.9)
+    # below the axes, in one line: over the rows it would hide episodes, beside them narrow the
+    # axes to fewer pixels than columns (the image shrunk to fit drops columns)
+    fig.legend(handles + lines, conditions + labels, loc="outside lower center", ncols=len(handles + lines),
+               fontsize=8, frameon=False)
     return fig
 
 

@@ -15,6 +15,7 @@ from warninglight.forensics.presenting import plots
 from warninglight.forensics.presenting.contents import (
     ALARM_MARKS,
     ReportData,
+    alarmed_order,
     gather,
     marks,
     never_fired,
@@ -46,8 +47,8 @@ def _drawers(data: ReportData) -> list[tuple[str, Callable[[], Figure | None]]]:
          if len(data.scores) and data.order else None),  # no components table: no rows to draw
         ("loss", lambda: plots.loss_and_grad(a.steps, m, never_fired(data))),
         ("ranks", lambda: plots.rank_panel(a.ranks_panel, near) if len(a.ranks_panel) else None),
-        ("conditions", lambda: plots.condition_map(a.alarms, data.order, last_step(a), near,
-                                                   kinds=data.kinds) if len(a.alarms) and data.order else None),
+        ("conditions", lambda: plots.condition_map(a.alarms, rows, last_step(a), near, kinds=data.kinds)
+         if (rows := alarmed_order(data.order, a.alarms)) else None),  # no alarm on a component: no rows
         ("root_metric", root_metric),
     ]
 

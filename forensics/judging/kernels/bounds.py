@@ -1,8 +1,8 @@
-"""Where a trailing median can lie: bounds a few nanoseconds a row, so rules skip the rows where
-they cannot fire.
+"""Where a trailing median can lie: bounds taken once a block of rows, so rules skip the rows
+where they cannot fire.
 
-The exact baseline (`quantiles.baseline`) keeps each series' window sorted and costs tens of
-nanoseconds a row and metric; on a healthy run nearly every row is far from every threshold,
+The exact baseline (`quantiles.baseline`) keeps each series' window sorted, a move of values at
+every row and metric; on a healthy run nearly every row is far from every threshold,
 and a rule that compares a value with its median (`fold`, `delta`) cannot fire where no median
 the window allows would make it. So the classifier first bounds the median (`window_of`,
 `block_range`), tests the rules against the bounds (`screen.candidates`, a block of rows at a
@@ -183,7 +183,8 @@ def block_range(n: int, k0: int, k1: int, first: int, base: int, blocks: np.ndar
     """Bounds of the median of a window of n finite values that holds blocks k0..k1 - 1 whole
     (`window_of`), on the scale `sort_blocks` sorted them on, unwidened; -inf, inf: no bound.
     Rows of one block share them: callers keep the last (n, k0, k1) and call again on a change
-    (kept in an array instead of the caller's locals, that memo cost 3x the pass)."""
+    (in the caller's locals, which stay in registers: in an array the memo is a load and a store
+    a row)."""
     if k1 <= k0:
         return -np.inf, np.inf
     part = n - (finite[first + ((k1 - base) << SHIFT)] - finite[first + ((k0 - base) << SHIFT)])

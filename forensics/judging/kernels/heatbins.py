@@ -8,18 +8,16 @@ with its own lr. The cell is the worst over the metrics and ranks. At one step p
 each row's own z, the definition `quantiles.fold_baseline` computes; over a bin it asks how far
 the component went within the bin from where it stood when the bin opened.
 
-It costs a fraction of every row's z: one window's order statistics per bin (`_stats_at`:
-~0.4 us for a window of 64 to sort, ~0.1 us to gather; one that holds still or trends is read
-as it is) and a pass that keeps each bin's largest and smallest value, since against one
-baseline the worst |z| is at one of them. Every row's z reads its own window (the sorted ring,
-~40 ns a row and metric); on a 1e8 component-step run that was ~60 s of `report`. The rows are
-split into bins once a window (`layout`), not once per metric, a series with no value of a
-metric (a prediction metric on a hidden layer) is passed over whole, and one that holds one
-value through the window (a count that stays 0) has its one z folded into each cell with a
-baseline, its windows neither read nor sorted (`_still`: the pass 52 -> 44 ns a row on a
-window of the grown 1e8 trace, a scratch timer alternated). `python
-bench/engine_breakdown.py --trace TRACE --heat` on a GPT grown to 1e8 component-steps (bins of
-125 steps) times the pass for all 18 metrics: 54.6 ns a row before `_still`, 41.5 after.
+It costs a fraction of every row's z: one window's order statistics per bin (`_stats_at`: a
+window sorted by a network and gathered; one that holds still or trends is read as it is) and a
+pass that keeps each bin's largest and smallest value, since against one baseline the worst |z|
+is at one of them, where every row's z reads its own window (the sorted ring), at every row and
+metric. The rows are split into bins once a window (`layout`), not once per metric, a series
+with no value of a metric (a prediction metric on a hidden layer) is passed over whole, and one
+that holds one value through the window (a count that stays 0) has its one z folded into each
+cell with a baseline, its windows neither read nor sorted (`_still`). `python
+bench/engine_breakdown.py --trace TRACE --heat` times the pass for all metrics, on a GPT grown
+to the size of a real run.
 
 A bin can span two step windows of the classifier: the baseline of each series' last bin goes
 out with the window's cells (`Open`) and the next window's rows of that bin are judged against
@@ -276,7 +274,8 @@ def _span(raw: np.ndarray, missing: np.ndarray, i0: int, i1: int, log: bool, tin
     """`_extremes` where every row of i0..i1 - 1 is judged and the metric is not judged relative
     to the lr: the largest and smallest value on the baseline's scale (a log metric's max(x,
     tiny): its z reads nothing else) of the rows not null (`missing`, read where `nulls`), -inf
-    and inf where none has a z. No branch on the data: ~1 ns a row, where finding the rows took ~5."""
+    and inf where none has a z. No branch on the data: it keeps the values alone, where finding
+    their rows (`_extremes`) branches at each."""
     hi, lo = -np.inf, np.inf
     for i in range(i0, i1):
         x = np.float64(raw[i])

@@ -381,9 +381,9 @@ def counting_order(rank: np.ndarray, step: np.ndarray, place: np.ndarray, low: i
                    bits: int, n_series: int, key: np.ndarray, out: np.ndarray) -> bool:  # pragma: no cover - compiled
     """Each row's series, (rank - low) * n_names + place, and key, series << bits + (step -
     first); `out` = the rows ordered by series, the rows of one series in the order they come:
-    a counting sort, one pass to count and one to place (a general sort of the key took ~10x as
-    long on a large window, whose rows come step after step). Whether each series' rows came
-    in step order (keys not falling), so that `out` orders the keys too."""
+    a counting sort, one pass to count and one to place (a general sort compares keys; here the
+    series are known, so two passes place every row). Whether each series' rows came in step
+    order (keys not falling), so that `out` orders the keys too."""
     first_row = np.zeros(n_series + 1, dtype=np.int64)
     for i in range(len(step)):
         s = (rank[i] - low) * n_names + place[i]
@@ -406,7 +406,8 @@ def counting_order(rank: np.ndarray, step: np.ndarray, place: np.ndarray, low: i
 def first_marked(marked: np.ndarray, starts: np.ndarray, out: np.ndarray) -> None:  # pragma: no cover - compiled
     """out[g] = the first marked row of series g (rows `starts[g]`..`starts[g + 1]`), or the
     number of rows where it has none: a walk from each series' start, which stops at its first
-    mark (a window's carried rows, a few dozen), where finding every marked row took ~20 ms."""
+    mark (it passes only the rows a window carried from the last, which come first in their
+    series), where finding every marked row reads them all."""
     n = starts[len(starts) - 1]
     for g in range(len(starts) - 1):
         out[g] = n
@@ -423,7 +424,8 @@ def _gather(data: np.ndarray, validity: np.ndarray, offset: int, nullable: bool,
     """out[k] = the value of row order[k], NaN where that row is null, and missing[k] = whether
     it is; how many are. Rows below `split` are `data`'s, the rest `data2`'s from 0 (two Arrow
     chunks: validity bitmaps from bit `offset`, read when `nullable`). (Scattering rows in the
-    order they are read, to where `order` sends them, took 2-3x as long.)"""
+    order they are read, to where `order` sends them, writes at random places; a gather reads
+    at random and writes in order.)"""
     nulls = 0
     for k in range(len(order)):
         o = order[k]
@@ -656,8 +658,9 @@ def _pool() -> ThreadPoolExecutor:
 
 def warm() -> None:
     """Compile the kernels the classifier runs, for both widths its metric columns come in (or
-    load them from numba's cache): ~5 s the first time on a machine, well under 1 s after. A live
-    monitor calls it before the first segment arrives, so that segment is not the one to wait."""
+    load them from numba's cache: compiling happens once a machine, loading at every start). A
+    live monitor calls it before the first segment arrives, so that segment is not the one to
+    wait."""
     starts, kept, lr = np.array([0, 2]), np.array([0, 1]), np.ones(2)
     for dtype in (np.float32, np.float64):
         for readonly in (False, True):  # columns read from Arrow without a copy are read-only

@@ -43,6 +43,8 @@ def eval_cmd(
                                         help="Also run a drill-free copy of every training set-up no clean scenario covers.")] = True,
     force: Annotated[bool, typer.Option("--force", help="Overwrite the --json file if it exists.")] = False,
     traces: Annotated[list[Path] | None, typer.Option("--trace", help="Score this recorded trace against its truth.json instead of training (repeatable).")] = None,
+    recovery: Annotated[bool | None, typer.Option("--recovery/--no-recovery",
+                                                  help="Also rehearse component repair against the full rollback (lab/recovery.py, seed 0; default: with the full benchmark only).")] = None,
 ) -> None:
     """Run scenarios over seeds and print detection accuracy, onset error, lead over other detectors, rollback."""
     if traces and not list_:  # nothing to train: the lab's models (and torch) are not loaded
@@ -76,11 +78,27 @@ def eval_cmd(
     except evaluation.EvaluationError as e:
         raise fail(str(e)) from None
     typer.echo(results_page.format_tables(runs))
+    recoveries = _recoveries(workdir) if (recovery if recovery is not None else not scenarios) else []
+    if recoveries:
+        typer.echo(f"\nComponent repair, rehearsed (lab/recovery.py):\n\n{results_page.recovery_table(recoveries)}")
     if json_out is not None:
         json_out.write_text(json.dumps([r.to_dict() for r in runs], indent=1))
     if results is not None:
         command = "warninglight eval" + (f" {' '.join(scenarios)}" if scenarios else "") + f" --seeds {seeds}"
-        results.write_text(results_page.document(runs, at_commit=at_commit, command=command + (f" --steps {steps}" if steps else "") + f" --results {results}"))
+        results.write_text(results_page.document(runs, at_commit=at_commit, command=command + (f" --steps {steps}" if steps else "") + f" --results {results}",
+                                                 recoveries=recoveries))
+
+
+def _recoveries(workdir: Path | None) -> list[Any]:
+    """The rehearsed component repairs (seed 0), in `workdir`/recovery or a temporary folder."""
+    import tempfile
+
+    from warninglight.lab import recovery
+
+    if workdir is not None:
+        return recovery.run_recoveries(workdir / "recovery")
+    with tempfile.TemporaryDirectory(prefix="wl-recovery-") as tmp:
+        return recovery.run_recoveries(Path(tmp))
 
 
 def _check_outputs(json_out: Path | None, results: Path | None, force: bool) -> None:

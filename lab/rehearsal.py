@@ -232,6 +232,23 @@ def _start(sc: Scenario, seed: int, resume_from: str | Path | None
     return model, head, optimizer
 
 
+def restored(sc: Scenario, seed: int, checkpoint: str | Path | None) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """The scenario's model and optimizer with a checkpoint's state (one this module saved; None:
+    as initialised)."""
+    model, _, optimizer = _start(sc, seed, checkpoint)
+    return model, optimizer
+
+
+def batches_of(sc: Scenario, seed: int) -> Iterator[zoo.Batch]:
+    """The scenario's batch stream: the n-th batch is the one step n of a rehearsal trains on."""
+    return _data(sc, seed)
+
+
+def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor) -> float:
+    """One optimizer step with no drill; the loss."""
+    return _train_step(0, model, optimizer, (), x, y)
+
+
 def _train_step(step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
                 drills: Sequence[Drill], x: torch.Tensor, y: torch.Tensor) -> float:
     """One optimizer step with the drills applied; the loss."""

@@ -12,7 +12,7 @@ from __future__ import annotations
 import subprocess
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .evaluation import (
     CLEAN,
@@ -25,6 +25,9 @@ from .evaluation import (
     summarise_faults,
     summarise_recovery,
 )
+
+if TYPE_CHECKING:  # the recoveries' module loads torch; `eval --trace` writes this page without it
+    from .recovery import Recovery
 
 
 def scored(runs: Sequence[RunScore]) -> list[RunScore]:
@@ -155,11 +158,52 @@ fault scenario's set-up that no clean scenario covers.
 """
 
 
-def document(runs: Sequence[RunScore], command: str, at_commit: str | None = None, loaded: bool = True) -> str:
+def document(runs: Sequence[RunScore], command: str, at_commit: str | None = None, loaded: bool = True,
+             recoveries: Sequence[Recovery] = ()) -> str:
     """docs/results.md for these runs (`at_commit`: the commit they ran on, taken before they ran)."""
     load = " on a shared 2-core machine under load (times are not comparable)" if loaded else ""
-    return HEADER.format(command=command, commit=at_commit or commit(), seconds=sum(r.seconds for r in runs),
+    page = HEADER.format(command=command, commit=at_commit or commit(), seconds=sum(r.seconds for r in runs),
                          load=load, tables=format_tables(runs))
+    return page + (f"\n{recovery_section(recoveries)}" if recoveries else "")
+
+
+RECOVERY_TITLE = "## Component repair, rehearsed"
+
+
+def recovery_table(recoveries: Sequence[Recovery]) -> str:
+    """The rehearsed recoveries (lab/recovery.py), one row a family and seed, and the rule's answer."""
+    rows = [{"scenario": r.scenario, "seed": r.seed, "root": f"{r.root} ({r.condition})",
+             "repaired": _loss(r.loss_repaired) if r.refused is None else "refused",
+             "rollback": _loss(r.loss_rollback), "no action": _loss(r.loss_no_action), "clean twin": _loss(r.loss_clean),
+             "steps kept": r.steps_kept if r.steps_kept is not None else "—",
+             "repair ≥ rollback": {True: "yes", False: "**no**", None: "—"}[r.repair_no_worse]} for r in recoveries]
+    from .recovery import recommended
+
+    found = sorted(recommended(recoveries))
+    return "\n".join([_markdown(rows, "scenario"), "", "Repair recommended by `analyze` for root conditions: "
+                      + (", ".join(found) or "none") + "; not for the others above."])
+
+
+def _loss(v: float | None) -> str:
+    return "—" if v is None else f"{v:.3g}"
+
+
+def recovery_section(recoveries: Sequence[Recovery]) -> str:
+    """The results page's section on component repair."""
+    from .recovery import EVAL_BATCHES, ON_STEPS
+
+    return f"""{RECOVERY_TITLE}
+
+After each fault family that writes one component's weights, the last checkpoint is repaired
+(`warninglight repair`) and training goes on for {ON_STEPS} steps from (a) the repaired checkpoint,
+(b) the full rollback's clean checkpoint and (c) the damaged latest one, on the same batches and
+with no drill; the clean twin (same seed, no drill) trains the same batches from its own last
+checkpoint. Equal compute: every start trains the same {ON_STEPS} steps; *steps kept* is the
+learning of every other component the repair keeps and the rollback throws away. Each loss is the
+mean cross-entropy on {EVAL_BATCHES} later batches (`lab/recovery.py`).
+
+{recovery_table(recoveries)}
+"""
 
 
 def _markdown(rows: Sequence[Mapping[str, Any]], first: str) -> str:

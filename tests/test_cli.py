@@ -102,7 +102,7 @@ def test_analyze_json_is_the_documented_object() -> None:
     assert (d["root"]["attributed_to"], d["root"]["onset_step"], d["rollback"]["checkpoint_step"]) == ("2", 150, 100)
     documented = documented_keys()
     emitted = {"Top level": d, "`root`": d["root"], "`alarms[]`": d["alarms"][0], "`rollback`": d["rollback"],
-               "`rollback.loss_only`": d["rollback"]["loss_only"], "`detectors`": d["detectors"]}
+               "`rollback.loss_only`": d["rollback"]["loss_only"], "`detectors`": d["detectors"], "`repair`": d["repair"]}
     for section, obj in emitted.items():  # every emitted key documented in its section, and no stale one
         assert set(obj) == documented[section], f"docs/analysis-json.md section {section}"
 

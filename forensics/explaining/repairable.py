@@ -31,7 +31,7 @@ from warninglight.tracer import schema
 
 SPREAD_LIMIT = 2  # other components damaged in their own weights before the damage has spread
 # Root conditions whose rehearsed repairs trained on no worse than the full rollback (lab/recovery.py).
-RECOMMENDED: frozenset[str] = frozenset()
+RECOMMENDED: frozenset[str] = frozenset({"dead", "losing_confidence"})
 UNSOUND_SCOPES = ("data", "optimizer")
 
 

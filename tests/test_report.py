@@ -298,3 +298,35 @@ def test_the_heatmaps_note_names_the_metrics_no_rule_reads(fault_trace: Path, tm
     assert report_html.unread_metrics(Config(conditions=dropped)) == ["out_mean", "weight_drift_l2"]
     text = report.write_html(fault_trace, tmp_path / "r.html").read_text()
     assert "Blue: a departure no alarm counted" in text and "no rule reads weight_drift_l2" in text
+
+
+SAMPLES = Path(__file__).parent.parent / "sample_traces"
+
+
+@pytest.mark.parametrize(("trace", "reasons"), [
+    ("gpt_clean", ["none: no alarm, so nothing to roll back", "<td>never lit</td>", "<td>no: no alarm</td>",
+                   "none: no component left its baseline", "none: no fixed-threshold rule fired"]),
+    ("gpt_weight_corruption", ["<td colspan='8'>the loss-spike rule never fired: a loss-only operator would not "
+                               "roll back</td>", "<td>no: saved before the onset</td>"]),
+    ("gpt_nan", ["<td>none: a NaN/Inf rule reads none</td>", "<td>NaN/Inf</td>"]),
+    ("cnn_corrupt_batches", ["<td>the same as ours</td>", "<td>none: a loss curve names none</td>", "batch ids</td>"]),
+])
+def test_every_missing_value_in_the_reports_tables_says_why(trace: str, reasons: list[str], tmp_path: Path) -> None:
+    # a bare dash left the reader guessing: lost, not applicable, or never computed
+    text = report.write_html(SAMPLES / trace, tmp_path / "r.html").read_text().replace("&#x27;", "'")
+    cells = re.findall(r"<td[^>]*>(.*?)</td>", text)
+    assert len(cells) > 10 and not [c for c in cells if c.strip() in ("—", "", "None", "nan", "[]")]
+    for reason in reasons:
+        assert reason in text, reason
+
+
+def test_a_checksum_finding_says_why_it_has_no_z_or_baseline() -> None:
+    from warninglight.forensics.explaining.analysis import Alarm
+    from warninglight.forensics.presenting import tables
+
+    alarm = Alarm("m.fc", "m.fc", "exploding", 25, 25, None, "weight_checksum", None, 25, 2.0, None)
+    assert [tables._alarm_cell(alarm, k) for k in ("magnitude", "value", "median")] == [
+        "none: ranks compared", "2 distinct checksums", "none: ranks compared"]
+    nan = Alarm("m.fc", "m.fc", "exploding", 25, 25, None, "grad_norm_l2", 0, 25, None, None)
+    assert [tables._alarm_cell(nan, k) for k in ("magnitude", "value", "median")] == [
+        "none: NaN/Inf", "NaN/Inf", "none: a NaN/Inf rule reads none"]

@@ -46,6 +46,14 @@ def test_summary_line_of_a_healthy_run_and_of_an_optimizer_wide_root() -> None:
     assert wording.summary_line(wide, nothing, DETECTORS).endswith("no checkpoint before the onset: restart from scratch.")
 
 
+def test_summary_line_of_a_root_with_no_z_says_no_dash() -> None:
+    # a NaN/Inf value or a checksum finding has no |z|: the line names the metric alone
+    nothing = Rollback(None, None, None, None, None, LossOnlyChoice(None, None, None, None))
+    checksum = dataclasses.replace(ROOT, magnitude=None, metric="weight_checksum")
+    assert wording.summary_line(checksum, nothing, DETECTORS).startswith(
+        "ALARM h.0.mlp.c_fc: exploding (on weight_checksum), onset step 150")
+
+
 def test_root_and_alarm_lines_name_where_it_was_seen_when_that_differs() -> None:
     seen = dataclasses.replace(ROOT, attributed_to="2", observed_on="3", magnitude=None, ranks=[1], ranks_disagree=True)
     assert wording.root_line(seen) == ("root: 2 (observed on 3) on rank 1 only exploding: onset step 150, "

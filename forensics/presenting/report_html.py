@@ -8,11 +8,10 @@ from __future__ import annotations
 import html
 import json
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict
 from typing import Any
 
 from warninglight.forensics.judging.conditions import Config
-from warninglight.forensics.presenting import plots, wording
+from warninglight.forensics.presenting import plots, tables, wording
 from warninglight.forensics.presenting.contents import ReportData
 from warninglight.tracer import schema
 
@@ -24,13 +23,6 @@ h1{font-size:1.5em}h2{font-size:1.15em;margin-top:1.6em;border-bottom:1px solid 
 table{border-collapse:collapse;font-size:.9em}td,th{border:1px solid #ccc;padding:.25em .6em;text-align:left}
 th{background:#f3f3f3}img{max-width:100%;border:1px solid #eee}code{background:#f5f5f5}"""
 
-# alarm field -> column header in the report
-ALARM_HEADERS = {"observed_on": "observed on", "attributed_to": "attributed to", "condition": "condition",
-                 "metric": "metric", "onset_step": "onset step", "step": "alarm step",
-                 "last_step": "last step", "magnitude": "|z|", "value": "value", "median": "baseline median"}
-_ROLLBACK_HEADERS = {"choice": "choice", "alarm_step": "alarm step", "checkpoint_step": "resume from step",
-                     "checkpoint_path": "checkpoint", "steps_discarded": "steps discarded",
-                     "skip_step_range": "skip steps", "skip_batches": "skip batches", "contaminated": "holds the damage"}
 _CAPTIONS = {  # figure stem -> (heading, note under the image)
     "heatmap": ("Where: every component at every step",
                 "Each cell: the largest |robust z| of any recorded metric of that component at that step, "
@@ -53,33 +45,15 @@ _CAPTIONS = {  # figure stem -> (heading, note under the image)
 }
 
 
-def _table(rows: Sequence[Mapping[str, Any]], columns: Sequence[str]) -> str:
+def _table(rows: Sequence[Mapping[str, Any] | str], columns: Sequence[str], empty: str) -> str:
+    """An HTML table of `rows` (a str row: one cell across the table, a sentence), or `empty`."""
     if not rows:
-        return "<p>none</p>"
+        return f"<p>{html.escape(empty)}</p>"
     head = "".join(f"<th>{html.escape(c)}</th>" for c in columns)
-    body = "".join("<tr>" + "".join(f"<td>{html.escape(wording.number(r.get(c)))}</td>" for c in columns) + "</tr>"
+    body = "".join(f"<tr><td colspan='{len(columns)}'>{html.escape(r)}</td></tr>" if isinstance(r, str) else
+                   "<tr>" + "".join(f"<td>{html.escape(wording.number(r.get(c)))}</td>" for c in columns) + "</tr>"
                    for r in rows)
     return f"<table><tr>{head}</tr>{body}</table>"
-
-
-def alarm_rows(data: ReportData) -> list[dict[str, Any]]:
-    """The alarm table's rows, earliest alarm first, with the report's column names."""
-    alarms = sorted(data.analysis.alarm_list(), key=lambda a: (a.step, a.onset_step))
-    return [{header: getattr(a, key) for key, header in ALARM_HEADERS.items()} for a in alarms]
-
-
-def _comparator_rows(data: ReportData) -> list[dict[str, Any]]:
-    root, det = data.analysis.root, data.analysis.detectors
-    ours = det.first_alarm_step or (root.alarm_step if root else None)
-    rows = [{"detector": "Warning Light", "first alarm step": ours, "names a component": root.name if root else None}]
-    for name, step in (("loss spike (mean + 6σ, 128 steps)", det.loss_spike_step),
-                       ("gradient-norm spike", det.grad_norm_spike_step)):
-        rows.append({"detector": name, "first alarm step": step or "never fired", "names a component": "no"})
-    first = data.static[0] if data.static else None
-    rows.append({"detector": "static rules (SageMaker-style)",
-                 "first alarm step": first.step if first else "never fired",
-                 "names a component": f"{first.component} ({first.rule})" if first else "—"})
-    return rows
 
 
 def _header(data: ReportData) -> list[str]:
@@ -120,20 +94,17 @@ def _figures(data: ReportData, images: Mapping[str, bytes]) -> list[str]:
     return parts
 
 
-def _rollback(data: ReportData) -> str:
-    a = data.analysis
-    ours = {**a.rollback.to_dict(), "alarm_step": a.root.alarm_step if a.root else None}
-    choices = [{"choice": "Warning Light", **ours}, {"choice": "loss-only operator", **asdict(a.rollback.loss_only)}]
-    rows = [{header: c.get(key) for key, header in _ROLLBACK_HEADERS.items()} for c in choices]
-    return "<h2>Rollback</h2>" + _table(rows, list(_ROLLBACK_HEADERS.values()))
-
-
 def render_html(data: ReportData, images: Mapping[str, bytes]) -> str:
     """The report as one HTML string with the PNGs inlined."""
-    parts = [*_header(data), *_figures(data, images), _rollback(data),
-             "<h2>Detectors</h2>" + _table(_comparator_rows(data), ["detector", "first alarm step", "names a component"]),
-             f"<h2>Alarms ({len(data.analysis.alarms)})</h2>" + _table(alarm_rows(data), list(ALARM_HEADERS.values())),
+    a = data.analysis
+    parts = [*_header(data), *_figures(data, images),
+             "<h2>Rollback</h2>" + (_table(tables.rollback_rows(a), tables.ROLLBACK_HEADERS, "") if a.root else
+                                    "<p>none: no alarm, so nothing to roll back</p>"),
+             "<h2>Detectors</h2>" + _table(tables.detector_rows(a), tables.DETECTOR_HEADERS, ""),
+             f"<h2>Alarms ({len(a.alarms)})</h2>"
+             + _table(tables.alarm_rows(a), list(tables.ALARM_HEADERS.values()),
+                      "none: no component left its baseline the way a rule asks"),
              f"<h2>Static-rule firings ({len(data.static)})</h2>"
-             + _table([s.to_dict() for s in data.static], ["rule", "component", "step", "value", "steps_fired"]),
+             + _table(tables.static_rows(a), tables.STATIC_HEADERS, "none: no fixed-threshold rule fired"),
              "</body></html>"]
     return "\n".join(parts)

@@ -42,7 +42,8 @@ def summary_line(root: Root | None, rollback: Rollback, detectors: Detectors, ve
     """The verdict as one line an operator can act on: what, where, since when, and where to go back to."""
     if root is None:
         return f"{verdict.upper()}: no component left its baseline; no rollback needed."
-    line = (f"ALARM {root.name}: {root.condition} (|z| {number(root.magnitude)} on {root.metric}), "
+    z = "" if root.magnitude is None else f"|z| {number(root.magnitude)} "  # none: NaN/Inf, or ranks compared
+    line = (f"ALARM {root.name}: {root.condition} ({z}on {root.metric}), "
             f"onset step {root.onset_step}, alarm step {root.alarm_step}")
     first = detectors.first_alarm_step
     if first is not None and first < root.alarm_step:

@@ -330,3 +330,18 @@ def test_a_checksum_finding_says_why_it_has_no_z_or_baseline() -> None:
     nan = Alarm("m.fc", "m.fc", "exploding", 25, 25, None, "grad_norm_l2", 0, 25, None, None)
     assert [tables._alarm_cell(nan, k) for k in ("magnitude", "value", "median")] == [
         "none: NaN/Inf", "NaN/Inf", "none: a NaN/Inf rule reads none"]
+
+
+def test_a_run_shorter_than_the_warm_up_has_no_heatmap_and_says_why(tmp_path: Path) -> None:
+    # 40 steps: no component reaches its baseline, and an all-grey map told the reader nothing
+    from warninglight.lab.rehearsal import rehearse
+
+    trace = tmp_path / "short"
+    rehearse("mlp_weight_corruption", trace, seed=0, steps=40)
+    data = report.gather(report.analyze(trace, band=True))
+    assert len(data.scores) and data.scores["score"].null_count() == len(data.scores)
+    assert "heatmap" not in report.images(data)
+    text = report.write_html(trace, tmp_path / "r.html").read_text()
+    assert "<h2>Where: every component at every step</h2><p>No map: no component was judged" in text
+    assert f"recorded step {data.analysis.warmup_steps} (baseline.min_samples + baseline.lag)" in text
+    assert "recorded 40 steps" in text

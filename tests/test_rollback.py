@@ -115,3 +115,12 @@ def test_a_trace_without_checkpoints_anywhere_says_why_it_restarts(tmp_path: Pat
     r = analyze(tmp_path / "trace").to_dict()["rollback"]
     assert (r["checkpoint_step"], r["checkpoint_source"]) == (0, "trace")
     assert "no checkpoint was recorded (rec.checkpoint(path)) or found beside the trace" in r["note"]
+
+
+def test_a_one_step_skip_is_said_as_one_step_in_the_note() -> None:
+    from warninglight.forensics.explaining.rollback import Checkpoint, recommend
+
+    one = recommend(None, [Checkpoint(100, "ck/100.pt")], "trace", 150, 150, None, 200)
+    assert one.skip_step_range == [150, 150] and "; skip step 150;" in one.note + ";"
+    two = recommend(None, [Checkpoint(100, "ck/100.pt")], "trace", 150, 151, None, 200)
+    assert "; skip steps 150-151" in two.note

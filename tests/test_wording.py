@@ -46,6 +46,13 @@ def test_summary_line_of_a_healthy_run_and_of_an_optimizer_wide_root() -> None:
     assert wording.summary_line(wide, nothing, DETECTORS).endswith("no checkpoint before the onset: restart from scratch.")
 
 
+def test_a_one_step_skip_is_said_as_one_step() -> None:
+    one = dataclasses.replace(rollback(LossOnlyChoice(None, None, None, None)), skip_step_range=[150, 150])
+    assert ", skip the batches of step 150;" in wording.summary_line(ROOT, one, DETECTORS)
+    assert wording.rollback_lines(one)[0].endswith("discarded; skip step 150")
+    assert wording.step_range([150, 151]) == "steps 150–151"
+
+
 def test_summary_line_of_a_root_with_no_z_says_no_dash() -> None:
     # a NaN/Inf value or a checksum finding has no |z|: the line names the metric alone
     nothing = Rollback(None, None, None, None, None, LossOnlyChoice(None, None, None, None))

@@ -180,7 +180,7 @@ def recommend(trace: Trace | None, checkpoints: list[Checkpoint], source: str, o
             "no checkpoint was recorded (rec.checkpoint(path)) or found beside the trace "
             f"({CONVENTIONS}): restart from initialisation, or pass --checkpoints GLOB")
     last_skip = max(alarm, skip_until or alarm)
-    note += f"; skip steps {onset}-{last_skip}"
+    note += f"; skip step {onset}" if onset == last_skip else f"; skip steps {onset}-{last_skip}"
     if loss_only.alarm_step is None:
         note += "; the loss-spike rule never fired, so a loss-only operator would not roll back"
     elif loss_only.checkpoint_step is not None:

@@ -44,13 +44,21 @@ def _drawers(data: ReportData) -> list[tuple[str, Callable[[], Figure | None]]]:
     return [
         ("heatmap", lambda: plots.heatmap(data.scores, data.order, near, kinds=data.kinds, step_width=a.heat_width,
                                           episodes=a.alarms)
-         if len(data.scores) and data.order else None),  # no components table: no rows to draw
+         if judged(data) else None),
         ("loss", lambda: plots.loss_and_grad(a.steps, m, never_fired(data))),
         ("ranks", lambda: plots.rank_panel(a.ranks_panel, near) if len(a.ranks_panel) else None),
         ("conditions", lambda: plots.condition_map(a.alarms, rows, last_step(a), near, kinds=data.kinds)
          if (rows := alarmed_order(data.order, a.alarms)) else None),  # no alarm on a component: no rows
         ("root_metric", root_metric),
     ]
+
+
+def judged(data: ReportData) -> bool:
+    """Whether the heatmap has a cell to colour: a component (no components table: no rows) and
+    a step judged against its baseline (a run shorter than the warm-up has none)."""
+    if not data.order or data.scores.is_empty():
+        return False
+    return bool(data.scores["score"].is_not_null().any())
 
 
 def last_step(a: Analysis) -> int:

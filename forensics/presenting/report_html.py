@@ -82,8 +82,21 @@ def unread_metrics(config: Config) -> list[str]:
     return [m for m in schema.HEALTH_METRICS if m not in read]
 
 
+def _no_heatmap(data: ReportData) -> str:
+    """Why there is no heatmap: no components table, or every step in the baseline's warm-up."""
+    a = data.analysis
+    if not data.order:
+        return "No map: the trace has no components table, so there are no component rows to draw."
+    return (f"No map: no component was judged against its baseline. A component is first judged at its "
+            f"recorded step {a.warmup_steps} (baseline.min_samples + baseline.lag) and this run recorded "
+            f"{a.summary.get('steps', 0)} steps; only non-finite values"
+            + (" and the ranks' comparison" if (a.summary.get("ranks") or 1) > 1 else "") + " could alarm.")
+
+
 def _figures(data: ReportData, images: Mapping[str, bytes]) -> list[str]:
     parts = []
+    if "heatmap" not in images:
+        parts.append(f"<h2>{html.escape(_CAPTIONS['heatmap'][0])}</h2><p>{html.escape(_no_heatmap(data))}</p>")
     unread = unread_metrics(data.analysis.config)
     for name, png in images.items():
         heading, note = _CAPTIONS.get(name, (name, ""))

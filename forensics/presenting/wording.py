@@ -27,6 +27,12 @@ def steps(n: int | None) -> str:
     """`n` steps, in words that agree with the number ("1 step", "3 steps")."""
     return f"{n} step" if n == 1 else f"{n} steps"
 
+def step_range(steps: Sequence[int]) -> str:
+    """[first, last] steps in words: "step 150" when they are one, else "steps 150–151"."""
+    first, last = steps
+    return f"step {first}" if first == last else f"steps {first}–{last}"
+
+
 def number(v: Any) -> str:
     """A value as a person reads it: 3 significant digits, a dash for missing, a–b for a range."""
     if v is None:
@@ -53,7 +59,7 @@ def summary_line(root: Root | None, rollback: Rollback, detectors: Detectors, ve
     line += (f" — roll back to step {rollback.checkpoint_step} ({rollback.checkpoint_path or 'checkpoint'}), "
              f"discard {steps(rollback.steps_discarded)}")
     if rollback.skip_step_range:
-        line += f", skip the batches of steps {number(rollback.skip_step_range)}"
+        line += f", skip the batches of {step_range(rollback.skip_step_range)}"
     return line + _loss_only_clause(rollback) + "."
 
 
@@ -117,8 +123,9 @@ def rollback_lines(rollback: Rollback) -> list[str]:
     where = f" ({rollback.checkpoint_path})" if rollback.checkpoint_path else ""
     batches = "" if rollback.skip_batches is None else f", {len(rollback.skip_batches)} batch ids to skip"
     first, last = rollback.skip_step_range
+    skipped = f"step {first}" if first == last else f"steps {first}-{last}"
     lines = [f"rollback: checkpoint at step {rollback.checkpoint_step}{where}, {steps(rollback.steps_discarded)} "
-             f"discarded; skip steps {first}-{last}{batches}"]
+             f"discarded; skip {skipped}{batches}"]
     other = rollback.loss_only
     if other.alarm_step is None:
         lines.append("loss-only operator: the loss-spike rule never fired; no rollback")

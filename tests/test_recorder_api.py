@@ -94,6 +94,42 @@ def test_bad_options_are_named_errors(tmp_path: Path, kwargs: dict, match: str) 
         watch(model, tmp_path, torch.optim.SGD(model.parameters(), lr=0.1))
 
 
+def _swapped() -> tuple:
+    model = zoo.mlp()
+    return torch.optim.SGD(model.parameters(), lr=0.1), model
+
+
+@pytest.mark.parametrize("call, error, message", [
+    (lambda t: ("runs/x", None, t), TypeError,
+     "watch(model=...) expects the torch.nn.Module to record, got str 'runs/x'; "
+     "call watch(model, optimizer, 'runs/exp1')"),
+    (lambda t: (None, None, t), TypeError,
+     "watch(model=...) expects the torch.nn.Module to record, got None"),
+    (lambda t: (*_swapped(), t), TypeError,
+     "watch(model=...) got a SGD, which looks like the optimizer: pass the model first, "
+     "watch(model, optimizer, 'runs/exp1')"),
+    (lambda t: (zoo.mlp(), zoo.mlp(), t), TypeError,
+     "watch(optimizer=...) got a Sequential, which looks like the model: the model and the "
+     "optimizer are swapped"),
+    (lambda t: (zoo.mlp(), [1, 2], t), TypeError,
+     "watch(optimizer=...) expects a torch.optim.Optimizer (or None, then steps end on "
+     "rec.step()), got a list"),
+    (lambda t: (zoo.mlp(), None, 7), TypeError,
+     "watch(path=...) expects the trace directory as a str or os.PathLike, got 7"),
+    (lambda t: (zoo.mlp(), None, t / "file.txt"), ValueError,
+     "that is an existing file, and a trace is a directory"),
+])
+def test_a_wrong_argument_is_named_with_what_it_got(tmp_path: Path, call, error: type,
+                                                     message: str) -> None:
+    (tmp_path / "file.txt").write_text("not a trace")
+    model, opt, path = call(tmp_path)
+    for start in (watch, Recorder):  # watch() and the class give the same error
+        with pytest.raises(error, match=re.escape(message)) as caught:
+            start(model, opt, path)
+        assert caught.value.__cause__ is None and caught.value.__context__ is None
+    assert not (tmp_path / "manifest").exists()  # refused before anything was written
+
+
 def _steps(model: torch.nn.Module, opt: torch.optim.Optimizer, n: int) -> None:
     for _ in range(n):
         model(torch.randn(8, 32)).sum().backward()

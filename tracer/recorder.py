@@ -44,6 +44,7 @@ import torch
 from torch import nn
 
 from . import schema
+from .arguments import check_arguments, check_model
 from .buffer import StepBuffer, StepRecord
 from .components import assign_param_groups, assign_parents, discover, resolve_heads
 from .config import (
@@ -93,6 +94,7 @@ class Recorder:
                  config: RecorderConfig | Mapping[str, Any] | None = None, **options: Any) -> None:
         """`options` are RecorderConfig's fields and override `config`'s (a mapping given as
         `config` is the run config, stored in the manifest)."""
+        check_arguments(model, optimizer, path)
         cfg = self.config = with_options(config, options)
         self.model, self.optimizer = model, _usable_optimizer(optimizer)
         self.rank, self.world_size = _rank_and_world(cfg.rank, cfg.world_size)
@@ -635,6 +637,7 @@ def watch(model: nn.Module, optimizer: torch.optim.Optimizer | str | os.PathLike
     is unwrapped to the torch optimizer it holds; one that holds none is recorded without, with a
     warning.
     """
+    check_model(model)  # first: watch(optimizer, model, path) is named as swapped
     if isinstance(optimizer, (str, os.PathLike)):  # watch(model, "runs/x") without an optimizer
         if path is not None:  # watch(model, "runs/x", opt) would record no steps at all
             raise ValueError(f"watch(model, {os.fspath(optimizer)!r}, {type(path).__name__}): the "

@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import threading
 import time
 from collections.abc import Iterator
@@ -203,6 +204,23 @@ def test_bad_sink_is_a_named_error(spec: Any, message: str, tmp_path: Path,
     with pytest.raises(SinkError, match=message.replace("(", r"\(").replace(")", r"\)")):
         watch(zoo.mlp(), torch.optim.SGD(zoo.mlp().parameters(), 0.1), tmp_path, alarms=[spec])
     assert not (tmp_path / "health").exists()  # refused before anything was written
+
+
+@pytest.mark.parametrize(("alarms", "message"), [
+    (42, "alarms must be a sink or a list of sinks, got int 42; e.g. alarms=['jsonl:"),
+    ({"jsonl": "a.jsonl"}, "alarms must be a sink or a list of sinks, got dict {'jsonl': 'a.jsonl'}"),
+    (["jsonl:{tmp}"], "alarm sink 'jsonl:{tmp}': that is a directory; name a file in it"),
+    (["jsonl:{tmp}/file.txt/a.jsonl"], "alarm sink 'jsonl:{tmp}/file.txt/a.jsonl' could not be opened: "),
+])
+def test_a_bad_sink_list_is_one_sink_error_at_watch(alarms: Any, message: str, tmp_path: Path) -> None:
+    (tmp_path / "file.txt").write_text("a file where a directory would go")
+    alarms = [a.replace("{tmp}", str(tmp_path)) for a in alarms] if isinstance(alarms, list) else alarms
+    with pytest.raises(SinkError, match=re.escape(message.replace("{tmp}", str(tmp_path)))) as caught:
+        watch(zoo.mlp(), None, tmp_path / "trace", alarms=alarms)
+    error = caught.value
+    assert "\n" not in str(error)  # one line
+    assert error.__cause__ is None and (error.__context__ is None or error.__suppress_context__)
+    assert not (tmp_path / "trace").exists()
 
 
 def test_webhook_url_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:

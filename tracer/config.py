@@ -171,10 +171,17 @@ def _names(option: str, value: Any) -> tuple[str, ...] | None:
 
 
 def _sinks(value: Any) -> tuple[Any, ...]:
-    """Alarm sinks as a tuple; one string is one sink."""
+    """Alarm sinks as a tuple; one string (or one object with send) is one sink."""
     if value is None:
         return ()
-    return (value,) if isinstance(value, str) else tuple(value)
+    if isinstance(value, str) or callable(getattr(value, "send", None)):
+        return (value,)
+    if not isinstance(value, (list, tuple)):
+        from .alarms.base import SinkError  # here: a plain watch() loads nothing of the alarms
+
+        raise SinkError(f"alarms must be a sink or a list of sinks, got {type(value).__name__} "
+                        f"{value!r}; e.g. alarms=['jsonl:runs/x/alarms.jsonl', 'webhook:$SLACK_URL']")
+    return tuple(value)
 
 
 def _run_config(value: Any) -> dict[str, Any]:

@@ -30,7 +30,8 @@ class LiveMonitor:
                  trace_dir: str, config: Any = None) -> None:
         from .live import LiveClassifier  # the engine: imported only in live-alarm mode
 
-        self.workers = [SinkWorker(sink_from_spec(s)) for s in sinks]
+        built = [sink_from_spec(s) for s in sinks]  # every spec checked before a thread starts
+        self.workers = [SinkWorker(s) for s in built]
         self.on_alarm = on_alarm
         self.trace_dir = trace_dir
         self.alarms: list[dict[str, Any]] = []

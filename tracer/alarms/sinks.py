@@ -32,6 +32,9 @@ class JsonlSink:
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = Path(path)
+        if self.path.is_dir():
+            raise SinkError(f"alarm sink 'jsonl:{path}': that is a directory; name a file in it, "
+                            f"e.g. 'jsonl:{self.path / 'alarms.jsonl'}'")
         self.path.parent.mkdir(parents=True, exist_ok=True)
 
     def send(self, alarm: dict[str, Any]) -> None:
@@ -156,15 +159,24 @@ def sink_from_spec(spec: str | Any) -> Any:
         raise SinkError(f"alarm sink {spec!r}: expected KIND:ARGUMENT, e.g. 'jsonl:alarms.jsonl', "
                         "'webhook:$SLACK_URL', 'mlflow:sqlite:///mlflow.db', 'tensorboard:tb', "
                         "'wandb:offline'")
-    if kind == "jsonl":
-        return JsonlSink(_env(arg, spec))
-    if kind == "webhook":
-        return WebhookSink(_env(arg, spec))
-    if kind in ("mlflow", "tensorboard", "wandb"):
+    if kind not in ("jsonl", "webhook", "mlflow", "tensorboard", "wandb"):
+        raise SinkError(f"alarm sink {spec!r}: unknown kind {kind!r}; use jsonl, webhook, mlflow, "
+                        "tensorboard or wandb")
+    value = _env(arg, spec)
+    try:
+        if kind == "jsonl":
+            return JsonlSink(value)
+        if kind == "webhook":
+            return WebhookSink(value)
         from . import trackers
-        return trackers.from_spec(kind, _env(arg, spec), spec)
-    raise SinkError(f"alarm sink {spec!r}: unknown kind {kind!r}; use jsonl, webhook, mlflow, "
-                    "tensorboard or wandb")
+        return trackers.from_spec(kind, value, spec)
+    except SinkError:
+        raise
+    except Exception as exc:  # a directory not writable, a tracker refusing its URI: one line, no chain
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        raise SinkError(f"alarm sink {spec!r} could not be opened: {type(exc).__name__}: "
+                        f"{first}") from None
+
 
 
 __all__ = ["JsonlSink", "Sink", "SinkError", "SinkWorker", "WebhookSink", "sink_from_spec"]

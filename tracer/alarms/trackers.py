@@ -21,7 +21,7 @@ def _need(module: str, extra: str, spec: str) -> Any:
         return importlib.import_module(module)
     except ImportError as exc:
         raise SinkError(f"alarm sink {spec!r} needs {module.split('.')[0]} ({exc}); install it "
-                        f"with pip install 'warninglight[{extra}]'") from exc
+                        f"with pip install 'warninglight[{extra}]'") from None
 
 
 def _numbers(alarm: dict[str, Any]) -> dict[str, float]:

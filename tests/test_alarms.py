@@ -126,8 +126,27 @@ def test_every_sink_got_every_alarm_in_order(live: dict[str, Any]) -> None:
     lines = [json.loads(s) for s in (live["root"] / "alarms.jsonl").read_text().splitlines()]
     assert [(a["step"], a["observed_on"], a["condition"]) for a in lines] == \
            [(a["step"], a["observed_on"], a["condition"]) for a in alarms]
-    assert [b["observed_on"] for _, b in live["webhook"]] == [a["observed_on"] for a in alarms]
     assert [a["observed_on"] for a in live["received"]] == [a["observed_on"] for a in alarms]
+    assert [b["observed_on"] for _, b in live["webhook"]] == [a["observed_on"] for a in _announced(live)]
+
+
+def test_one_incident_is_one_webhook_post_and_every_alarm_a_jsonl_line(live: dict[str, Any]) -> None:
+    alarms = live["rec"].alarms
+    lines = [json.loads(s) for s in (live["root"] / "alarms.jsonl").read_text().splitlines()]
+    assert len(alarms) > 1 and len(lines) == len(alarms)  # several alarms, one fault
+    assert {a["incident"] for a in lines} == {1}
+    posts = [b for _, b in live["webhook"]]
+    assert [b["update"] for b in posts] == ["new"] + ["update"] * (len(posts) - 1)
+    assert len(posts) < len(alarms)
+    said = [(b["root"]["attributed_to"], b["root"]["onset_step"], b["rollback"]["checkpoint_step"],
+             tuple(b["rollback"]["skip_step_range"])) for b in posts]
+    assert len(set(said)) == len(said)  # each post after the first changed the root or rollback
+    for body in posts:
+        assert "\n" not in body["text"] and len(body["text"]) < 300, body["text"]
+        assert body["rollback"]["skip_batches"]  # the ids are in the JSON ...
+        skip = body["rollback"]["skip_batches"]
+        assert len(skip) > 3 and ", ".join(map(str, skip[:3])) not in body["text"]  # ... not the text
+        assert body["detail"].startswith(f"step {body['step']}: ")
 
 
 def test_jsonl_alarm_has_analyze_fields_root_and_rollback(live: dict[str, Any]) -> None:
@@ -230,7 +249,12 @@ def test_webhook_url_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> No
 
 
 def _alarm_steps(live: dict[str, Any]) -> list[int]:
-    return [a["step"] for a in live["rec"].alarms]
+    return [a["step"] for a in _announced(live)]
+
+
+def _announced(live: dict[str, Any]) -> list[dict[str, Any]]:
+    """The alarms a message sink is sent: each incident's first, and each change of its root or rollback."""
+    return [a for a in live["rec"].alarms if a["update"] is not None]
 
 
 def test_mlflow_run_has_the_alarms(live: dict[str, Any]) -> None:
@@ -259,7 +283,7 @@ def test_tensorboard_events_read_back(live: dict[str, Any]) -> None:
     assert all(t.tensor_proto.string_val[0].startswith(b"ALARM ") for t in texts)
     magnitudes = events.Scalars("warninglight/alarm_magnitude")
     assert [round(m.value, 3) for m in magnitudes] == [
-        round(a["magnitude"], 3) for a in live["rec"].alarms]
+        round(a["magnitude"], 3) for a in _announced(live)]
 
 
 def test_wandb_offline_run_holds_the_alarms(live: dict[str, Any]) -> None:

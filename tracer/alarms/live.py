@@ -13,6 +13,7 @@ the edge of what is kept (the offline analysis has no such limit). Imported only
 
 from __future__ import annotations
 
+import os
 from dataclasses import replace
 from typing import Any
 
@@ -52,6 +53,9 @@ class LiveClassifier:
         self._classifier: Classifier | None = None  # made when the components are known
         self._rows: pl.DataFrame | None = None  # health rows of the last `reach` steps and their history
         self._located: list[Located] = []
+        self.incident = 0  # the open incident's number; 0 before the first alarm
+        self._incident: list[Located] = []  # the open incident's alarms
+        self._announced: tuple[Any, ...] | None = None  # its root and rollback as last announced
         self._checkpoints: list[rb.Checkpoint] = []
         self._batches: dict[int, list[int] | None] = {}
         self._wall: dict[int, float] = {}
@@ -75,9 +79,22 @@ class LiveClassifier:
             return []
         fresh = locate(new, self._scored(new), self.components, self.config)
         self._located += fresh
-        # the root as it stands with every alarm so far (it can move as later alarms come in)
-        root, _ = root_cause(self._located, self.config, param_components(self.components))
-        return [self._alarm(a, root) for a in fresh]
+        out = []
+        for a in fresh:
+            self._join_incident(a)
+            # the root as it stands with the incident's alarms so far (it can move as more come in)
+            root, _ = root_cause(self._incident, self.config, param_components(self.components))
+            out.append(self._alarm(a, root))
+        return out
+
+    def _join_incident(self, a: Located) -> None:
+        """`a` joins the open incident, or opens the next one after a quiet stretch as long as the
+        baseline's history (by then the last incident's rows have left every baseline)."""
+        if self._incident and a.onset_step <= max(r.step for r in self._incident) + self.history:
+            self._incident.append(a)
+            return
+        self.incident += 1
+        self._incident, self._announced = [a], None
 
     def _scored(self, alarms: pl.DataFrame) -> pl.DataFrame:
         """The kept rows of the alarmed components (and the layers feeding alarmed activations)
@@ -94,20 +111,30 @@ class LiveClassifier:
 
     def _alarm(self, a: Located, root: RootCause | None) -> dict[str, Any]:
         """The JSON of one alarm: `analyze --json`'s alarm fields, the root and rollback as they
-        stand now, and `text` (the verdict line and this alarm's line, worded by the engine)."""
+        stand now, `incident` (its number), `update` ("new" for the incident's first alarm,
+        "update" when its root or rollback changed, else None), `text` (one line: the incident's
+        verdict, worded by the engine) and `detail` (this alarm's own line)."""
         alarm = Alarm(**{k: _plain(getattr(a, k)) for k in ALARM_KEYS})
         alarm = replace(alarm, last_step=alarm.step)  # the episode is still open
-        top = typed_root(root, self._located, 1)
+        top = typed_root(root, self._incident, 1)
         loss_steps, losses = self._loss_series()
         fired, judged = detectors.judge_losses(loss_steps, losses)  # on the losses logged so far
         loss_spike = detectors.first_at_or_after(fired, root.alarm.onset_step if root else None)
         rollback = self._rollback(root, loss_spike) if root else None
-        out: dict[str, Any] = {"text": "", **alarm.to_dict(),
+        out: dict[str, Any] = {"text": "", "incident": self.incident, "update": None,
+                               "detail": alarm_line(alarm), **alarm.to_dict(),
                                "step_wall_time_s": self._wall.get(alarm.step),
                                "root": top.to_dict() if top else None,
                                "rollback": rollback.to_dict() if rollback else None}
+        # what a person is told again: the root, and where to roll back to and which steps to skip
+        said = (top and (top.name, top.condition, top.onset_step),
+                rollback and (rollback.checkpoint_step, rollback.checkpoint_path,
+                              rollback.skip_step_range))
+        if said != self._announced:
+            out["update"] = "new" if self._announced is None else "update"
+            self._announced = said
         if top is not None and rollback is not None:
-            first = min(r.step for r in self._located)
+            first = min(r.step for r in self._incident)
             found = Detectors(  # as far as the run has gone; the gradient-norm rule is judged offline
                 loss_spike_step=loss_spike, grad_norm_spike_step=None, loss_spike_first_step=loss_spike,
                 grad_norm_spike_first_step=None, loss_spike_count=int(loss_spike is not None),
@@ -115,7 +142,10 @@ class LiveClassifier:
                 loss_points=len(loss_steps),
                 loss_steps_judged=judged,
                 light_lead_over_loss_spike=None if loss_spike is None else loss_spike - first)
-            out["text"] = f"{summary_line(top, rollback, found, 'fault')}\n{alarm_line(alarm)}"
+            # the headline names the checkpoint by its file; its full path is rollback.checkpoint_path
+            short = replace(rollback, checkpoint_path=rollback.checkpoint_path and
+                            os.path.basename(rollback.checkpoint_path))
+            out["text"] = summary_line(top, short, found, "fault")
         else:
             out["text"] = alarm_line(alarm)
         return out

@@ -1,8 +1,9 @@
 """The live loop: closed segments in, alarms out to the sinks and to the user's `on_alarm`.
 
 Threads: the writer thread hands each closed segment to `submit` (a queue put, nothing more);
-one monitor thread classifies segments in order and puts each new alarm on every sink's own
-queue; the training thread, at each step boundary, calls `deliver` which runs `on_alarm` for the
+one monitor thread classifies segments in order and puts each new alarm on the queue of every
+sink that keeps every alarm (JSONL, a sink object), and only an incident's first alarm and those
+that change its root or rollback on the others' (webhook, trackers: one message per news); the training thread, at each step boundary, calls `deliver` which runs `on_alarm` for the
 alarms raised since. A slow classifier or sink delays alarms, never training: the only work on
 the training thread is an empty-deque check per step.
 """
@@ -93,8 +94,9 @@ class LiveMonitor:
                     self.alarms.append(alarm)
                 if self.on_alarm is not None:
                     self._pending.append(alarm)
-                for w in self.workers:
-                    w.put(alarm)
+                for w in self.workers:  # a record takes every alarm; a message, its incident's news
+                    if alarm.get("update") is not None or w.every_alarm:
+                        w.put(alarm)
 
     def _error(self, message: str) -> None:
         if len(self.errors) < 20:

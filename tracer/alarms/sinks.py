@@ -1,7 +1,8 @@
 """Where live alarms go: JSONL, a webhook, or any object with `send(alarm)`; each behind its own thread.
 
-A sink is anything with `send(alarm: dict) -> None` (and optionally `close()`); `send` may block or
-raise. Every sink runs behind a `SinkWorker`: a bounded queue and a daemon thread that retries a
+A sink is anything with `send(alarm: dict) -> None` (and optionally `close()`, and
+`every_alarm = False` to be sent only an incident's news: its first alarm and each change of its
+root or rollback); `send` may block or raise. Every sink runs behind a `SinkWorker`: a bounded queue and a daemon thread that retries a
 failing `send` with exponential backoff, so a slow, hung or failing endpoint delays nothing but
 its own deliveries — never training, never the other sinks. When the queue is full the newest
 alarm is dropped and counted.
@@ -29,6 +30,7 @@ class JsonlSink:
     """One alarm per line, appended to `path` (flushed per alarm, so `tail -f` sees it)."""
 
     retries = 2
+    every_alarm = True  # a record: every alarm, each with its `incident`
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = Path(path)
@@ -43,9 +45,11 @@ class JsonlSink:
 
 
 class WebhookSink:
-    """POST each alarm as JSON: a Slack-compatible `text` plus the structured fields."""
+    """POST an incident's news as JSON: a Slack-compatible one-line `text` plus the structured
+    fields (the skip ids in `rollback.skip_batches`, never in the text)."""
 
     retries = 4
+    every_alarm = False  # a message: an incident's first alarm, then each change of root or rollback
 
     def __init__(self, url: str, timeout_s: float = 5.0) -> None:
         if not url.startswith(("http://", "https://")):
@@ -68,6 +72,7 @@ class SinkWorker:
         self.sink = sink
         self.name = type(sink).__name__
         self.retries = int(getattr(sink, "retries", 2))
+        self.every_alarm = bool(getattr(sink, "every_alarm", True))
         self.backoff_s, self.max_backoff_s = backoff_s, max_backoff_s
         self.delivered = self.dropped = self.failed = 0
         self.errors: list[str] = []

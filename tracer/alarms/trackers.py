@@ -36,6 +36,7 @@ class MLflowSink:
     """Tags and metrics on a run: the one active when `watch` started, `run_id`, or a new run."""
 
     retries = 3
+    every_alarm = False  # an incident's news, as a webhook gets it
 
     def __init__(self, tracking_uri: str, run_id: str | None = None, spec: str = "mlflow") -> None:
         mlflow = _need("mlflow", "mlflow", spec)
@@ -68,6 +69,7 @@ class TensorBoardSink:
     """A text summary (the alarm's line) and scalars at the alarm's step, in `logdir`."""
 
     retries = 2
+    every_alarm = False  # an incident's news, as a webhook gets it
 
     def __init__(self, logdir: str, spec: str = "tensorboard") -> None:
         _need("tensorboard", "tensorboard", spec)
@@ -90,6 +92,7 @@ class WandbSink:
     """Logs to the active W&B run, or to a run of its own (`wandb:offline`: offline mode, no network)."""
 
     retries = 2
+    every_alarm = False  # an incident's news, as a webhook gets it
 
     def __init__(self, mode: str, spec: str = "wandb") -> None:
         if mode not in ("offline", "online", "active"):

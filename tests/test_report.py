@@ -305,11 +305,12 @@ SAMPLES = Path(__file__).parent.parent / "sample_traces"
 
 @pytest.mark.parametrize(("trace", "reasons"), [
     ("gpt_clean", ["none: no alarm, so nothing to roll back", "<td>never lit</td>", "<td>no: no alarm</td>",
+                   "(the light saw no fault)</td>",
                    "none: no component left its baseline", "none: no fixed-threshold rule fired"]),
-    ("gpt_weight_corruption", ["<td colspan='8'>the loss-spike rule never fired: a loss-only operator would not "
-                               "roll back</td>", "<td>no: saved before the onset</td>"]),
+    ("gpt_weight_corruption", ["<td colspan='8'>loss-only operator: the loss-spike rule never fired, so it would "
+                               "not roll back</td>", "<td>no: saved before the onset</td>"]),
     ("gpt_nan", ["<td>none: a NaN/Inf rule reads none</td>", "<td>NaN/Inf</td>"]),
-    ("cnn_corrupt_batches", ["<td>the same as ours</td>", "<td>none: a loss curve names none</td>", "batch ids</td>"]),
+    ("cnn_corrupt_batches", ["<td>the same as ours</td>", "<td>none: a loss curve names no batches</td>", "batch ids</td>"]),
 ])
 def test_every_missing_value_in_the_reports_tables_says_why(trace: str, reasons: list[str], tmp_path: Path) -> None:
     # a bare dash left the reader guessing: lost, not applicable, or never computed
@@ -345,3 +346,39 @@ def test_a_run_shorter_than_the_warm_up_has_no_heatmap_and_says_why(tmp_path: Pa
     assert "<h2>Where: every component at every step</h2><p>No map: no component was judged" in text
     assert f"recorded step {data.analysis.warmup_steps} (baseline.min_samples + baseline.lag)" in text
     assert "recorded 40 steps" in text
+
+
+def test_the_loss_of_several_ranks_is_drawn_once_a_step_as_their_mean() -> None:
+    # each rank logs its own loss: their rows one after another drew a saw-tooth
+    steps = pl.DataFrame({"step": [1, 1, 2, 2, 3, 3], "rank": [0, 1, 0, 1, 0, 1],
+                          "loss": [2.0, 4.0, 1.0, 3.0, float("nan"), 1.0],
+                          "grad_norm_total_l2": [1.0, 1.0, None, None, 2.0, 4.0]})
+    one, ranks = contents.per_step(steps)
+    assert ranks == 2 and one["step"].to_list() == [1, 2, 3]
+    assert one["loss"].to_list()[:2] == [3.0, 2.0] and np.isnan(one["loss"][2])  # a NaN on one rank stays
+    assert one["grad_norm_total_l2"].to_list() == [1.0, None, 3.0]
+    fig = plots.loss_and_grad(one, ranks=ranks)
+    x = fig.axes[0].lines[0].get_xdata()
+    assert list(x) == [1, 2, 3] and "mean of 2 ranks" in fig.axes[0].get_ylabel()
+    alone, ranks = contents.per_step(steps.filter(rank=0))
+    assert ranks == 1 and alone.equals(steps.filter(rank=0))  # one rank: as it is
+
+
+def test_the_rank_panels_legend_lies_below_the_ranks() -> None:
+    frame = pl.DataFrame({"rank": [0, 1] * 40, "step": np.repeat(np.arange(1, 41), 2),
+                          "local_dev": np.tile([0.5, -0.5], 40), "diverged": [False, True] * 40})
+    fig = plots.rank_panel(frame, [plots.Mark("alarm", 25)])
+    plots.png_bytes(fig)  # laid out
+    assert fig.legends[0].get_window_extent().y1 <= fig.axes[0].get_window_extent().y0
+    assert [t.get_text() for t in fig.legends[0].get_texts()] == ["weights differ from the majority", "alarm @ 25"]
+
+
+def test_two_rollbacks_to_one_checkpoint_are_one_mark() -> None:
+    # drawn one over the other, the loss-only line hid ours
+    data = report.gather(report.analyze(SAMPLES / "cnn_corrupt_batches"))
+    rollback = data.analysis.rollback
+    assert rollback.checkpoint_step == rollback.loss_only.checkpoint_step == 100
+    labels = [(m.label, m.step) for m in contents.marks(data) if m.label.startswith("rollback")]
+    assert labels == [(plots.SAME_ROLLBACK, 100)]
+    other = report.gather(report.analyze(SAMPLES / "gpt_weight_corruption"))  # the loss rule never fired
+    assert [m.label for m in contents.marks(other) if m.label.startswith("rollback")] == ["rollback (ours)"]

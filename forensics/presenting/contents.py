@@ -53,6 +53,17 @@ def component_order(components: pl.DataFrame) -> list[str]:
     return c["component"].to_list()
 
 
+def per_step(steps: pl.DataFrame) -> tuple[pl.DataFrame, int]:
+    """(the steps table with one row a step, how many ranks it was over): each rank logs its own
+    loss and gradient norm, and their rows one after another drew a saw-tooth; a step's is the
+    ranks' mean, as the comparators read it (a NaN on one rank stays a NaN)."""
+    ranks = steps["rank"].n_unique() if "rank" in steps.columns and len(steps) else 1
+    if ranks <= 1:
+        return steps, 1
+    cols = [c for c in ("loss", "grad_norm_total_l2") if c in steps.columns]
+    return steps.group_by("step").agg(pl.col(c).cast(pl.Float64).mean() for c in cols).sort("step"), ranks
+
+
 def alarmed_order(order: list[str], alarms: pl.DataFrame) -> list[str]:
     """The components of `order` (in its order) that an alarm was observed on: the condition
     map's rows, which draws nothing on the others."""
@@ -113,6 +124,8 @@ def marks(data: ReportData) -> list[plots.Mark]:
         ("rollback (ours)", a.rollback.checkpoint_step),
         ("rollback (loss-only)", a.rollback.loss_only.checkpoint_step),
     ]
+    if a.rollback.checkpoint_step is not None and a.rollback.checkpoint_step == a.rollback.loss_only.checkpoint_step:
+        candidates[-2:] = [(plots.SAME_ROLLBACK, a.rollback.checkpoint_step)]  # one line drawn over the other hid it
     return [plots.Mark(label, int(step)) for label, step in candidates
             if isinstance(step, int | float) and not isinstance(step, bool) and math.isfinite(step)]
 

@@ -51,7 +51,9 @@ MARK_STYLE: dict[str, tuple[str, str]] = {
     "static rules": ("#e377c2", "-."),
     "rollback (ours)": ("#2ca02c", "-"),
     "rollback (loss-only)": ("#bcbd22", "-"),
+    "rollback (ours and loss-only)": ("#2ca02c", "-"),
 }
+SAME_ROLLBACK = "rollback (ours and loss-only)"  # both rollbacks resume from the same checkpoint
 
 
 @dataclass(frozen=True)
@@ -157,9 +159,13 @@ def heatmap(scores: pl.DataFrame, order: Sequence[str], marks: Sequence[Mark] = 
 
 
 def _z_bar(fig: Figure, ax: Axes, im: AxesImage, label: str) -> Colorbar:
-    """A colour bar of the |z| levels, the last one labelled "≥ Z_CAP"."""
-    bar = fig.colorbar(im, ax=ax, shrink=0.9, pad=0.01, ticks=Z_LEVELS[:-1])
-    bar.ax.set_yticklabels([f"{v:g}" for v in Z_LEVELS[:-2]] + [f"≥ {Z_CAP:g}"])
+    """A colour bar of the |z| levels, each labelled at its middle with its range ("≥ Z_CAP" the last)."""
+    middles = [(a + b) / 2 for a, b in zip(Z_LEVELS, Z_LEVELS[1:], strict=False)]
+    bar = fig.colorbar(im, ax=ax, shrink=0.9, pad=0.01, ticks=middles)
+    bar.ax.set_yticklabels([f"< {Z_LEVELS[1]:g}"] + [f"{a:g}–{b:g}" for a, b in zip(Z_LEVELS[1:-2], Z_LEVELS[2:-1],
+                                                                                    strict=True)]
+                           + [f"≥ {Z_CAP:g}"])
+    bar.ax.tick_params(length=0)
     bar.set_label(label, fontsize=9)
     return bar
 
@@ -273,15 +279,18 @@ def _fit_to_values(ax: Axes, values: pl.Series) -> None:
         ax.set_ylim(lo - pad, hi + pad)
 
 
-def loss_and_grad(steps: pl.DataFrame, marks: Sequence[Mark] = (), never: Sequence[str] = ()) -> Figure:
-    """Loss and total gradient norm over steps, with the light's and the comparators' marks.
+def loss_and_grad(steps: pl.DataFrame, marks: Sequence[Mark] = (), never: Sequence[str] = (), *,
+                  ranks: int = 1) -> Figure:
+    """Loss and total gradient norm over steps (one row a step: over `ranks` ranks, their mean),
+    with the light's and the comparators' marks.
 
     `never` names detectors that did not fire at all; the legend says so instead of hiding them.
     """
     fig = Figure(figsize=(11, 6), layout="constrained")
     ax_loss, ax_grad = fig.subplots(2, 1, sharex=True)
     step = steps["step"].to_numpy()
-    for ax, col, label in ((ax_loss, "loss", "loss"), (ax_grad, "grad_norm_total_l2", "total grad norm (L2)")):
+    over = f"\n(mean of {ranks} ranks)" if ranks > 1 else ""
+    for ax, col, label in ((ax_loss, "loss", f"loss{over}"), (ax_grad, "grad_norm_total_l2", f"total grad norm (L2){over}")):
         if col in steps.columns and steps[col].null_count() < len(steps):
             ax.plot(*_envelope(step, steps[col].cast(pl.Float64).to_numpy()), color="black", linewidth=0.8)
             _mark_nonfinite(ax, step, steps[col])
@@ -352,7 +361,7 @@ def rank_panel(frame: pl.DataFrame, marks: Sequence[Mark] = ()) -> Figure:
     grid = np.full((len(ranks), len(steps)), np.nan)
     for r, s, dev, _ in frame.iter_rows():
         grid[ranks.index(r), col[s]] = np.nan if dev is None else dev
-    fig = Figure(figsize=(11, 1.4 + 0.45 * len(ranks)), layout="constrained")
+    fig = Figure(figsize=(11, 1.7 + 0.45 * len(ranks)), layout="constrained")
     ax = fig.subplots()
     width = steps[1] - steps[0] if len(steps) > 1 else 1
     extent = (steps[0] - 0.5, steps[-1] + width - 0.5, len(ranks) - 0.5, -0.5)
@@ -368,8 +377,9 @@ def rank_panel(frame: pl.DataFrame, marks: Sequence[Mark] = ()) -> Figure:
     ax.set_title("Ranks: log local gradient norm − the ranks' median (the largest over components)")
     fig.colorbar(im, ax=ax, pad=0.01, label="log units")
     _draw_marks(ax, marks)
-    if ax.get_legend_handles_labels()[0]:
-        ax.legend(loc="upper left", fontsize=8, framealpha=0.9)
+    handles, labels = ax.get_legend_handles_labels()
+    if handles:  # below the axes, in one line: over them it hid the first steps of rank 0
+        fig.legend(handles, labels, loc="outside lower center", ncols=len(handles), fontsize=8, frameon=False)
     return fig
 
 

@@ -19,6 +19,7 @@ from warninglight.forensics.presenting.contents import (
     gather,
     marks,
     never_fired,
+    per_step,
 )
 from warninglight.forensics.presenting.report_html import render_html
 
@@ -41,11 +42,15 @@ def _drawers(data: ReportData) -> list[tuple[str, Callable[[], Figure | None]]]:
         name = root.name if root.observed_on == root.attributed_to else f"{root.name}, seen on {root.observed_on}"
         return plots.baseline_band(band, name, root.metric, [x for x in m if x.label in ("injected", *ALARM_MARKS)])
 
+    def loss() -> Figure:
+        steps, ranks = per_step(a.steps)
+        return plots.loss_and_grad(steps, m, never_fired(data), ranks=ranks)
+
     return [
         ("heatmap", lambda: plots.heatmap(data.scores, data.order, near, kinds=data.kinds, step_width=a.heat_width,
                                           episodes=a.alarms)
          if judged(data) else None),
-        ("loss", lambda: plots.loss_and_grad(a.steps, m, never_fired(data))),
+        ("loss", loss),
         ("ranks", lambda: plots.rank_panel(a.ranks_panel, near) if len(a.ranks_panel) else None),
         ("conditions", lambda: plots.condition_map(a.alarms, rows, last_step(a), near, kinds=data.kinds)
          if (rows := alarmed_order(data.order, a.alarms)) else None),  # no alarm on a component: no rows

@@ -32,10 +32,15 @@ _CAPTIONS = {  # figure stem -> (heading, note under the image)
                 "which the engine judged and set aside: a rule asks more than |z| (a fold of the baseline "
                 "or a change in the metric's units too, held on consecutive steps, as warninglight "
                 "conditions lists them){unread}. Grey: no baseline yet (warm-up)."),
-    "root_metric": ("The root component against its baseline", ""),
+    "root_metric": ("The root component against its baseline",
+                    "Black: the root metric. Blue: its baseline, the median ± 3 robust scales of its trailing "
+                    "window. From the onset to the alarm's last step the band is held as it stood at the onset "
+                    "(hatched), so the fault shows against the baseline before it; after that it is the trailing "
+                    "window again, which spans both levels while it holds steps from before and after the fault."),
     "loss": ("When: the light against the loss and gradient-norm rules",
-             "Vertical lines: the fault's onset and our alarm, the comparators' first firing at or after "
-             "the onset, and the checkpoint each rollback would resume from."),
+             "Vertical lines, those that apply: the fault's onset and our alarm, each comparator's first "
+             "firing (at or after the onset when there is one), and the checkpoint each rollback would "
+             "resume from."),
     "conditions": ("What: conditions by component", ""),
     "ranks": ("Which rank: every rank at every step",
               "Colour: how far the rank's local gradient norm (before the all-reduce) strays from the "

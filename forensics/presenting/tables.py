@@ -62,7 +62,7 @@ def rollback_rows(a: Analysis) -> list[dict[str, Any] | str]:
     if other.alarm_step is None:
         loss = ("the loss-spike rule never fired" if a.detectors.loss_steps_judged != 0 else
                 f"the loss-spike rule had too few logged losses to judge any step ({a.detectors.loss_points} points)")
-        return [ours, f"{loss}: a loss-only operator would not roll back"]
+        return [ours, f"loss-only operator: {loss}, so it would not roll back"]
     same = other.checkpoint_step == r.checkpoint_step
     theirs = {"choice": "loss-only operator", "alarm step": other.alarm_step,
               "resume from step": _resume(other.checkpoint_step),
@@ -70,8 +70,8 @@ def rollback_rows(a: Analysis) -> list[dict[str, Any] | str]:
                              f"the one at step {other.checkpoint_step}" if other.checkpoint_step else
                              "none before the loss spike: the initialisation"),
               "steps discarded": other.steps_discarded,
-              "skip steps": "none: a loss curve names none",
-              "skip batches": "none: a loss curve names none",
+              "skip steps": "none: a loss curve names no steps",
+              "skip batches": "none: a loss curve names no batches",
               "holds the damage": "yes: saved at or after the onset" if other.contaminated else "no"}
     return [ours, theirs]
 
@@ -104,7 +104,8 @@ def detector_rows(a: Analysis) -> list[dict[str, Any]]:
         loss = f"never judged: too few logged losses ({det.loss_points} points)"
     for name, step, never in (("loss spike (mean + 6σ, 128 steps)", det.loss_spike_step, loss),
                               ("gradient-norm spike", det.grad_norm_spike_step, "never fired")):
-        rows.append({"detector": name, "first alarm step": step or never,
+        fired = step if root is not None or step is None else f"{step} (the light saw no fault)"
+        rows.append({"detector": name, "first alarm step": fired or never,
                      "names a component": "no: it reads one number for the whole model"})
     first = a.static[0] if a.static else None
     rows.append({"detector": "static rules (SageMaker-style)",

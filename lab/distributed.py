@@ -53,12 +53,13 @@ class RankScenario:
     name: str
     world_size: int = 2
     fault: str = "clean"  # clean | weight_scale | grad_corrupt | unwrapped_steps
-    component: str | None = None  # module path inside the DDP wrapper ("module.h.0.mlp.c_fc")
+    component: str | None = None  # the model's own module path ("h.0.mlp.c_fc"), as recorded
     rank: int | None = None  # the faulty rank; None: every rank
     step: int = 25  # first step the fault acts
     factor: float = 10.0
     steps: int = 40
     wrapper: str = "ddp"  # ddp | fsdp
+    watched: str = "wrapper"  # wrapper | inner: what watch() is given, the DDP or the module in it
     condition: str = "unclassified"  # what the fault should be named
 
     def truth(self, seed: int) -> dict[str, Any]:
@@ -74,10 +75,12 @@ class RankScenario:
 
 
 SCENARIOS: dict[str, RankScenario] = {sc.name: sc for sc in (
-    RankScenario("ddp_weight_scale", fault="weight_scale", component="module.h.0.mlp.c_fc", rank=1,
+    RankScenario("ddp_weight_scale", fault="weight_scale", component="h.0.mlp.c_fc", rank=1,
                  condition="exploding"),
-    RankScenario("ddp_grad_corrupt", fault="grad_corrupt", component="module.h.0.attn.c_attn",
+    RankScenario("ddp_grad_corrupt", fault="grad_corrupt", component="h.0.attn.c_attn",
                  rank=1, factor=30.0, condition="exploding"),
+    RankScenario("ddp_grad_corrupt_inner", fault="grad_corrupt", component="h.0.attn.c_attn",
+                 rank=1, factor=30.0, condition="exploding", watched="inner"),
     RankScenario("ddp_unwrapped_steps", fault="unwrapped_steps", component="", rank=None),
     RankScenario("ddp_clean_4ranks", world_size=4),
     RankScenario("fsdp_clean", wrapper="fsdp"),
@@ -119,7 +122,7 @@ def _inner(wrapped: nn.Module) -> nn.Module:
 
 def _corrupt_grad(sc: RankScenario, model: nn.Module, state: dict[str, int]) -> list[Any]:
     """Hooks that multiply the component's local gradient by `factor` from `sc.step` on."""
-    module = dict(model.named_modules())[sc.component or ""]
+    module = dict(_inner(model).named_modules())[sc.component or ""]
     hook = (lambda g: g * sc.factor if state["step"] >= sc.step else g)  # noqa: E731
     return [p.register_hook(hook) for p in module.parameters(recurse=False)]
 
@@ -135,14 +138,14 @@ def _train_one(sc: RankScenario, rank: int, root: Path, seed: int, tokens: torch
     state = {"step": 0}
     handles = _corrupt_grad(sc, model, state) if sc.fault == "grad_corrupt" and faulty else []
     data = zoo.text_batches(tokens, 8, GPT.block_size, seed=1000 * seed + rank)  # per-rank data
-    with watch(model, opt, str(trace), heads=["module.lm_head" if sc.wrapper == "ddp" else "lm_head"],
-               flush_every_steps=20) as rec:
+    watched = _inner(model) if sc.watched == "inner" else model
+    with watch(watched, opt, str(trace), heads=["lm_head"], flush_every_steps=20) as rec:
         for step in range(1, sc.steps + 1):
             state["step"] = step
             ids, x, y = next(data)
             if sc.fault == "weight_scale" and faulty and step == sc.step:
                 with torch.no_grad():
-                    for p in dict(model.named_modules())[sc.component or ""].parameters(recurse=False):
+                    for p in dict(_inner(model).named_modules())[sc.component or ""].parameters(recurse=False):
                         p.mul_(sc.factor)
             unwrapped = sc.fault == "unwrapped_steps" and step >= sc.step and (step - sc.step) % 2 == 0
             logits = (_inner(model) if unwrapped else model)(x)  # (B, T, vocab)

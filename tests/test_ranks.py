@@ -17,7 +17,8 @@ from warninglight.forensics import analyze, open_trace
 from warninglight.forensics.trace import checks
 from warninglight.lab.distributed import CHECKPOINT_EVERY, run_group
 
-TWO_RANKS = ["ddp_weight_scale", "ddp_grad_corrupt", "ddp_unwrapped_steps", "fsdp_clean"]
+TWO_RANKS = ["ddp_weight_scale", "ddp_grad_corrupt", "ddp_grad_corrupt_inner", "ddp_unwrapped_steps",
+             "fsdp_clean"]
 
 
 @pytest.fixture(scope="module")
@@ -29,8 +30,9 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.mark.parametrize(("scenario", "component", "rank", "scope"), [
-    ("ddp_weight_scale", "module.h.0.mlp.c_fc", 1, "replicas"),
-    ("ddp_grad_corrupt", "module.h.0.attn.c_attn", 1, "component"),
+    ("ddp_weight_scale", "h.0.mlp.c_fc", 1, "replicas"),
+    ("ddp_grad_corrupt", "h.0.attn.c_attn", 1, "component"),
+    ("ddp_grad_corrupt_inner", "h.0.attn.c_attn", 1, "component"),  # watch() given the module in the DDP
     ("ddp_unwrapped_steps", "", None, "replicas"),  # every rank, the whole model
 ])
 def test_a_rank_fault_is_named_by_rank_component_onset_and_checkpoint(
@@ -54,14 +56,29 @@ def test_the_corrupted_rank_is_named_though_every_rank_applied_the_same_bad_aver
     try:
         # after the all-reduce every rank holds the same gradient: the health table cannot tell
         post = trace.con.execute("""SELECT count(DISTINCT grad_norm_l2) FROM health
-            WHERE step = 25 AND component = 'module.h.0.attn.c_attn'""").fetchone()
+            WHERE step = 25 AND component = 'h.0.attn.c_attn'""").fetchone()
         row = trace.con.execute("""SELECT max_rank, local_grad_norm_max / local_grad_norm_min, fingerprints
-            FROM ranks WHERE step = 25 AND component = 'module.h.0.attn.c_attn'""").fetchone()
+            FROM ranks WHERE step = 25 AND component = 'h.0.attn.c_attn'""").fetchone()
     finally:
         trace.close()
     assert post == (1,)
     assert row[0] == 1 and row[1] > 10 and row[2] == 1  # rank 1's local norm, replicas still equal
     assert analyze(runs / "ddp_grad_corrupt").to_dict()["root"]["condition"] == "exploding"
+
+
+@pytest.mark.parametrize("scenario", ["ddp_grad_corrupt", "ddp_grad_corrupt_inner"])
+def test_the_wrapper_or_its_module_give_the_same_names_and_local_norms(runs: Path, scenario: str) -> None:
+    trace = open_trace(runs / scenario)
+    try:
+        names = [n for (n,) in trace.con.execute("SELECT DISTINCT component FROM components").fetchall()]
+        local = trace.con.execute("""SELECT count(local_grad_norm_l2), bool_and(grad_allreduced)
+            FROM replicas WHERE component = 'h.0.attn.c_attn'""").fetchone()
+        warned = trace.con.execute("SELECT count(*) FROM events WHERE kind = 'warning'").fetchone()
+    finally:
+        trace.close()
+    assert "lm_head" in names and not [n for n in names if n.startswith("module")]
+    assert local == (2 * 40, True)  # every step of both ranks, read before the all-reduce
+    assert warned == (0,)
 
 
 def test_steps_outside_ddp_are_visible_as_not_all_reduced(runs: Path) -> None:

@@ -266,7 +266,7 @@ def test_two_gloo_ranks_write_their_own_partitions(tmp_path: Path) -> None:
         assert (manifest["rank"], manifest["world_size"]) == (rank, 2)
     # different data per rank, same all-reduced gradients: equal weights, different activations
     w = rows(tmp_path, "health", "select count(distinct weight_norm_l2), count(distinct out_rms) "
-                                 "from t where component = 'module.0' and step = 4")
+                                 "from t where component = '0' and step = 4")
     assert w == [(1, 2)]
 
 

@@ -80,7 +80,9 @@ def test_replicas_table_without_ddp_has_checksums_and_says_why_no_local_norms(tm
         details = [d for (d,) in trace.con.execute("select detail from events where kind = 'warning'").fetchall()]
     finally:
         trace.close()
-    assert any("DistributedDataParallel" in d for d in details)
+    fix = "pass the DDP wrapper, or a module it wraps, to watch()"
+    assert sum(fix in d for d in details) == 1  # said once, at the first forward, naming the fix
+    assert sum(fix in w for w in analyze(tmp_path).to_dict()["warnings"]) == 1
 
 
 def test_a_single_rank_run_records_no_replicas_table(tmp_path: Path) -> None:

@@ -48,6 +48,14 @@ class Component:
         return sum(p.numel() for p in self.params)
 
 
+def user_module(model: nn.Module) -> nn.Module:
+    """The module whose paths the user knows: the one inside DistributedDataParallel wrappers
+    (whose own paths would put `module.` before every name)."""
+    while isinstance(model, nn.parallel.DistributedDataParallel):
+        model = model.module
+    return model
+
+
 def discover(model: nn.Module) -> list[Component]:
     """Every module owning parameters directly, plus known activation modules, in module order."""
     seen: set[int] = set()

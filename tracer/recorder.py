@@ -46,7 +46,7 @@ from torch import nn
 from . import schema
 from .arguments import check_arguments, check_model
 from .buffer import StepBuffer, StepRecord
-from .components import assign_param_groups, assign_parents, discover, resolve_heads
+from .components import assign_param_groups, assign_parents, discover, resolve_heads, user_module
 from .config import (
     LIVE_FLUSH_S,  # noqa: F401 (imported from here by bench/alarm_latency.py)
     LIVE_FLUSH_STEPS,  # noqa: F401
@@ -98,9 +98,13 @@ class Recorder:
         cfg = self.config = with_options(config, options)
         self.model, self.optimizer = model, _usable_optimizer(optimizer)
         self.rank, self.world_size = _rank_and_world(cfg.rank, cfg.world_size)
-        self.components = discover(model)
+        inner = user_module(model)  # component names are the user's module paths, wrapped or not
+        self.components = discover(inner)
         if cfg.heads:
-            resolve_heads(self.components, list(cfg.heads))
+            names = {c.name for c in self.components}
+            # a head named by its path under the DDP wrapper ("module.lm_head") is taken as well
+            resolve_heads(self.components, [h.removeprefix("module.") if inner is not model and
+                                            h not in names else h for h in cfg.heads])
         self._heads_given = bool(cfg.heads)
         params = [p for c in self.components for p in c.params]
         self.device = params[0].device if params else torch.device("cpu")
@@ -333,8 +337,8 @@ class Recorder:
         if not self._in_step:
             self._in_step = True
             self.params.begin()
-            if self.replicas is not None:
-                self.replicas.begin()
+            if self.replicas is not None and (note := self.replicas.begin()):
+                self._warn_once(note)
 
     def _pre_step(self) -> None:
         if self._closed:

@@ -15,7 +15,8 @@ records, per parameter-owning component and step:
 - `local_grad_norm_l2`: the L2 norm of the gradient this rank contributed *before* the
   all-reduce averaged it with the others (null on a step whose gradients were not all-reduced).
   Read in a DistributedDataParallel communication hook, which sees each bucket of local
-  gradients once, just before it calls the same all-reduce DDP runs without a hook.
+  gradients once, just before it calls the same all-reduce DDP runs without a hook. Given the
+  module inside a DDP, the hook goes on the DDP found running it at the first training forward.
 - `grad_allreduced`: whether DDP all-reduced this component's gradients in this step; false on
   every component means the step trained outside DDP (its gradients stayed local).
 
@@ -77,15 +78,29 @@ class ReplicaProbe:
         self._buckets: dict[int, tuple[torch.Tensor, torch.Tensor, np.ndarray]] = {}
         self._layouts: dict[tuple[int, ...], tuple[torch.Tensor, np.ndarray]] = {}
         self.closed = False
-        self.hook_note = self._install_comm_hook(model)
+        self.model = model
+        ddp = isinstance(model, nn.parallel.DistributedDataParallel)
+        # the inner module of a DDP: its wrapper is found at the first forward, which runs inside it
+        self._wrapper_unknown = not ddp
+        self.hook_note = self._install_comm_hook(model) if ddp else None
 
     # --- local gradients: a DDP communication hook ------------------------------------------
 
-    def _install_comm_hook(self, model: nn.Module) -> str | None:
+    def _find_wrapper(self) -> str | None:
+        """At the first training forward of a watched inner module: hook the DDP running it, or
+        say why its local gradient norms cannot be had."""
+        self._wrapper_unknown = False
+        # DDP names itself while its forward runs (what torch.compile's DDP optimizer reads)
+        active = nn.parallel.DistributedDataParallel._get_active_ddp_module()
+        if active is not None and any(m is self.model for m in active.module.modules()):
+            return self._install_comm_hook(active)
+        return ("local gradient norms (each rank's gradients before the all-reduce) not recorded: "
+                "the watched module's forward ran outside any DistributedDataParallel forward "
+                "(FSDP, gradients all-reduced by hand, or DDP's Python reducer); pass the DDP "
+                "wrapper, or a module it wraps, to watch()")
+
+    def _install_comm_hook(self, model: nn.parallel.DistributedDataParallel) -> str | None:
         """Register the hook on a DistributedDataParallel model; a note saying why not, else None."""
-        if not isinstance(model, nn.parallel.DistributedDataParallel):
-            return ("local gradient norms need the watched model to be the DistributedDataParallel "
-                    "wrapper; not recorded")
         if getattr(model, "_comm_hooks", None):
             return ("the DDP model already has a communication hook, and DDP takes only one: local "
                     "gradient norms not recorded")
@@ -142,10 +157,13 @@ class ReplicaProbe:
         return torch.zeros(self.n, dtype=torch.int64, device=self.device).index_add_(
             0, self.param_comp, sums.long() & 0xFFFFFFFF)  # unsigned: a checksum is never < 0
 
-    def begin(self) -> None:
-        """First training forward of a step: the checksums of the weights as the step found them."""
+    def begin(self) -> str | None:
+        """First training forward of a step: the checksums of the weights as the step found them;
+        at the first one, for an inner module, a note when its local gradients cannot be had."""
+        note = self._find_wrapper() if self._wrapper_unknown and not self.closed else None
         if self.params and not self.closed:
             self._at_forward = self.checksums()
+        return note
 
     def end_step(self, step: int) -> None:
         """After optimizer.step: the weights' checksums and this step's local gradient norms."""

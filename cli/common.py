@@ -80,6 +80,7 @@ def refuse_overwrite(path: Path, force: bool, flag: str = "-o") -> None:
 _INPUT_ERRORS = {"warninglight.forensics.trace.store": "TraceError", "warninglight.forensics.explaining.rollback": "CheckpointError",
                  "warninglight.forensics.explaining.analysis": "StepWindowError",
                  "warninglight.forensics.explaining.repair": "RepairError",
+                 "warninglight.forensics.explaining.rerun": "RerunError",
                  "warninglight.forensics.judging.conditions": "ConfigError"}
 
 

@@ -211,6 +211,7 @@ class TraceWriter:
             incarnations, started = [], time.time()
         return {"format_version": schema.FORMAT_VERSION, "run_id": run_id, "rank": self.rank,
                 "world_size": world_size, "started_at": started, "model_class": model_class,
+                "host": platform.node(),  # where a transient fault happened, for `rerun`'s verdict
                 "versions": _versions(), "config": config, "incarnations": incarnations}
 
     def ready(self) -> bool:

@@ -45,6 +45,8 @@ def eval_cmd(
     traces: Annotated[list[Path] | None, typer.Option("--trace", help="Score this recorded trace against its truth.json instead of training (repeatable).")] = None,
     recovery: Annotated[bool | None, typer.Option("--recovery/--no-recovery",
                                                   help="Also rehearse component repair against the full rollback (lab/recovery.py, seed 0; default: with the full benchmark only).")] = None,
+    reruns: Annotated[bool | None, typer.Option("--reruns/--no-reruns",
+                                                help="Also rehearse `rerun` on transient, poisoned-sample, bad-batch and lr-spike incidents (lab/incidents.py, seed 0; default: with the full benchmark only).")] = None,
 ) -> None:
     """Run scenarios over seeds and print detection accuracy, onset error, lead over other detectors, rollback."""
     if traces and not list_:  # nothing to train: the lab's models (and torch) are not loaded
@@ -81,12 +83,26 @@ def eval_cmd(
     recoveries = _recoveries(workdir) if (recovery if recovery is not None else not scenarios) else []
     if recoveries:
         typer.echo(f"\nComponent repair, rehearsed (lab/recovery.py):\n\n{results_page.recovery_table(recoveries)}")
+    if reruns if reruns is not None else not scenarios:
+        typer.echo(f"\nRe-runs, rehearsed (lab/incidents.py):\n\n{_reruns(workdir)}")
     if json_out is not None:
         json_out.write_text(json.dumps([r.to_dict() for r in runs], indent=1))
     if results is not None:
         command = "warninglight eval" + (f" {' '.join(scenarios)}" if scenarios else "") + f" --seeds {seeds}"
         results.write_text(results_page.document(runs, at_commit=at_commit, command=command + (f" --steps {steps}" if steps else "") + f" --results {results}",
                                                  recoveries=recoveries))
+
+
+def _reruns(workdir: Path | None) -> str:
+    """The rehearsed re-runs' table (seed 0), in `workdir`/reruns or a temporary folder."""
+    import tempfile
+
+    from warninglight.lab import incidents
+
+    if workdir is not None:
+        return incidents.table(incidents.run_reruns(workdir / "reruns"))
+    with tempfile.TemporaryDirectory(prefix="wl-reruns-") as tmp:
+        return incidents.table(incidents.run_reruns(Path(tmp)))
 
 
 def _recoveries(workdir: Path | None) -> list[Any]:

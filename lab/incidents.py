@@ -17,7 +17,9 @@ names its incident and seed, so the dataset and the recipe are rebuilt from it.
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -139,3 +141,63 @@ def record(incident: str, run_dir: str | Path, *, seed: int = 0) -> dict[str, An
              "poisoned_ids": poisoned_ids(incident, seed), "component": "2" if drill else "0"}
     (run / TRUTH).write_text(json.dumps(truth, indent=2))
     return truth
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """One incident recorded, re-run and scored against what was done."""
+
+    incident: str
+    seed: int
+    expected: str
+    verdict: str
+    poisoned: int  # ids the dataset corrupted
+    listed: int  # ids the Proofreader listed to skip
+    found: int  # of those, poisoned
+    seconds: float
+
+    @property
+    def right(self) -> bool:
+        return self.verdict == self.expected
+
+    @property
+    def recall(self) -> float | None:
+        return self.found / self.poisoned if self.poisoned else None
+
+    @property
+    def clean_share(self) -> float | None:
+        return (self.listed - self.found) / self.listed if self.listed else None
+
+
+def rehearse_rerun(incident: str, workdir: str | Path, *, seed: int = 0) -> Outcome:
+    """Record `incident` in `workdir`, re-run it with `entry`, score the verdict and the skip list."""
+    from warninglight.forensics.explaining.rerun import rerun
+
+    t0 = time.perf_counter()
+    truth = record(incident, workdir, seed=seed)
+    result = rerun(Path(workdir) / "trace", entry)
+    listed = set(result.proofreader.skip_ids) if result.proofreader is not None else set()
+    bad = set(truth["poisoned_ids"])
+    return Outcome(incident, seed, truth["expected"], result.verdict, len(bad), len(listed), len(listed & bad),
+                   round(time.perf_counter() - t0, 1))
+
+
+def run_reruns(workdir: str | Path, seeds: int = 1) -> list[Outcome]:
+    """Every incident over `seeds` seeds, each in `workdir/<incident>-<seed>`."""
+    return [rehearse_rerun(name, Path(workdir) / f"{name}-{seed}", seed=seed)
+            for seed in range(seeds) for name in INCIDENTS]
+
+
+def table(outcomes: Sequence[Outcome]) -> str:
+    """The rehearsed re-runs as a markdown table, and the targets' verdict."""
+    def share(x: float | None) -> str:
+        return "—" if x is None else f"{x:.0%}"
+    lines = ["| incident | seed | expected | verdict | poisoned ids | listed | recall | clean in list | s |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    lines += [f"| {o.incident} | {o.seed} | {o.expected} | {o.verdict if o.right else f'**{o.verdict}**'} | "
+              f"{o.poisoned or '—'} | {o.listed if o.poisoned else '—'} | {share(o.recall)} | "
+              f"{share(o.clean_share)} | {o.seconds} |" for o in outcomes]
+    met = all(o.right for o in outcomes) and all((o.recall or 0) >= 0.9 and (o.clean_share or 0) <= 0.1
+                                                 for o in outcomes if o.poisoned)
+    return "\n".join(lines + ["", f"Targets (every verdict right; recall >= 90%, <= 10% of the list clean): "
+                              f"{'met' if met else '**not met**'}."])

@@ -99,7 +99,7 @@ def test_poisoned_samples_are_data_and_the_proofreader_names_them(runs: dict[str
     assert len(listed & truth) >= 0.9 * len(truth) and len(listed - truth) <= 0.1 * len(listed)
     proof = d["proofreader"]
     assert proof["backward_passes"] == proof["samples_judged"] + proof["reference_samples"]
-    assert proof["samples_judged"] == 4 * incidents.BATCH  # the skip window's samples, steps 120-123
+    assert proof["samples_judged"] == (d["steps"][1] - incidents.FAULT + 1) * incidents.BATCH  # onset to the end
 
 
 def test_an_lr_spike_in_the_schedule_is_recipe(runs: dict[str, Any]) -> None:
@@ -150,3 +150,10 @@ def test_a_missing_checkpoint_and_an_existing_rerun_are_refused(runs: dict[str, 
     assert got.exit_code == 2 and "already exists — pass --force" in got.stderr, got.output
     got = _cli(str(trace), "--entry", entry, "--steps", "60:150")
     assert got.exit_code == 2 and "no checkpoint recorded at step 59" in got.stderr, got.output
+
+
+def test_the_lab_table_says_when_a_target_is_missed() -> None:
+    right = incidents.Outcome("poisoned", 0, "data", "data", 12, 12, 12, 1.0)
+    assert incidents.table([right]).endswith("met.") and "100%" in incidents.table([right])
+    assert "**not met**" in incidents.table([right, incidents.Outcome("lr_spike", 0, "recipe", "data", 0, 0, 0, 1.0)])
+    assert "**not met**" in incidents.table([incidents.Outcome("poisoned", 0, "data", "data", 12, 12, 10, 1.0)])

@@ -326,7 +326,8 @@ def _judge(original: Trace, found: Analysis, fn: Callable[[str], Any], ckpt: str
                             "(optimizer, schedule, code) does it, whatever the data", evidence=ev,
                             swapped_steps=swapped_steps, **common))
     skip = found.rollback.skip_step_range or [onset, alarm]
-    window = [(s, ids[s]) for s in range(skip[0], min(skip[1], last) + 1)]
+    window = [(s, ids[s]) for s in range(onset, last + 1)]  # the whole re-run from the onset: a bad
+    # sample can sit in a step past the alarm that the skip range, ending there, leaves out
     reference = [i for s in sorted(ids) if s < onset for i in ids[s]][::-1]  # the nearest clean steps first
     proof = proofreader.proofread(lambda: open_entry(fn, ckpt, comps), recorded_plan[:onset - first], window,
                                   reference, component, max_samples=max_samples)

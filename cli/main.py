@@ -35,7 +35,14 @@ def main() -> None:
     """Warning Light: per-component health traces and the forensics that read them."""
 
 
-from warninglight.cli import analyze_cmds, lab_cmds, repair_cmds, report_cmds, rerun_cmds, trace_cmds  # noqa: E402
+from warninglight.cli import (  # noqa: E402
+    analyze_cmds,
+    lab_cmds,
+    repair_cmds,
+    report_cmds,
+    rerun_cmds,
+    trace_cmds,
+)
 
 for _commands in (trace_cmds, analyze_cmds, repair_cmds, rerun_cmds, report_cmds, lab_cmds):
     _commands.register(app)

@@ -4,6 +4,7 @@
 # command's signature at each start, and a string annotation costs it an eval (a test holds it).
 
 import json
+from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -44,6 +45,8 @@ def analyze_cmd(
     analysis = analysis_from(trace, config, overrides, checkpoints, every, steps, reference)
     warn(analysis.warnings)
     typer.echo(json.dumps(analysis.to_dict(), indent=2) if as_json else wording.analysis_text(analysis))
+    if not as_json:  # a re-run saved beside the trace: its verdict (docs/rerun.md)
+        _echo_rerun(trace)
     if exit_code and analysis.verdict == FAULT:
         raise typer.Exit(FAULT_EXIT)
 
@@ -63,6 +66,15 @@ def rollback_cmd(
     warn(analysis.warnings)
     rollback = analysis.rollback
     typer.echo(json.dumps(rollback.to_dict(), indent=2) if as_json else "\n".join(wording.rollback_lines(rollback)))
+    if not as_json:
+        _echo_rerun(trace)
+
+
+def _echo_rerun(trace: Path) -> None:
+    from warninglight.forensics.explaining.rerun import saved_lines
+
+    for line in saved_lines(trace):
+        typer.echo(line)
 
 
 def replay_cmd(

@@ -157,3 +157,14 @@ def test_the_lab_table_says_when_a_target_is_missed() -> None:
     assert incidents.table([right]).endswith("met.") and "100%" in incidents.table([right])
     assert "**not met**" in incidents.table([right, incidents.Outcome("lr_spike", 0, "recipe", "data", 0, 0, 0, 1.0)])
     assert "**not met**" in incidents.table([incidents.Outcome("poisoned", 0, "data", "data", 12, 12, 10, 1.0)])
+
+
+def test_analyze_and_rollback_show_the_saved_rerun(runs: dict[str, Any]) -> None:
+    trace = runs["base"] / "poisoned" / "trace"
+    if not rr.default_out(trace).exists():
+        rr.rerun(trace, incidents.entry)
+    for command in ("analyze", "rollback"):
+        got = CliRunner().invoke(app, [command, str(trace)])
+        assert got.exit_code == 0, got.output
+        assert "rerun: data — " in got.stdout and "rerun: skip 12 samples instead of steps 120-" in got.stdout
+    assert "rerun" not in json.loads(CliRunner().invoke(app, ["analyze", str(trace), "--json"]).stdout)

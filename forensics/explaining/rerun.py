@@ -130,6 +130,19 @@ def load(trace: str | Path) -> dict[str, Any] | None:
         return None
 
 
+def saved_lines(trace: str | Path) -> list[str]:
+    """The saved re-run's verdict and skip list in words, for `analyze` and `rollback`; [] if none."""
+    found = load(trace)
+    if not found:
+        return []
+    lines = [f"rerun: {found['verdict']} — {found['reason']}"]
+    if found.get("skip_ids_file"):
+        proof = found.get("proofreader") or {}
+        lines.append(f"rerun: skip {len(proof.get('skip_ids', []))} samples instead of steps "
+                     f"{'-'.join(map(str, proof.get('steps', [])))}: ids in {found['skip_ids_file']}")
+    return lines
+
+
 def load_entry(spec: str) -> Callable[[str], Any]:
     """`FILE.py:FUNC` → the function; a `RerunError` naming what is wrong."""
     file, sep, name = spec.rpartition(":")

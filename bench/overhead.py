@@ -12,7 +12,9 @@ times. Wall-clock is the figure that matters; the process-CPU ratio is printed t
 a shared machine it is less disturbed by others' load. Every metric of every component is
 recorded at every step (forward statistics are computed for 8 steps at once, but each step
 keeps its own values). Run: `python bench/overhead.py [--steps N] [--pairs N] [--threads T]`;
-`--interleave N` alternates single steps instead of blocks (see `measure_interleaved`).
+`--interleave N` alternates single steps instead of blocks (see `measure_interleaved`);
+`--whole-runs N` alternates whole runs of N steps, set-up and close included, as a user times a
+run (see `measure_whole_runs`).
 """
 
 from __future__ import annotations
@@ -223,6 +225,47 @@ def measure_interleaved(name: str, make: Callable[[], Case], steps: int, chunks:
     print(f"  load average after: {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
 
 
+def _whole_run(make: Callable[[], Case], steps: int, path: str | None) -> float:
+    """Wall seconds of one training run of `steps` steps from a fresh model, as a user times a
+    run: with `path`, from `watch()` to the end of its `with` block (hooks, the first step's
+    settling, every flush, the last segment written and the writer joined)."""
+    torch.manual_seed(0)
+    model, loss_fn = make()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    t0 = time.perf_counter()
+    if path is None:
+        run_block(loss_fn, opt, steps, None)
+    else:
+        with watch(model, opt, path) as rec:
+            for _ in range(steps):
+                loss = loss_fn()
+                loss.backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+                rec.log(loss=loss)
+    return time.perf_counter() - t0
+
+
+def measure_whole_runs(name: str, make: Callable[[], Case], pairs: int, steps: int) -> None:
+    """Whole runs with and without the recorder, alternated (order swapped every pair): what a
+    user sees timing `python train.py` both ways, the recorder's fixed costs (set-up, the first
+    step, the last flush and close) included; print the median ratio and its spread."""
+    with tempfile.TemporaryDirectory() as tmp:
+        _whole_run(make, 3, None)  # warm-up: allocator, thread pools, the recorder's kernels
+        _whole_run(make, 3, f"{tmp}/warm")
+        ratios, plain_s, watched_s = [], [], []
+        for i in range(pairs):
+            order = (None, f"{tmp}/run{i}") if i % 2 == 0 else (f"{tmp}/run{i}", None)
+            times = {p is not None: _whole_run(make, steps, p) for p in order}
+            plain_s.append(times[False])
+            watched_s.append(times[True])
+            ratios.append(times[True] / times[False])
+    print(f"{name}: whole runs of {steps} steps, {statistics.median(plain_s):.2f} s without the recorder, "
+          f"{statistics.median(watched_s):.2f} s with it (median of {pairs} alternated pairs)")
+    _print_ratios("wall-clock ratio of whole runs with/without", ratios)
+    print(f"  load average after: {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
+
+
 def _print_ratios(label: str, ratios: list[float]) -> None:
     q = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else [ratios[0]] * 3
     print(f"  {label}: median {statistics.median(ratios):.3f} (quartiles {q[0]:.3f}-{q[2]:.3f}, "
@@ -245,6 +288,8 @@ def main() -> None:
                     help="before each pair, wait up to S seconds until no other process is runnable")
     ap.add_argument("--interleave", type=int, default=0, metavar="N",
                     help="instead of blocks: N steps each way alternated step by step (the GPTs only)")
+    ap.add_argument("--whole-runs", type=int, default=0, metavar="N",
+                    help="instead of blocks: whole runs of N steps each way, alternated (--pairs of them; the GPTs only)")
     ap.add_argument("--skip-replicas", action="store_true",
                     help="skip the per-rank evidence figure (bench/replica_overhead.py)")
     ap.add_argument("--hold-outputs", action="store_true",
@@ -259,6 +304,15 @@ def main() -> None:
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
     print(f"load average before: {' '.join(f'{x:.1f}' for x in os.getloadavg())} on {os.cpu_count()} "
           "CPUs (a loaded, shared machine moves these figures by several points)")
+    if args.whole_runs:
+        if not args.skip_bench_gpt:
+            measure_whole_runs(f"bench GPT 4 layers, d=256, seq 128, batch {args.batch}",
+                               lambda: gpt_case(args.batch, n_layer=4, n_embd=256, block=128), args.pairs,
+                               args.whole_runs)
+        if not args.skip_small_gpt:
+            measure_whole_runs("small GPT 4 layers, d=128, seq 64, batch 16",
+                               lambda: gpt_case(16, n_layer=4, n_embd=128, block=64), args.pairs, args.whole_runs)
+        return
     if args.interleave:
         if not args.skip_bench_gpt:
             measure_interleaved(f"bench GPT 4 layers, d=256, seq 128, batch {args.batch}",

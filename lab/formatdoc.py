@@ -17,6 +17,7 @@ MANIFEST_DOCS: dict[str, str] = {
     "world_size": "number of ranks in the run (torch.distributed world size, else 1)",
     "started_at": "when the first incarnation started, seconds since the Unix epoch",
     "model_class": "class name of the recorded model",
+    "host": "name of the machine this rank ran on (`platform.node()`); absent in traces written before it",
     "versions": "versions of python, torch and warninglight that wrote the latest incarnation",
     "config": "recorder settings (sample_size, sketch_size, flush_every_steps, flush_every_s, "
               "heads, start_step, hooks_under_compile, replicas, significand_bits: the `health` "

@@ -260,7 +260,7 @@ COUNT_METRICS: tuple[str, ...] = metrics_of(count=True)
 
 # Keys of the manifest JSON (one file per rank). Documented in docs/trace-format.md.
 MANIFEST_KEYS = (
-    "format_version", "run_id", "rank", "world_size", "started_at", "model_class",
+    "format_version", "run_id", "rank", "world_size", "started_at", "model_class", "host",
     "versions", "config", "incarnations",
 )
 # Keys of each entry of manifest["incarnations"].

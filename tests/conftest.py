@@ -4,16 +4,26 @@ The suite runs torch on one CPU thread, set once here: small models train fastes
 shared 2-core machine two threads spin against each other), and reductions then run in the same
 order everywhere. A test that changes either setting and leaves it changed fails, and the setting
 is put back so the next test is not affected.
+
+The engine's kernels run compiled (`WARNINGLIGHT_KERNELS=compiled`, in the commands the tests
+start too): on a fresh checkout the small inputs of tests would otherwise run as Python, and
+nothing compiled would be tested (tests/test_compiled.py holds the two to each other). Set the
+variable to `python` to run the suite's kernels as Python instead.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 
 import matplotlib
 import pytest
 import torch
+from warninglight.forensics.judging.kernels import compiled
+
+os.environ.setdefault(compiled.ENV, "compiled")
+compiled.MODE = os.environ[compiled.ENV]
 
 SUITE_THREADS = 1
 

@@ -22,7 +22,7 @@ from typing import NamedTuple
 import numpy as np
 import polars as pl
 from warninglight.forensics.judging.conditions import BaselineConfig
-from warninglight.forensics.judging.kernels import quantiles
+from warninglight.forensics.judging.kernels import compiled, quantiles
 from warninglight.tracer import schema
 
 KEYS = ("rank", "component")
@@ -81,8 +81,8 @@ def lr_surge(lr: pl.Series, starts: np.ndarray, before: np.ndarray | None = None
     value = lr.cast(pl.Float64).fill_null(np.nan).to_numpy()
     missing = lr.is_null()
     rise = np.empty(len(value))
-    quantiles.lr_rise(value, missing.to_numpy(), np.asarray(starts, dtype=np.int64),
-                      before if before is not None else np.full(len(value), np.nan), rise)
+    compiled.pick(quantiles.lr_rise, len(value))(value, missing.to_numpy(), np.asarray(starts, dtype=np.int64),
+                                                 before if before is not None else np.full(len(value), np.nan), rise)
     return pl.Series("lr_surge", rise).set(missing, None)
 
 
@@ -94,7 +94,7 @@ def lr_peaks(frame: pl.DataFrame, starts: np.ndarray, kept_from: np.ndarray) -> 
               else np.full(frame.height, np.nan))
     first = starts[:-1]
     peaks = np.empty(len(first))
-    quantiles.running_peak(value, starts, before, np.asarray(kept_from, dtype=np.int64), peaks, False)
+    compiled.pick(quantiles.running_peak, len(value))(value, starts, before, np.asarray(kept_from, dtype=np.int64), peaks, False)
     return frame[first].select(*KEYS).with_columns(pl.Series(LR_PEAK, peaks, dtype=pl.Float64))
 
 
@@ -162,8 +162,9 @@ def _keyed(frame: pl.DataFrame, places: np.ndarray, n_names: int) -> tuple[pl.Da
     if n_ranks * n_names >= 1 << (62 - _STEP_BITS) or step.max() - first >= 1 << _STEP_BITS:
         return _sorted_by_names(frame), None
     key, order = np.empty(len(step), dtype=np.int64), np.empty(len(step), dtype=np.int64)
-    if not quantiles.counting_order(rank, step, places, int(low), n_names, int(first), _STEP_BITS,
-                                    n_ranks * n_names, key, order):  # a series' rows out of step order
+    counting_order = compiled.pick(quantiles.counting_order, len(step))
+    if not counting_order(rank, step, places, int(low), n_names, int(first), _STEP_BITS,
+                          n_ranks * n_names, key, order):  # a series' rows out of step order
         order = np.argsort(key, kind="stable")
     spans = np.cumsum([0, *frame["step"].chunk_lengths()])  # the key in the frame's chunks: none copied
     return frame.with_columns(pl.concat([pl.Series(SERIES_KEY, key[a:b]) for a, b in zip(spans[:-1], spans[1:], strict=True)],
@@ -199,7 +200,7 @@ def history_cut(frame: pl.DataFrame, starts: np.ndarray, judged: str, lead: int)
     the peers' median at it is unchanged). None: all of them."""
     marked = frame[judged].to_numpy()
     first = np.empty(len(starts) - 1, dtype=np.int64)
-    quantiles.first_marked(marked, np.asarray(starts, dtype=np.int64), first)  # each series' first judged row
+    compiled.pick(quantiles.first_marked, len(marked))(marked, np.asarray(starts, dtype=np.int64), first)  # each series' first judged row
     has = first < frame.height
     if not has.any():
         return None
@@ -269,7 +270,7 @@ def _own_baseline(frame: pl.DataFrame, starts: np.ndarray, metrics: list[str], c
         meds += [pl.Series(f"{m}__med", med, dtype=pl.Float64, nan_to_null=True),
                  pl.Series(f"{m}__scale", scale, dtype=pl.Float64)]
         zs.append(_with_nulls(f"{m}__z", z, z_valid))
-        quantiles.fold_heat(heat, z, z_valid)  # the heatmap's cell: a finite z with a baseline
+        compiled.pick(quantiles.fold_heat, len(heat))(heat, z, z_valid)  # the heatmap's cell: a finite z with a baseline
     return kept.with_columns(meds + zs).with_columns(pl.Series(HEAT, heat, dtype=pl.Float64, nan_to_null=True))
 
 

@@ -40,7 +40,7 @@ from warninglight.forensics.judging.baseline import (
 )
 from warninglight.forensics.judging.conditions import NONFINITE, Condition, Config, Rule
 from warninglight.forensics.judging.hits import finish_hits
-from warninglight.forensics.judging.kernels import heatbins, quantiles, screen
+from warninglight.forensics.judging.kernels import compiled, heatbins, quantiles, screen
 from warninglight.forensics.judging.kernels import rules as rt
 from warninglight.tracer.schema import COUNT_METRICS
 
@@ -193,7 +193,7 @@ def judge(window: pl.DataFrame, config: Config, judged: str, lead: int, heat_wid
                 taken, med, _, z, z_valid = quantiles.baseline_at(col, lr_values, starts, kept, cfg.window, cfg.lag,
                                                                   cfg.min_samples, SCALES, want, whole)
             out = np.zeros((len(rules), len(kept)), dtype=np.uint8)
-            rt.hits(raw, missing, med, z, z_valid, kept, kstarts, marked, table, roles, out, taken)
+            compiled.pick(rt.hits, len(raw))(raw, missing, med, z, z_valid, kept, kstarts, marked, table, roles, out, taken)
             return taken, med, z, z_valid, out, bool(out[table[:, rt.PEERS] > 0].any())  # a peers rule held somewhere
 
         want, whole = None, None
@@ -236,7 +236,7 @@ def _fold_given(ref: Given, kept: np.ndarray, where: heatbins.Bins | None, heigh
     """A given baseline's |z| folded into the heatmap's cells: a kept row's cell at one step a
     cell, else the cell of the bin it is in (`heatbins.fold_rows`)."""
     if where is None:
-        quantiles.fold_heat(cells, ref.z, ref.z_valid)
+        compiled.pick(quantiles.fold_heat, len(cells))(cells, ref.z, ref.z_valid)
         return
     z = np.full(height, np.nan)
     z[kept[ref.z_valid]] = ref.z[ref.z_valid]
@@ -273,7 +273,7 @@ def _with_peers(rows: pl.DataFrame, kept: np.ndarray, kstarts: np.ndarray, marke
     ok[at] = peers.to_numpy()
     now = np.zeros(len(kept), dtype=np.uint8)
     now[held.rows] = ok[held.rows]
-    rt.persist(now, kstarts, marked, c.persistence_of(r))
+    compiled.pick(rt.persist, len(now))(now, kstarts, marked, c.persistence_of(r))
     fired = np.flatnonzero(now)
     pick = np.searchsorted(held.rows, fired)
     return _Fired(fired, held.med[pick], held.z[pick], held.z_valid[pick])
@@ -303,7 +303,7 @@ def _heat(rows: pl.DataFrame, kept: np.ndarray, kstarts: np.ndarray, marked: np.
     n = len(kept)
     series, start, worst = np.empty(n, dtype=np.int64), np.empty(n, dtype=np.int64), np.empty(n)
     step = rows["step"].cast(pl.Int64).to_numpy()[kept]
-    k = heatbins.worst_per_bin(heat, step, kstarts, marked, width, series, start, worst)
+    k = compiled.pick(heatbins.worst_per_bin, n)(heat, step, kstarts, marked, width, series, start, worst)
     names = _series_names(rows, kept[np.minimum(kstarts[:-1], n - 1)])
     return (pl.DataFrame({"component": names.gather(series[:k]), "step": start[:k],
                           "score": pl.Series(worst[:k], dtype=pl.Float64, nan_to_null=True)})

@@ -34,6 +34,7 @@ from typing import NamedTuple
 import numba
 import numpy as np
 import polars as pl
+from warninglight.forensics.judging.kernels import compiled
 from warninglight.forensics.judging.kernels.bounds import log_key, lr_factor, sort8
 from warninglight.forensics.judging.kernels.quantiles import (
     Column,
@@ -390,7 +391,7 @@ def bins(step: np.ndarray, judged: np.ndarray, starts: np.ndarray, width: int) -
     starts = np.asarray(starts, dtype=np.int64)
     series = len(starts) - 1
     first_bin, cell_start = np.empty(series, dtype=np.int64), np.empty(series + 1, dtype=np.int64)
-    seen, row0, row1, plain = layout(starts, step, judged, width, first_bin, cell_start)
+    seen, row0, row1, plain = compiled.pick(layout, len(step))(starts, step, judged, width, first_bin, cell_start)
     return Bins(judged, width, first_bin, cell_start, seen, row0, row1, plain)
 
 
@@ -401,10 +402,11 @@ def fold(col: Column, lr: np.ndarray | None, starts: np.ndarray, where: Bins, ca
     statistics of each series' last bin, (series, 3), NaN where none, for the next window."""
     raw, missing, lr_values, scaled = col.arrays(lr)
     open_q = np.empty((len(starts) - 1, 3))
-    _fold_bins(raw, missing, lr_values, np.asarray(starts, dtype=np.int64), where.judged, where.row0, where.row1,
-               where.plain, window, lag, min_samples, col.log, scaled, col.floor, scales.rel_floor, scales.log_floor,
-               scales.tiny, 1.0 / scales.iqr_to_sigma, carry_bin, np.ascontiguousarray(carry_q), where.first_bin,
-               where.cell_start, cells, open_q, scratch_array(max(64, window), "heat_window"), col.missing is not None)
+    fold_bins = compiled.pick(_fold_bins, len(raw))
+    fold_bins(raw, missing, lr_values, np.asarray(starts, dtype=np.int64), where.judged, where.row0, where.row1,
+              where.plain, window, lag, min_samples, col.log, scaled, col.floor, scales.rel_floor, scales.log_floor,
+              scales.tiny, 1.0 / scales.iqr_to_sigma, carry_bin, np.ascontiguousarray(carry_q), where.first_bin,
+              where.cell_start, cells, open_q, scratch_array(max(64, window), "heat_window"), col.missing is not None)
     return open_q
 
 

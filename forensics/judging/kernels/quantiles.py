@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, NamedTuple, TypeVar
 
 import numba
 import numpy as np
+from warninglight.forensics.judging.kernels import compiled
 
 if TYPE_CHECKING:
     import pyarrow as pa
@@ -455,8 +456,9 @@ def gathered(chunks: list[pa.Array], order: np.ndarray) -> tuple[np.ndarray, np.
     first, second = chunks[0], chunks[-1]
     dtype = np.float32 if first.type == pa.float32() else np.float64
     out, missing = np.empty(len(order), dtype=dtype), np.empty(len(order), dtype=np.bool_)
-    nulls = _gather(*_buffers(first, dtype), *_buffers(second, dtype), len(first), np.asarray(order, dtype=np.int64),
-                    out, missing)
+    gather = compiled.pick(_gather, len(order))
+    nulls = gather(*_buffers(first, dtype), *_buffers(second, dtype), len(first), np.asarray(order, dtype=np.int64),
+                   out, missing)
     return out, missing if nulls else None
 
 
@@ -551,9 +553,10 @@ def fold_baseline(col: Column, lr: np.ndarray | None, starts: np.ndarray, slot: 
     metric and read back, cost more than the pass that made them). `slot`: each row's place
     among the kept rows, -1 where not kept (`slots`)."""
     raw, missing, lr_values, scaled = col.arrays(lr)
-    _fold_baseline(raw, missing, lr_values, np.asarray(starts, dtype=np.int64), slot, window, lag, min_samples,
-                   col.log, scaled, col.floor, scales.rel_floor, scales.log_floor, scales.tiny, scales.iqr_to_sigma,
-                   scratch_array(2 * len(raw)), cells)
+    fold = compiled.pick(_fold_baseline, len(raw))
+    fold(raw, missing, lr_values, np.asarray(starts, dtype=np.int64), slot, window, lag, min_samples,
+         col.log, scaled, col.floor, scales.rel_floor, scales.log_floor, scales.tiny, scales.iqr_to_sigma,
+         scratch_array(2 * len(raw)), cells)
 
 
 def slots(n: int, kept: np.ndarray) -> np.ndarray:
@@ -581,11 +584,12 @@ def _run(col: Column, lr: np.ndarray | None, starts: np.ndarray, kept: np.ndarra
     med, scale, z = np.empty(k), np.empty(k), np.empty(k)
     z_valid = np.empty(k, dtype=np.bool_)
     raw, missing, lr_values, scaled = col.arrays(lr)
-    _baseline(raw, missing, lr_values, np.asarray(starts, dtype=np.int64),
-              np.asarray(kept, dtype=np.int64), window, lag, min_samples, col.log, scaled,
-              col.floor, scales.rel_floor, scales.log_floor, scales.tiny, scales.iqr_to_sigma, med, scale, z,
-              z_valid, scratch_array(5 * len(raw)), np.asarray(taken, dtype=np.int64),
-              wanted if wanted is not None else np.empty(0, dtype=np.int64), wanted is not None)
+    run = compiled.pick(_baseline, len(raw))
+    run(raw, missing, lr_values, np.asarray(starts, dtype=np.int64),
+        np.asarray(kept, dtype=np.int64), window, lag, min_samples, col.log, scaled,
+        col.floor, scales.rel_floor, scales.log_floor, scales.tiny, scales.iqr_to_sigma, med, scale, z,
+        z_valid, scratch_array(5 * len(raw)), np.asarray(taken, dtype=np.int64),
+        wanted if wanted is not None else np.empty(0, dtype=np.int64), wanted is not None)
     return med, scale, z, z_valid
 
 
@@ -662,13 +666,14 @@ def warm() -> None:
     live monitor calls it before the first segment arrives, so that segment is not the one to
     wait."""
     starts, kept, lr = np.array([0, 2]), np.array([0, 1]), np.ones(2)
-    for dtype in (np.float32, np.float64):
-        for readonly in (False, True):  # columns read from Arrow without a copy are read-only
-            raw = np.ones(2, dtype=dtype)
-            raw.setflags(write=not readonly)
-            col, scales = Column(raw, None, True, True, 0.0), Scales(0.1, 0.1, 1e-12, 1.349)
-            baseline(col, lr, starts, kept, 1, 0, 1, scales)  # any values: only the types compile
-            fold_baseline(col, lr, starts, slots(2, kept), 1, 0, 1, scales, np.zeros(2))
+    with compiled.mode("compiled"):  # two rows would otherwise run as Python, compiling nothing
+        for dtype in (np.float32, np.float64):
+            for readonly in (False, True):  # columns read from Arrow without a copy are read-only
+                raw = np.ones(2, dtype=dtype)
+                raw.setflags(write=not readonly)
+                col, scales = Column(raw, None, True, True, 0.0), Scales(0.1, 0.1, 1e-12, 1.349)
+                baseline(col, lr, starts, kept, 1, 0, 1, scales)  # any values: only the types compile
+                fold_baseline(col, lr, starts, slots(2, kept), 1, 0, 1, scales, np.zeros(2))
     fold_heat(np.zeros(2), np.zeros(2), np.ones(2, dtype=np.bool_))
 
 

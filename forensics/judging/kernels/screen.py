@@ -15,7 +15,7 @@ import math
 
 import numba
 import numpy as np
-from warninglight.forensics.judging.kernels import bounds
+from warninglight.forensics.judging.kernels import bounds, compiled
 from warninglight.forensics.judging.kernels import rules as rt
 from warninglight.forensics.judging.kernels.quantiles import Column, Scales
 
@@ -159,7 +159,8 @@ def wanted(col: Column, lr: np.ndarray | None, starts: np.ndarray, kept: np.ndar
     work = bounds.Workspace(n, len(starts) - 1)
     want = np.empty(len(kept), dtype=np.bool_)
     raw, missing, lr_values, scaled = col.arrays(lr)
-    may = candidates(raw, missing, lr_values, np.asarray(starts, dtype=np.int64), np.asarray(kept, dtype=np.int64),
-                     window, lag, min_samples, col.log, scaled, scales.tiny, rules, roles, want, work.blocks,
-                     work.count, work.finite, work.base, work.plain, work.quiet)
+    screen = compiled.pick(candidates, n)
+    may = screen(raw, missing, lr_values, np.asarray(starts, dtype=np.int64), np.asarray(kept, dtype=np.int64),
+                 window, lag, min_samples, col.log, scaled, scales.tiny, rules, roles, want, work.blocks,
+                 work.count, work.finite, work.base, work.plain, work.quiet)
     return (None if may * SPARSE > len(kept) else want), (None if work.plain.all() else ~work.plain)

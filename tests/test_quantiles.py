@@ -185,8 +185,8 @@ def _zs_in_child(columns: list[quantiles.Column], starts: np.ndarray, kept: np.n
 
 def test_warm_compiles_every_kernel_the_classifier_runs() -> None:
     # a live monitor calls warm() before the first segment: after it, analysing real traces
-    # (float32 and float64 metric columns, read-only when Arrow hands them over without a copy)
-    # must not compile anything more. In a fresh process,
+    # (float32 and float64 metric columns, each given read-only: `Column.arrays`) must not
+    # compile anything more. In a fresh process,
     # so that nothing this test session ran has compiled them already.
     import subprocess
     import sys
@@ -200,7 +200,7 @@ kernels = (quantiles._baseline, quantiles.fold_heat)
 assert all(len(k.signatures) == 0 for k in kernels)
 quantiles.warm()
 warmed = [list(k.signatures) for k in kernels]
-assert len(warmed[0]) == 4 and len(warmed[1]) == 1, warmed
+assert len(warmed[0]) == 2 and len(warmed[1]) == 1, warmed
 for name in ("gpt_nan", "cnn_dying_layer"):
     analysis.analyze({str(samples)!r} + "/" + name)
 assert [list(k.signatures) for k in kernels] == warmed, [list(k.signatures) for k in kernels]

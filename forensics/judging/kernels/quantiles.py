@@ -466,8 +466,9 @@ def _buffers(values: pa.Array, dtype: type) -> tuple[np.ndarray, np.ndarray, int
     """A float Arrow array's values, validity bitmap, offset into it and whether it has nulls."""
     validity, data = values.buffers()[:2]
     raw = np.frombuffer(data, dtype=dtype)[values.offset:values.offset + len(values)] if data is not None \
-        else np.empty(0, dtype=dtype)
-    bits = np.frombuffer(validity, dtype=np.uint8) if validity is not None else np.zeros(1, np.uint8)
+        else read_only(np.empty(0, dtype=dtype))
+    # read-only as Arrow's own buffers are: one array type for `_gather` to compile
+    bits = np.frombuffer(validity, dtype=np.uint8) if validity is not None else read_only(np.zeros(1, np.uint8))
     return raw, bits, values.offset, validity is not None and values.null_count > 0
 
 
@@ -498,11 +499,13 @@ class Column(NamedTuple):
     def arrays(self, lr: np.ndarray | None) -> tuple[np.ndarray, np.ndarray, np.ndarray, bool]:
         """What the kernels take of the column: its values contiguous (float32 as stored, else
         float64), where they are null (nowhere: all False), the lr (none: this thread's ones)
-        and whether the metric is judged relative to it."""
+        and whether the metric is judged relative to it. The values and the lr are read-only
+        views: a kernel compiles once per array type, and Arrow's buffers come read-only."""
         n = len(self.raw)
         raw = self.raw if self.raw.dtype == np.float32 else self.raw.astype(np.float64, copy=False)
         missing = self.missing if self.missing is not None else np.zeros(n, dtype=np.bool_)
-        return np.ascontiguousarray(raw), missing, lr if lr is not None else ones(n), self.scaled and lr is not None
+        return (read_only(np.ascontiguousarray(raw)), missing, read_only(lr if lr is not None else ones(n)),
+                self.scaled and lr is not None)
 
 
 @dataclass(frozen=True)
@@ -572,8 +575,15 @@ def ones(n: int) -> np.ndarray:
     pages in each time)."""
     buf = getattr(_local, "ones", None)
     if buf is None or len(buf) < n:
-        buf = _local.ones = np.ones(n)  # writable, so kernels compile for one array type
-    return buf[:n]
+        buf = _local.ones = np.ones(n)
+    return read_only(buf[:n])
+
+
+def read_only(a: np.ndarray) -> np.ndarray:
+    """A read-only view of `a` (no copy)."""
+    view = a.view()
+    view.flags.writeable = False
+    return view
 
 
 def _run(col: Column, lr: np.ndarray | None, starts: np.ndarray, kept: np.ndarray, window: int, lag: int,
@@ -667,13 +677,10 @@ def warm() -> None:
     wait."""
     starts, kept, lr = np.array([0, 2]), np.array([0, 1]), np.ones(2)
     with compiled.mode("compiled"):  # two rows would otherwise run as Python, compiling nothing
-        for dtype in (np.float32, np.float64):
-            for readonly in (False, True):  # columns read from Arrow without a copy are read-only
-                raw = np.ones(2, dtype=dtype)
-                raw.setflags(write=not readonly)
-                col, scales = Column(raw, None, True, True, 0.0), Scales(0.1, 0.1, 1e-12, 1.349)
-                baseline(col, lr, starts, kept, 1, 0, 1, scales)  # any values: only the types compile
-                fold_baseline(col, lr, starts, slots(2, kept), 1, 0, 1, scales, np.zeros(2))
+        for dtype in (np.float32, np.float64):  # the kernels take either read-only (`Column.arrays`)
+            col, scales = Column(np.ones(2, dtype=dtype), None, True, True, 0.0), Scales(0.1, 0.1, 1e-12, 1.349)
+            baseline(col, lr, starts, kept, 1, 0, 1, scales)  # any values: only the types compile
+            fold_baseline(col, lr, starts, slots(2, kept), 1, 0, 1, scales, np.zeros(2))
     fold_heat(np.zeros(2), np.zeros(2), np.ones(2, dtype=np.bool_))
 
 

@@ -9,7 +9,9 @@ environment's site-packages, an editable one's in the copy's `__pycache__` folde
 (`analyze(trace)` in the demo's process: where the kernels compile) and the report; then
 `analyze(trace)` again in a new process, with whatever numba cached the first time, and
 `warninglight analyze TRACE` (the command, its process start included). The two analyses are
-printed side by side, with the size of the cache the first one wrote.
+printed side by side, with the size of the cache the first one wrote. Last, `analyze(trace)` with
+`WARNINGLIGHT_KERNELS=compiled` (every kernel compiled into numba's cache) and once more with
+that cache.
 
 `--no-install` uses the interpreter running this script and its `warninglight` instead (the
 repository as installed there), with a fresh `NUMBA_CACHE_DIR` in the temporary folder: quick
@@ -123,6 +125,11 @@ def _measure(work: Path, bin_dir: Path, env: dict[str, str]) -> None:
     print(f"{'warninglight analyze TRACE, wall':34s}{'':>18s}{cli_s:>16.2f} s")
     print(f"(second process: import of warninglight.forensics.analyze {import_s:.2f} s; "
           f"numba cache: {index} index files, {size / 1e6:.1f} MB)")
+    # every kernel compiled into the cache, then the analysis a later process makes with it
+    _, compiling = _run([python, "-c", TIMED_ANALYZE, trace], {**env, "WARNINGLIGHT_KERNELS": "compiled"})
+    _, cached = _run([python, "-c", TIMED_ANALYZE, trace], env)
+    print(f"compiled: analyze(trace) with WARNINGLIGHT_KERNELS=compiled {float(compiling.split()[1]):.1f} s, "
+          f"then with what it cached {float(cached.split()[1]):.2f} s")
 
 
 if __name__ == "__main__":

@@ -71,7 +71,7 @@ def rollback_cmd(
 
 
 def _echo_rerun(trace: Path) -> None:
-    from warninglight.forensics.explaining.rerun import saved_lines
+    from warninglight.forensics.explaining.saved_rerun import saved_lines
 
     for line in saved_lines(trace):
         typer.echo(line)

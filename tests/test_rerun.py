@@ -11,6 +11,7 @@ import pytest
 from typer.testing import CliRunner
 from warninglight.cli.main import app
 from warninglight.forensics.explaining import rerun as rr
+from warninglight.forensics.explaining import saved_rerun
 from warninglight.lab import incidents
 
 ENTRY = '''
@@ -83,7 +84,7 @@ def test_a_weight_corruption_in_the_step_is_transient_with_its_rank(runs: dict[s
     assert r.rank == 0 and r.host and f"rank 0, {r.host}" in r.reason
     assert r.pre_onset_divergence == 0.0 and r.diverged_at == incidents.FAULT  # CPU re-runs repeat bit for bit
     assert _hash(trace) == before and not (trace / "rerun.json").exists()
-    assert rr.load(trace)["verdict"] == rr.TRANSIENT
+    assert saved_rerun.load(trace)["verdict"] == rr.TRANSIENT
 
 
 def test_poisoned_samples_are_data_and_the_proofreader_names_them(runs: dict[str, Any]) -> None:
@@ -161,10 +162,21 @@ def test_the_lab_table_says_when_a_target_is_missed() -> None:
 
 def test_analyze_and_rollback_show_the_saved_rerun(runs: dict[str, Any]) -> None:
     trace = runs["base"] / "poisoned" / "trace"
-    if not rr.default_out(trace).exists():
+    if not saved_rerun.default_out(trace).exists():
         rr.rerun(trace, incidents.entry)
     for command in ("analyze", "rollback"):
         got = CliRunner().invoke(app, [command, str(trace)])
         assert got.exit_code == 0, got.output
         assert "rerun: data — " in got.stdout and "rerun: skip 12 samples instead of steps 120-" in got.stdout
-    assert "rerun" not in json.loads(CliRunner().invoke(app, ["analyze", str(trace), "--json"]).stdout)
+    saved = json.loads(CliRunner().invoke(app, ["analyze", str(trace), "--json"]).stdout)["rerun"]
+    assert saved["verdict"] == rr.DATA and len(saved["proofreader"]["skip_ids"]) == 12
+    report = trace.parent / "report.html"
+    assert CliRunner().invoke(app, ["report", str(trace), "-o", str(report), "--force"]).exit_code == 0
+    page = report.read_text()
+    assert "<b>Re-run:</b>" in page and "rerun: skip 12 samples instead of steps 120-" in page
+
+
+def test_a_trace_without_a_rerun_says_none(runs: dict[str, Any]) -> None:
+    trace = runs["base"] / "lr_spike" / "trace"
+    saved = json.loads(CliRunner().invoke(app, ["analyze", str(trace), "--json"]).stdout)
+    assert "rerun" in saved and (saved["rerun"] is None) == (not saved_rerun.default_out(trace).exists())

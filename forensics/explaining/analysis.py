@@ -24,6 +24,7 @@ from warninglight.forensics.comparators import detectors
 from warninglight.forensics.comparators.static_rules import StaticAlarm, StaticScan
 from warninglight.forensics.explaining import ranks as rank_analysis
 from warninglight.forensics.explaining import rollback as rb
+from warninglight.forensics.explaining import saved_rerun
 from warninglight.forensics.explaining.dataroot import data_root, gradients_wide
 from warninglight.forensics.explaining.localise import (
     DRIFT_REACH,
@@ -171,6 +172,8 @@ class Analysis:
     # whether the root component alone can be repaired in the latest checkpoint (`repairable`);
     # None: healthy
     repair: Soundness | None = None
+    # the verdict of a re-run saved beside the trace (`warninglight rerun`), None where there is none
+    rerun: dict[str, Any] | None = None
 
     def alarm_list(self) -> list[Alarm]:
         """The alarms as records, in step order (non-finite floats as None)."""
@@ -185,6 +188,7 @@ class Analysis:
             "rollback": self.rollback.to_dict(), "detectors": self.detectors.to_dict(), "trace_info": self.summary,
             "warnings": self.warnings,
             "repair": None if self.repair is None else self.repair.to_dict(),
+            "rerun": self.rerun,
         }
 
     def baseline_frame(self, component: str, metric: str, rank: int = 0,
@@ -570,7 +574,7 @@ def analyze(trace_dir: str | Path, *, config: Config | str | Path | None = None,
                     alarms, rollback, Detectors(**found, **leads, first_alarm_step=first_light),
                     clf.heat(), summary, components, table, cfg.baseline.min_samples + cfg.baseline.lag,
                     warnings, panel, static.alarms(), cfg, width, health_rows, band_frame,
-                    _repair(top, alarms, components, rollback))
+                    _repair(top, alarms, components, rollback), saved_rerun.load(trace_dir))
 
 
 def _repair(root: Root | None, alarms: pl.DataFrame, components: pl.DataFrame, rollback: rb.Rollback) -> Soundness | None:

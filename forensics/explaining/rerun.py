@@ -40,6 +40,11 @@ import polars as pl
 from warninglight.forensics.explaining import proofreader
 from warninglight.forensics.explaining import rollback as rb
 from warninglight.forensics.explaining.analysis import Analysis, analyze
+from warninglight.forensics.explaining.saved_rerun import (
+    RESULT_FILE,
+    SKIP_FILE,
+    default_out,
+)
 from warninglight.forensics.trace import store
 from warninglight.forensics.trace.store import Trace
 
@@ -53,7 +58,6 @@ TOLERANCE_FLOOR, AGREE_MAX = 0.01, 0.05  # relative differences before the onset
 MIN_PRE_ONSET = 3  # re-run steps before the onset the agreement is measured on
 MAGNITUDES = ("grad_norm_l2", "weight_norm_l2", "update_norm_l2", "out_rms", "out_absmax")
 COUNTS = ("out_nonfinite_count", "grad_nonfinite_count")
-RESULT_FILE, SKIP_FILE = "rerun.json", "skip_ids.json"
 RECORDED, SWAPPED = "recorded", "swapped"
 _MAD_TO_SIGMA, _SCALE_FLOOR = 1.4826, 2e-3
 FIELDS_HELP = ("return an object with model, optimizer, batch(ids) and step(model, optimizer, batch) "
@@ -113,34 +117,6 @@ class Rerun:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
-
-
-def default_out(trace: str | Path) -> Path:
-    """Where a trace's re-run goes: beside it, `<trace>.rerun`."""
-    trace = Path(trace).resolve()
-    return trace.parent / f"{trace.name}.rerun"
-
-
-def load(trace: str | Path) -> dict[str, Any] | None:
-    """The re-run verdict saved beside `trace` (`rerun.json`), or None where there is none."""
-    path = default_out(trace) / RESULT_FILE
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-
-
-def saved_lines(trace: str | Path) -> list[str]:
-    """The saved re-run's verdict and skip list in words, for `analyze` and `rollback`; [] if none."""
-    found = load(trace)
-    if not found:
-        return []
-    lines = [f"rerun: {found['verdict']} — {found['reason']}"]
-    if found.get("skip_ids_file"):
-        proof = found.get("proofreader") or {}
-        lines.append(f"rerun: skip {len(proof.get('skip_ids', []))} samples instead of steps "
-                     f"{'-'.join(map(str, proof.get('steps', [])))}: ids in {found['skip_ids_file']}")
-    return lines
 
 
 def load_entry(spec: str) -> Callable[[str], Any]:

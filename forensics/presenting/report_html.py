@@ -10,6 +10,7 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from warninglight.forensics.explaining import saved_rerun
 from warninglight.forensics.judging.conditions import Config
 from warninglight.forensics.presenting import plots, tables, wording
 from warninglight.forensics.presenting.contents import ReportData
@@ -73,6 +74,9 @@ def _header(data: ReportData) -> list[str]:
         parts.append(f"<p><b>Why this component:</b> {html.escape(a.root.evidence)}{seen}</p>")
     if a.rollback.note:
         parts.append(f"<p><b>Rollback:</b> {html.escape(a.rollback.note)}</p>")
+    if a.rerun:  # a re-run saved beside the trace: why, and the samples to skip
+        said = "<br>".join(html.escape(line) for line in saved_rerun.lines(a.rerun))
+        parts.append(f"<p><b>Re-run:</b> {said}</p>")
     if data.warnings:  # what `analyze` printed as `warning:` lines: the report says it too
         items = "".join(f"<li>{html.escape(' '.join(w.split()))}</li>" for w in data.warnings)
         parts.append(f"<div class='warnings'><b>Warnings</b> (what the analysis went past):<ul>{items}</ul></div>")

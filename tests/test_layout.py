@@ -87,3 +87,17 @@ def test_the_architecture_map_names_every_module_and_only_real_ones() -> None:
     assert all((importgraph.ROOT / p).is_file() for p in named), sorted(p for p in named if not (importgraph.ROOT / p).is_file())
     modules = {str(p.relative_to(importgraph.ROOT)) for p in importgraph.modules().values() if p.name != "__init__.py"}
     assert sorted(modules - named) == []
+
+
+def test_the_engine_and_the_cli_load_torch_only_where_a_command_runs_a_model() -> None:
+    """Every engine and CLI module imports without torch, and `analyze` runs without it: only
+    `rerun` and `repair`, which load checkpoints and train, import it, inside their functions."""
+    names = sorted(m for m in importgraph.modules() if m.startswith(("warninglight.forensics", "warninglight.cli")))
+    code = ("import importlib, sys\n"
+            f"for name in {names!r}: importlib.import_module(name)\n"
+            "from typer.testing import CliRunner\n"
+            "from warninglight.cli.main import app\n"
+            f"r = CliRunner().invoke(app, ['analyze', {str(importgraph.ROOT / 'sample_traces' / 'mlp_dying_layer')!r}])\n"
+            "print(r.exit_code, 'torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["0", "False"], out.stdout + out.stderr

@@ -200,16 +200,16 @@ def run_one(scenario: Any, seed: int, workdir: Path, steps: int | None = None) -
     from warninglight.lab import distributed
     from warninglight.lab.rehearsal import SCENARIOS, rehearse
 
+    t0 = time.perf_counter()
+    if isinstance(scenario, str) and scenario in distributed.SCENARIOS:  # spawned gloo ranks
+        trace = workdir / f"{scenario}-seed{seed}"
+        return [judge_trace(scenario, seed, trace, distributed.rehearse(scenario, trace, seed), started=t0)]
     sc = SCENARIOS[scenario] if isinstance(scenario, str) else scenario
     trace = workdir / f"{sc.name}-seed{seed}"
-    t0 = time.perf_counter()
     kwargs: dict[str, Any] = {"checkpoint_dir": workdir / f"{sc.name}-seed{seed}-ckpt"}
     if steps is not None:
         kwargs["steps"] = steps
-    if isinstance(scenario, str) and scenario in distributed.SCENARIOS:  # spawned gloo ranks
-        truth = distributed.rehearse(scenario, trace, seed)
-    else:
-        truth = rehearse(sc, trace, seed=seed, **kwargs)
+    truth = rehearse(sc, trace, seed=seed, **kwargs)
     trained = time.perf_counter() - t0
     out = [judge_trace(sc.name, seed, trace, truth, started=t0)]
     if sc.reference:

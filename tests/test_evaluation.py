@@ -275,3 +275,11 @@ def test_eval_scores_recorded_traces_without_training(tmp_path) -> None:
     assert "| gpt_nan | 1 | 1/1 |" in res.output
     res = CliRunner().invoke(app, ["eval", "mlp_clean", "--trace", str(SAMPLES / "gpt_nan")])
     assert res.exit_code == 2 and "pass one or the other" in res.stderr
+
+
+def test_eval_runs_a_distributed_scenario_named_among_the_others(tmp_path: Path) -> None:
+    """`warninglight eval` with no scenario named runs every one, the data-parallel ones too: each
+    by its own rehearsal (spawned gloo ranks), scored against its truth."""
+    (r,) = evaluation.run_one("ddp_weight_scale", 0, tmp_path)
+    assert (r.scenario, r.truth_component) == ("ddp_weight_scale", "h.0.mlp.c_fc")
+    assert r.fault_verdict and r.root_correct, r

@@ -79,8 +79,8 @@ def refuse_overwrite(path: Path, force: bool, flag: str = "-o") -> None:
 # and `info` no thresholds.
 _INPUT_ERRORS = {"warninglight.forensics.trace.store": "TraceError", "warninglight.forensics.explaining.rollback": "CheckpointError",
                  "warninglight.forensics.explaining.analysis": "StepWindowError",
-                 "warninglight.forensics.explaining.repair": "RepairError",
-                 "warninglight.forensics.explaining.rerun": "RerunError",
+                 "warninglight.recovery.repair": "RepairError",
+                 "warninglight.recovery.rerun": "RerunError",
                  "warninglight.forensics.judging.conditions": "ConfigError"}
 
 

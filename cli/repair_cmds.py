@@ -1,4 +1,4 @@
-"""`warninglight repair`: a thin shell over forensics.explaining.repair."""
+"""`warninglight repair`: a thin shell over warninglight.recovery.repair."""
 
 # Annotations stay evaluated (no `from __future__ import annotations`): Typer reads every
 # command's signature at each start, and a string annotation costs it an eval (a test holds it).
@@ -28,8 +28,7 @@ def repair_cmd(
 
     Refused (exit 1, with the reason) where the damage is not one component's; bad input exits 2.
     """
-    from warninglight.forensics.explaining.repair import RepairRefused, repair
-    from warninglight.forensics.presenting import wording
+    from warninglight.recovery.repair import RepairRefused, repair, repair_lines
 
     with bad_input():
         try:
@@ -39,7 +38,7 @@ def repair_cmd(
             raise fail(f"refused: {exc}", REFUSED_EXIT) from None
         except OSError as exc:
             raise fail(f"cannot write {out}: {exc.strerror or exc} — pass a writable -o path") from None
-    typer.echo(json.dumps(result.to_dict(), indent=2) if as_json else "\n".join(wording.repair_lines(result)))
+    typer.echo(json.dumps(result.to_dict(), indent=2) if as_json else "\n".join(repair_lines(result)))
 
 
 def register(app: typer.Typer) -> None:

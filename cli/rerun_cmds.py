@@ -1,4 +1,4 @@
-"""`warninglight rerun`: a thin shell over forensics.explaining.rerun."""
+"""`warninglight rerun`: a thin shell over recovery.rerun."""
 
 # Annotations stay evaluated (no `from __future__ import annotations`): Typer reads every
 # command's signature at each start, and a string annotation costs it an eval (a test holds it).
@@ -25,7 +25,7 @@ def rerun_cmd(
 
     The original trace is never written; the re-run goes beside it. Bad input exits 2.
     """
-    from warninglight.forensics.explaining.rerun import rerun
+    from warninglight.recovery.rerun import rerun
 
     window = steps_from(steps)
     with bad_input():

@@ -20,7 +20,6 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from warninglight.forensics.explaining.analysis import Analysis, analyze
-    from warninglight.forensics.explaining.repair import Repair, RepairError, RepairRefused, repair
     from warninglight.forensics.explaining.replay import Replay, replay
     from warninglight.forensics.explaining.rollback import CheckpointError
     from warninglight.forensics.judging.conditions import (
@@ -43,8 +42,6 @@ _WHERE = {
     "CONDITIONS": "judging.conditions", "Config": "judging.conditions", "ConfigError": "judging.conditions",
     "load_config": "judging.conditions",
     "Replay": "explaining.replay", "replay": "explaining.replay",
-    "Repair": "explaining.repair", "RepairError": "explaining.repair", "RepairRefused": "explaining.repair",
-    "repair": "explaining.repair",
     "CheckpointError": "explaining.rollback",
     "CorruptSegmentError": "trace.errors", "EmptyTraceError": "trace.errors", "FormatVersionError": "trace.errors",
     "NotATraceError": "trace.errors", "TraceError": "trace.errors",
@@ -52,8 +49,8 @@ _WHERE = {
 }
 __all__ = [
     "CONDITIONS", "Analysis", "CheckpointError", "Config", "ConfigError", "CorruptSegmentError",
-    "EmptyTraceError", "FormatVersionError", "NotATraceError", "Repair", "RepairError", "RepairRefused",
-    "Replay", "Trace", "TraceError", "analyze", "load_config", "open_trace", "repair", "replay",
+    "EmptyTraceError", "FormatVersionError", "NotATraceError",
+    "Replay", "Trace", "TraceError", "analyze", "load_config", "open_trace", "replay",
 ]
 
 

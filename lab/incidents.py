@@ -171,7 +171,7 @@ class Outcome:
 
 def rehearse_rerun(incident: str, workdir: str | Path, *, seed: int = 0) -> Outcome:
     """Record `incident` in `workdir`, re-run it with `entry`, score the verdict and the skip list."""
-    from warninglight.forensics.explaining.rerun import rerun
+    from warninglight.recovery.rerun import rerun
 
     t0 = time.perf_counter()
     truth = record(incident, workdir, seed=seed)

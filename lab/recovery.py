@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from warninglight.forensics import analyze
-from warninglight.forensics.explaining.repair import RepairRefused, repair
+from warninglight.recovery.repair import RepairRefused, repair
 
 from .rehearsal import SCENARIOS, Scenario, batches_of, rehearse, restored, train_step
 

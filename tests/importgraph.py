@@ -11,7 +11,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = {"tracer": "warninglight.tracer", "forensics": "warninglight.forensics", "cli": "warninglight.cli",
-            "lab": "warninglight.lab", "integrations": "warninglight.integrations"}
+            "lab": "warninglight.lab", "integrations": "warninglight.integrations",
+            "recovery": "warninglight.recovery"}
 
 
 def modules() -> dict[str, Path]:

@@ -101,3 +101,11 @@ def test_the_engine_and_the_cli_load_torch_only_where_a_command_runs_a_model() -
             "print(r.exit_code, 'torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["0", "False"], out.stdout + out.stderr
+
+
+def test_the_recorder_and_the_engine_never_import_recovery() -> None:
+    """`recovery` runs models (torch, the recorder, the engine): it sits above both."""
+    up = [(m, t) for m, targets in importgraph.graph().items() for t in targets
+          if m.startswith(("warninglight.tracer", "warninglight.forensics")) and t.startswith("warninglight.recovery")]
+    assert up == [], up
+    assert "warninglight.forensics.explaining.analysis" in importgraph.graph()["warninglight.recovery.repair"]

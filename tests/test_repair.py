@@ -14,9 +14,9 @@ from typer.testing import CliRunner
 from warninglight.cli.main import app
 from warninglight.forensics import analyze
 from warninglight.forensics.explaining import repairable
-from warninglight.forensics.explaining.repair import RepairError, RepairRefused, repair
 from warninglight.forensics.judging.conditions import Config
 from warninglight.lab.rehearsal import SCENARIOS, build_model, rehearse
+from warninglight.recovery.repair import RepairError, RepairRefused, repair
 from warninglight.tracer import watch
 
 ROOT_KEYS = ("2.weight", "2.bias")  # mlp_weight_corruption scales module "2" at step 150

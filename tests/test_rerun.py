@@ -10,9 +10,9 @@ from typing import Any
 import pytest
 from typer.testing import CliRunner
 from warninglight.cli.main import app
-from warninglight.forensics.explaining import rerun as rr
 from warninglight.forensics.explaining import saved_rerun
 from warninglight.lab import incidents
+from warninglight.recovery import rerun as rr
 
 ENTRY = '''
 import math

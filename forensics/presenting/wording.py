@@ -8,16 +8,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from warninglight.forensics.explaining.analysis import HEALTHY, Alarm, Analysis, Detectors, Root
 from warninglight.forensics.explaining.repairable import Soundness
 from warninglight.forensics.explaining.replay import Event
 from warninglight.forensics.explaining.rollback import Rollback
 from warninglight.forensics.presenting.texttable import text_table  # noqa: F401  (one table format for every command and the report)
-
-if TYPE_CHECKING:
-    from warninglight.forensics.explaining.repair import Repair
 
 ALARM_TABLE_COLUMNS = ("step", "onset_step", "observed_on", "attributed_to", "condition", "metric", "magnitude")
 
@@ -174,21 +171,6 @@ def repair_line(s: Soundness) -> str:
     return (f"component repair: recommended — `warninglight repair TRACE --from LATEST -o NEW` puts back {what} "
             f"from step {s.clean_step} and keeps {steps(s.steps_kept)} of every other component's learning "
             f"(to step {s.latest_step}); {s.reason}")
-
-
-def repair_lines(r: Repair) -> list[str]:
-    """What `warninglight repair` changed, per component, and what it kept."""
-    lines = [f"repaired: {r.output} ({r.format}) = {r.latest} (step {r.latest_step}) with "
-             f"{', '.join(c.component for c in r.components)} from {r.clean} (step {r.clean_step})"]
-    rows = [{"component": c.component, "tensors": len(c.tensors), "optimizer_states": len(c.optimizer_states),
-             "relative_change": number(c.relative_change), "ceiling": number(c.ceiling), "condition": c.condition}
-            for c in r.components]
-    lines += ["  " + line for line in text_table(rows, list(rows[0])).splitlines()] if rows else []
-    lines.append(f"kept: {steps(r.steps_kept)} of learning (step {r.latest_step} - step {r.clean_step}) "
-                 f"in each of {r.components_kept} other components")
-    if not r.recommended:
-        lines.append("note: the rehearsals did not measure this condition's repair no worse than the full rollback")
-    return lines + ([f"note: {r.note}"] if r.note else [])
 
 
 def analysis_text(a: Analysis) -> str:

@@ -22,10 +22,12 @@ from pathlib import Path
 from typing import Any
 
 import polars as pl
-from warninglight.forensics.explaining import checkpoints as ck
 from warninglight.forensics.explaining import rollback as rb
 from warninglight.forensics.explaining.analysis import Analysis, analyze
 from warninglight.forensics.explaining.repairable import judge
+from warninglight.forensics.presenting.texttable import text_table
+from warninglight.forensics.presenting.wording import number, steps
+from warninglight.recovery import checkpoints as ck
 
 
 class RepairError(ValueError):
@@ -265,3 +267,18 @@ def _relative_change(new: dict[str, Any], old: dict[str, Any], keys: list[str]) 
     diff = sum(float((new[k].double() - old[k].double()).pow(2).sum()) for k in keys if new[k].is_floating_point())
     base = sum(float(old[k].double().pow(2).sum()) for k in keys if old[k].is_floating_point())
     return math.sqrt(diff / base) if base > 0 else None
+
+
+def repair_lines(r: Repair) -> list[str]:
+    """What `warninglight repair` changed, per component, and what it kept."""
+    lines = [f"repaired: {r.output} ({r.format}) = {r.latest} (step {r.latest_step}) with "
+             f"{', '.join(c.component for c in r.components)} from {r.clean} (step {r.clean_step})"]
+    rows = [{"component": c.component, "tensors": len(c.tensors), "optimizer_states": len(c.optimizer_states),
+             "relative_change": number(c.relative_change), "ceiling": number(c.ceiling), "condition": c.condition}
+            for c in r.components]
+    lines += ["  " + line for line in text_table(rows, list(rows[0])).splitlines()] if rows else []
+    lines.append(f"kept: {steps(r.steps_kept)} of learning (step {r.latest_step} - step {r.clean_step}) "
+                 f"in each of {r.components_kept} other components")
+    if not r.recommended:
+        lines.append("note: the rehearsals did not measure this condition's repair no worse than the full rollback")
+    return lines + ([f"note: {r.note}"] if r.note else [])

@@ -37,7 +37,6 @@ from pathlib import Path
 from typing import Any
 
 import polars as pl
-from warninglight.forensics.explaining import proofreader
 from warninglight.forensics.explaining import rollback as rb
 from warninglight.forensics.explaining.analysis import Analysis, analyze
 from warninglight.forensics.explaining.saved_rerun import (
@@ -47,6 +46,7 @@ from warninglight.forensics.explaining.saved_rerun import (
 )
 from warninglight.forensics.trace import store
 from warninglight.forensics.trace.store import Trace
+from warninglight.recovery import proofreader
 
 TRANSIENT, DATA, RECIPE, NOT_COMPARABLE = "transient", "data", "recipe", "not comparable"
 MARGIN = 10  # steps re-run past the alarm

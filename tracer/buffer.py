@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 import numpy as np
@@ -23,6 +23,17 @@ from .writer import Segment
 
 # columns of the per-step scalar block, in order
 SCALARS = ("grad_norm_total_l2", "grad_norm_preclip_l2", "lr")
+
+
+@dataclass(frozen=True)
+class LoopFacts:
+    """A step's facts about the training loop (tracer/loopfacts.py), host values."""
+
+    eval_forwards: int = 0
+    grads_not_cleared: int | None = None
+    params_with_grad: int = 0
+    input_rows: int | None = None
+    input_shape: list[int] | None = None
 
 
 @dataclass
@@ -38,6 +49,7 @@ class StepRecord:
     present: tuple[bool, bool, bool]     # which of SCALARS this step has (else null)
     lr: float | None = None              # a host learning rate (a tensor one sits in .scalars)
     group_lrs: list[float | None] | None = None  # every param group's lr (host values)
+    loop: LoopFacts = LoopFacts()
 
 
 class StepBuffer:
@@ -204,6 +216,9 @@ def _ids(host: np.ndarray, chunk: list[Reader] | None) -> list[int] | None:
     return out
 
 
+_LOOP_FIELDS = tuple(f.name for f in fields(LoopFacts))
+
+
 def _step_rows(recs: list[StepRecord], scal: np.ndarray, logs: list[dict[str, float | None]],
                ids: list[list[int] | None]) -> dict[str, list[Any]]:
     def column(j: int) -> list[float | None]:
@@ -213,7 +228,8 @@ def _step_rows(recs: list[StepRecord], scal: np.ndarray, logs: list[dict[str, fl
             "step_time_s": [r.step_time_s for r in recs], "loss": [lg.get("loss") for lg in logs],
             "lr": lr, "grad_norm_total_l2": column(0), "grad_norm_preclip_l2": column(1),
             "micro_batches": [r.micro_batches for r in recs], "batch_ids": ids,
-            "lr_groups": [r.group_lrs for r in recs]}
+            "lr_groups": [r.group_lrs for r in recs],
+            **{f: [getattr(r.loop, f) for r in recs] for f in _LOOP_FIELDS}}
 
 
 def _scalar_rows(recs: list[StepRecord], logs: list[dict[str, float | None]]) -> dict[str, list[Any]]:

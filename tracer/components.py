@@ -40,6 +40,7 @@ class Component:
     param_group: int | None = None     # optimizer param group holding its parameters
     param_names: list[str] = field(default_factory=list)  # state-dict keys of `params`, in order
     optimizer_index: list[int | None] = field(default_factory=list)  # each one's optimizer state key
+    requires_grad: list[bool] = field(default_factory=list)  # each one's requires_grad at the first step
     extra: dict[str, object] = field(default_factory=dict)
 
     @property
@@ -122,6 +123,12 @@ def assign_param_groups(components: list[Component], param_groups: list[dict[str
         c.optimizer_index = [index_of.get(id(p)) for p in c.params]
 
 
+def note_trainable(components: list[Component]) -> None:
+    """Which of each component's parameters require grad (at the first step)."""
+    for c in components:
+        c.requires_grad = [p.requires_grad for p in c.params]
+
+
 def component_rows(components: list[Component]) -> dict[str, list[object]]:
     """The `components` table, column by column."""
     return {
@@ -135,4 +142,5 @@ def component_rows(components: list[Component]) -> dict[str, list[object]]:
         "param_group": [c.param_group for c in components],
         "param_names": [c.param_names or None for c in components],
         "optimizer_index": [c.optimizer_index if c.params and c.optimizer_index else None for c in components],
+        "requires_grad": [c.requires_grad or None for c in components],
     }

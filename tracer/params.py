@@ -22,6 +22,7 @@ import torch
 
 from . import kernels
 from .components import Component
+from .loopfacts import grad_versions
 from .probes import FORWARD_BATCH_STEPS, PARAM_METRICS, to_device
 from .replicas import local_shard
 
@@ -187,6 +188,7 @@ class ParamProbe:
             p.dtype == torch.float32 for p in self.params)}
         self._compiled_grads = self._compiled and self._dot["grads"]  # else never tried
         self.has_grad: np.ndarray | None = None  # this step's components with a gradient
+        self.param_has_grad: np.ndarray | None = None  # this step's parameters with a gradient
         self.grads_finite = True        # CPU only: the host verdict on the gradient norms
         self._preclip = _NO_PRECLIP
         self._bad: torch.Tensor | None = None
@@ -415,14 +417,11 @@ class ParamProbe:
         return [z if (g := p.grad) is None else (_values(g) if g.is_sparse else g)
                 for p, z in zip(self.params, self._no_grad, strict=True)]
 
-    def _versions(self) -> list[int]:
-        """Which gradient tensor each parameter holds and its version counter, as flat ints (a
-        list of tuples made two per step is garbage the collector has to walk)."""
-        out: list[int] = []
-        for p in self.params:
-            g = p.grad
-            out += (0, -1) if g is None else (id(g), g._version)
-        return out
+    @property
+    def backward_versions(self) -> list[int] | None:
+        """The gradients' versions (`grad_versions`) at the end of this step's last backward pass;
+        None before the step's first."""
+        return None if self._at_backward is None else self._at_backward[0]
 
     @torch.no_grad()
     def after_backward(self) -> None:
@@ -430,7 +429,7 @@ class ParamProbe:
         taken = self.modified_after_backward and bool(self.params)
         if taken:
             self._norms_into("pre_norms", self._grads(), "grads")
-        self._at_backward = (self._versions(), taken)
+        self._at_backward = (grad_versions(self.params), taken)
 
     @torch.no_grad()
     def grads(self) -> None:
@@ -438,6 +437,7 @@ class ParamProbe:
         if not self.begun:
             self.begin()
         has = np.fromiter((p.grad is not None for p in self.params), dtype=bool, count=len(self.params))
+        self.param_has_grad = has
         self._preclip, self._bad = _NO_PRECLIP, None
         at_bw, self._at_backward = self._at_backward, None
         self.has_grad = None  # set last: a pass that fails leaves the step without gradient norms
@@ -450,7 +450,7 @@ class ParamProbe:
         # pass: some writes move none (GradScaler's unscale), so copying those norms could be
         # off by the scale
         finite = self._norms_into("grad_norms", grads, "grads")
-        unchanged = at_bw is not None and at_bw[0] == self._versions()
+        unchanged = at_bw is not None and at_bw[0] == grad_versions(self.params)
         if unchanged:
             self._preclip = _SAME_AS_TOTAL
         elif at_bw is not None:

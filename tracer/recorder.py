@@ -45,8 +45,15 @@ from torch import nn
 
 from . import schema
 from .arguments import check_arguments, check_model
-from .buffer import StepBuffer, StepRecord
-from .components import assign_param_groups, assign_parents, discover, resolve_heads, user_module
+from .buffer import LoopFacts, StepBuffer, StepRecord
+from .components import (
+    assign_param_groups,
+    assign_parents,
+    discover,
+    note_trainable,
+    resolve_heads,
+    user_module,
+)
 from .config import (
     LIVE_FLUSH_S,  # noqa: F401 (imported from here by bench/alarm_latency.py)
     LIVE_FLUSH_STEPS,  # noqa: F401
@@ -55,6 +62,7 @@ from .config import (
     did_you_mean,
     with_options,
 )
+from .loopfacts import LoopProbe
 from .params import ParamProbe
 from .probes import FORWARD_BATCH_STEPS, FORWARD_METRICS, PARAM_METRICS, ForwardProbe, first_tensor
 from .replicas import ReplicaProbe
@@ -110,6 +118,8 @@ class Recorder:
         self.device = params[0].device if params else torch.device("cpu")
         self.fwd = ForwardProbe(self.components, cfg.sample_size, self.device)
         self.params = ParamProbe(self.components, cfg.sketch_size)
+        self.loop = LoopProbe(self.params.params, self.optimizer)
+        self._step_facts: tuple[int | None, int] = (None, 0)
         # per-rank evidence (tracer/replicas.py): by default only when there are replicas to compare
         on = self.world_size > 1 if cfg.replicas is None else cfg.replicas
         self.replicas = ReplicaProbe(self.components, model, self.world_size) if on else None
@@ -257,7 +267,7 @@ class Recorder:
         """Forward hooks, then the optimizer's step hooks; a failure removes those installed."""
         handles = self._handles
         try:
-            handles.append(self.model.register_forward_pre_hook(self._root_pre_hook))
+            handles.append(self.model.register_forward_pre_hook(self._root_pre_hook, with_kwargs=True))
             handles.append(self.model.register_forward_hook(self._root_hook))
             for comp in self.components:
                 handles.append(comp.module.register_forward_hook(self._make_hook(comp)))
@@ -274,8 +284,11 @@ class Recorder:
     def _recording(self, module: nn.Module) -> bool:
         return not self._closed and module.training and torch.is_grad_enabled()
 
-    def _root_pre_hook(self, module: nn.Module, args: Any) -> None:
-        if torch.compiler.is_compiling() or not self._recording(module):
+    def _root_pre_hook(self, module: nn.Module, args: Any, kwargs: Any) -> None:
+        if torch.compiler.is_compiling() or self._closed or not torch.is_grad_enabled():
+            return
+        self.loop.forward(module.training, args, kwargs)  # eval() mode too: a fact of its own
+        if not module.training:
             return
         self._micro_batches += 1
         try:
@@ -286,22 +299,27 @@ class Recorder:
             self._probe_failed(exc)
 
     def _root_hook(self, module: nn.Module, args: Any, out: Any) -> None:
-        """End of the forward pass: take the samples the hooks left, and arrange a call at the end
-        of the backward pass through this output (pre-clip norms)."""
-        if torch.compiler.is_compiling() or not self._recording(module):
+        """End of the forward pass: take the samples the hooks left, and arrange calls at the start
+        (gradient clearing) and the end (pre-clip norms) of the backward pass through this output."""
+        if torch.compiler.is_compiling() or self._closed or not torch.is_grad_enabled():
             return
         t = first_tensor(out)
-        try:
-            self.fwd.copy_deferred()
-            self.fwd.end_forward(t, self.params.grads_so_far_finite)
-        except Exception as exc:
-            self._probe_failed(exc)
+        if module.training:
+            try:
+                self.fwd.copy_deferred()
+                self.fwd.end_forward(t, self.params.grads_so_far_finite)
+            except Exception as exc:
+                self._probe_failed(exc)
         if t is not None and t.requires_grad:
             t.register_hook(self._on_output_grad)
 
     def _on_output_grad(self, grad: torch.Tensor) -> None:
         if not self._backward_queued:  # once per backward pass, however many outputs
             self._backward_queued = True
+            try:  # before any gradient of this pass accumulates: were the last step's cleared?
+                self.loop.backward_begins(self.params.backward_versions)
+            except Exception as exc:
+                self._probe_failed(exc)
             torch.autograd.Variable._execution_engine.queue_callback(self._after_backward)
 
     def _after_backward(self) -> None:
@@ -322,6 +340,9 @@ class Recorder:
                     self.fwd.observe_in_graph(comp, out)
                 return
             if not self._recording(module):
+                if (not module.training and self.model.training and not self._closed
+                        and torch.is_grad_enabled()):
+                    self._component_in_eval(comp)
                 return
             try:
                 self._begin_step()
@@ -332,6 +353,13 @@ class Recorder:
                 self._probe_failed(exc)
         # "eager": dynamo calls the hook outside the graph (a graph break per component)
         return torch.compiler.disable(hook) if self._eager_under_compile else hook
+
+    def _component_in_eval(self, comp: Any) -> None:
+        """A component runs in eval() mode while the model trains: an event the first time."""
+        if self.loop.component_in_eval(comp.name, self.step_count + 1):
+            self._event("finding", detail=json.dumps(
+                {"finding": "component_eval_mode", "component": comp.name,
+                 "kind": type(comp.module).__name__, "step": self.step_count + 1}))
 
     def _begin_step(self) -> None:
         if not self._in_step:
@@ -345,6 +373,7 @@ class Recorder:
             return
         try:
             self.params.grads()
+            self._step_facts = self.loop.step_facts(self.params.param_has_grad)
             # forward outputs held on CPU are counted only if the gradients say something was
             # not finite; a non-finite output that never reaches the gradients goes uncounted
             if self.fwd.held or self.fwd.released:
@@ -386,7 +415,9 @@ class Recorder:
             self.writer.record_failure(f"step {self.step_count} not recorded", 1)
         finally:
             self.fwd.reset()
+            self.loop.step_ended()
             self._in_step, self._micro_batches, self._last_step_time = False, 0, now
+            self._step_facts = (None, 0)
 
     def _flush_if_due(self, now: float) -> None:
         """At the step boundary: report writer failures, deliver alarms, and hand the finished
@@ -421,7 +452,9 @@ class Recorder:
         self.buffer.records.append(StepRecord(
             self.step_count, slot, valid, now, now - self._last_step_time, self._micro_batches,
             (has_total, has_preclip, lr is not None), lr_host,
-            _group_lrs(self.optimizer.param_groups) if self.optimizer else None))
+            _group_lrs(self.optimizer.param_groups) if self.optimizer else None,
+            LoopFacts(self.loop.eval_forwards, *self._step_facts, self.loop.rows or None,
+                      self.loop.shape)))
         self.fwd.take(slot)
 
     def _absorb_graph_samples(self) -> None:
@@ -485,6 +518,7 @@ class Recorder:
         assign_parents(self.components)
         if self.optimizer is not None:
             assign_param_groups(self.components, self.optimizer.param_groups)
+        note_trainable(self.components)
         self._static_valid = self._structural_validity()
         unseen = [c.name for c in self.components if c.forward_index is None]
         if unseen:

@@ -96,6 +96,7 @@ class Column:
 # type.
 F32, F64, I64, STR, BOOL = "float", "double", "int64", "string", "bool"
 LIST_F64, LIST_I64, LIST_STR = "list<item: double>", "list<item: int64>", "list<item: string>"
+LIST_BOOL = "list<item: bool>"
 
 
 def _arrow_type(name: str) -> pa.DataType:
@@ -103,7 +104,7 @@ def _arrow_type(name: str) -> pa.DataType:
 
     return {F32: pa.float32, F64: pa.float64, I64: pa.int64, STR: pa.string, BOOL: pa.bool_,
             LIST_F64: lambda: pa.list_(pa.float64()), LIST_I64: lambda: pa.list_(pa.int64()),
-            LIST_STR: lambda: pa.list_(pa.string())}[name]()
+            LIST_STR: lambda: pa.list_(pa.string()), LIST_BOOL: lambda: pa.list_(pa.bool_())}[name]()
 
 
 def _schema(columns: tuple[Column, ...]) -> pa.Schema:
@@ -123,6 +124,7 @@ COMPONENT_COLUMNS: tuple[Column, ...] = (
     Column("param_group", I64, "", "index of the optimizer param group holding this component's parameters (the first that holds any); null if it owns none or the optimizer holds none of them"),
     Column("param_names", LIST_STR, "", "the names (`model.named_parameters()`, i.e. state-dict keys) of the parameters this module owns directly, in its own order; null if it owns none"),
     Column("optimizer_index", LIST_I64, "", "each of those parameters' index in the optimizer's parameter order at the first step (param groups in order, each group's `params` in order): the key of `optimizer.state_dict()[\"state\"]`; null entries for parameters the optimizer does not hold. `warninglight repair` matches optimizer state to parameters through it"),
+    Column("requires_grad", LIST_BOOL, "", "each of those parameters' `requires_grad` at the first step, in the same order; null if it owns none"),
 )
 
 # Significand bits kept of an estimate (a statistic of a 16-row subsample of an output, or of a
@@ -171,6 +173,11 @@ STEP_COLUMNS: tuple[Column, ...] = (
     Column("grad_norm_preclip_l2", F64, "gradient units", "L2 norm of all parameter gradients as the step's last backward pass left them, before clipping (what `clip_grad_norm_` sees; with a GradScaler, the scaled norm); null on the first step whose gradients the loop modified after backward, and where no backward pass was seen"),
     Column("micro_batches", I64, "forward passes", "training forward passes of the root module in this step"),
     Column("batch_ids", LIST_I64, "sample ids", "`rec.batch(ids)`: the samples (or batch indices) this step consumed"),
+    Column("eval_forwards", I64, "forward passes", "forward passes of the watched model in eval() mode with gradients enabled in this step (0 when it trains in train() mode)"),
+    Column("grads_not_cleared", I64, "parameters", "parameters held by the optimizer whose gradient at this optimizer step still held the previous step's: never set to None or zeroed in between, as seen at the start of each backward pass through the model's output (a missing `zero_grad()`); null on the first step and where no such backward pass was seen"),
+    Column("params_with_grad", I64, "parameters", "parameters held by the optimizer that had a gradient at optimizer.step (0: the step changed nothing)"),
+    Column("input_rows", I64, "rows", "rows (size of dim 0) of the first tensor the watched model's forward received, summed over the step's forwards with gradients enabled; null if none"),
+    Column("input_shape", LIST_I64, "", "the shape of that tensor at the step's first such forward"),
 )
 
 SCALAR_COLUMNS: tuple[Column, ...] = (
@@ -179,7 +186,7 @@ SCALAR_COLUMNS: tuple[Column, ...] = (
     Column("value", F64, "as logged", "mean of the values logged under that name in that step"),
 )
 
-EVENT_KINDS = ("start", "stop", "checkpoint", "restart", "warning", "dropped")
+EVENT_KINDS = ("start", "stop", "checkpoint", "restart", "warning", "dropped", "finding")
 EVENT_COLUMNS: tuple[Column, ...] = (
     Column("step", I64, "optimizer steps", "steps completed when the event happened"),
     Column("wall_time_s", F64, "seconds since the Unix epoch", "when it happened"),

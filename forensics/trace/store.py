@@ -53,7 +53,7 @@ from warninglight.forensics.trace.segments import list_segments
 
 _DUCK_TYPES = {"int64": "BIGINT", "float": "FLOAT", "double": "DOUBLE", "string": "VARCHAR",
                "bool": "BOOLEAN", "list<item: int64>": "BIGINT[]", "list<item: double>": "DOUBLE[]",
-               "list<item: string>": "VARCHAR[]"}
+               "list<item: string>": "VARCHAR[]", "list<item: bool>": "BOOLEAN[]"}
 _TIMELINE_TABLES = ("health", "steps", "scalars", "events", "replicas")
 # DuckDB's own working memory (its default is 80% of the machine): above it, aggregates and joins
 # over a large trace spill to disk instead of growing the process.

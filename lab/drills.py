@@ -448,7 +448,7 @@ class MissingZeroGrad(Drill):
         self._current = step
 
     def truth(self) -> dict[str, Any]:
-        return {**super().truth(), "scope": "optimizer"}
+        return {**super().truth(), "scope": "setup", "finding": "grads_not_cleared"}
 
 
 @dataclass
@@ -481,6 +481,9 @@ class NotInOptimizer(Drill):
         for group in optimizer.param_groups:
             group["params"] = [p for p in group["params"] if id(p) not in own]
 
+    def truth(self) -> dict[str, Any]:
+        return {**super().truth(), "scope": "setup", "finding": "not_in_optimizer"}
+
 
 @dataclass
 class WrongInitScale(Drill):
@@ -496,3 +499,101 @@ class WrongInitScale(Drill):
         with torch.no_grad():
             for p in self.module(model).parameters(recurse=False):
                 p.mul_(self.factor)
+
+
+# --- bugs of the training set-up, seen as facts without any reference (forensics findings) -----
+
+
+@dataclass
+class EvalModeTraining(Drill):
+    """The model is put in eval() mode before training and never back in train() mode."""
+
+    component: str = ""
+    step: int = 1
+    fault: str = "eval_mode"
+
+    def attach(self, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
+        self._model = model
+        model.eval()
+
+    def detach(self) -> None:
+        super().detach()
+        if self._model is not None:
+            self._model.train()
+
+    def truth(self) -> dict[str, Any]:
+        return {**super().truth(), "scope": "setup", "finding": "eval_mode"}
+
+
+@dataclass
+class CollapsedBatch(Drill):
+    """Every batch from `step` on reaches the model as its first sample only (a collate or
+    processor bug), while the loop records every sample id it drew."""
+
+    component: str = ""
+    step: int = 1
+    fault: str = "collapsed_batch"
+
+    def corrupt_batch(self, step: int, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return (x[:1], y[:1]) if step >= self.step else (x, y)
+
+    def truth(self) -> dict[str, Any]:
+        return {**super().truth(), "scope": "setup", "finding": "batch_collapsed"}
+
+
+@dataclass
+class ZeroLearningRate(Drill):
+    """Every param group's learning rate is 0 from the start (a schedule or a config that zeroes it)."""
+
+    component: str = ""
+    step: int = 1
+    fault: str = "lr_zero"
+
+    def attach(self, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
+        if optimizer is None:
+            raise DrillError("ZeroLearningRate needs the optimizer; pass it to attach(model, optimizer)")
+        self._model = model
+        for group in optimizer.param_groups:
+            group["lr"] = 0.0
+
+    def truth(self) -> dict[str, Any]:
+        return {**super().truth(), "scope": "setup", "finding": "lr_zero"}
+
+
+@dataclass
+class DetachedOutput(Drill):
+    """A module's output is detached from the graph: no gradient reaches it or anything before it."""
+
+    step: int = 1
+    fault: str = "detached_output"
+
+    def attach(self, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
+        super().attach(model, optimizer)
+        self._hooks.append(self.module(model).register_forward_hook(lambda m, a, out: out.detach()))
+
+    def truth(self) -> dict[str, Any]:
+        # every component up to this one loses its gradient: the root is those, not one
+        return {**super().truth(), "component": "", "scope": "setup", "finding": "no_gradient"}
+
+
+@dataclass
+class ZeroedBeforeStep(Drill):
+    """The gradients are zeroed (in place) between the backward pass and optimizer.step."""
+
+    component: str = ""
+    step: int = 1
+    fault: str = "zeroed_before_step"
+
+    def attach(self, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
+        if optimizer is None:
+            raise DrillError("ZeroedBeforeStep needs the optimizer; pass it to attach(model, optimizer)")
+        self._model = model
+        plain_step = optimizer.step
+
+        def step(*args: Any, **kwargs: Any) -> Any:
+            optimizer.zero_grad(set_to_none=False)
+            return plain_step(*args, **kwargs)
+        optimizer.step = step  # type: ignore[method-assign]
+
+    def truth(self) -> dict[str, Any]:
+        return {**super().truth(), "scope": "setup", "finding": "zero_gradients"}

@@ -147,7 +147,7 @@ def score(scenario: str, seed: int, truth: Mapping[str, Any], result: Mapping[st
         scenario=scenario, seed=seed, fault=CLEAN if clean else fault, kind=kind,
         truth_component=want, injected=injected,
         fault_verdict=named, root_component=root.get("attributed_to"), root_condition=root.get("condition"),
-        root_correct=None if want is None else (_root_right(root, named, want, scope)
+        root_correct=None if want is None else (_root_right(root, named, want, scope, truth.get("finding"))
                                                  and rank_ok is not False),
         onset_error=onset_error,
         onset_ok=None if clean else (onset_error is not None and onset_error <= ONSET_TOLERANCE.get(kind, 2)),
@@ -168,12 +168,17 @@ def score(scenario: str, seed: int, truth: Mapping[str, Any], result: Mapping[st
     )
 
 
-def _root_right(root: Mapping[str, Any], named: bool, want: str, scope: str | None) -> bool:
-    """The drilled component; for a data or optimizer fault, a root of that scope."""
+def _root_right(root: Mapping[str, Any], named: bool, want: str, scope: str | None,
+                finding: str | None = None) -> bool:
+    """The drilled component; for a data or optimizer fault, a root of that scope; for a bug of
+    the set-up, the finding the drill causes."""
     if not named:
         return False
     if scope in ("data", "optimizer"):
         return root.get("scope") == scope
+    if scope == "setup":  # a finding of the set-up: its kind, and its component where it names one
+        return root.get("scope") == scope and root.get("finding") == finding and (
+            not want or root.get("attributed_to") == want)
     return root.get("attributed_to") == want and root.get("scope") not in ("data", "optimizer")
 
 

@@ -23,8 +23,11 @@ from . import zoo
 from .drills import (
     BiasDrift,
     BiasShift,
+    CollapsedBatch,
     CorruptBatches,
+    DetachedOutput,
     Drill,
+    EvalModeTraining,
     FreezeModule,
     FrozenByMistake,
     GradientAttenuation,
@@ -38,6 +41,8 @@ from .drills import (
     WeightGrowth,
     WeightShrink,
     WrongInitScale,
+    ZeroedBeforeStep,
+    ZeroLearningRate,
 )
 
 TRUTH_FILE = "truth.json"
@@ -270,7 +275,8 @@ def _write_truth(trace_dir: Path, sc: Scenario, seed: int, n_steps: int,
     truth = {
         "scenario": sc.name, "model": sc.model, "seed": seed, "steps": n_steps,
         "healthy": first is None, "faults": faults,
-        **({k: first[k] for k in ("fault", "component", "step", "kind", "condition", "scope", "last_step")
+        **({k: first[k] for k in ("fault", "component", "step", "kind", "condition", "scope", "last_step",
+                                  "finding")
             if k in first} if first else {}),
         "final_loss": losses[-1] if losses else None,
     }
@@ -347,8 +353,16 @@ def _recipes() -> list[Scenario]:
 
 
 def _from_step_one() -> list[Scenario]:
-    """Faults present from the first step, and a clean run, each judged against a reference run."""
-    s = []
+    """Faults present from the first step: bugs of the set-up, found as facts without any
+    reference; and faults of the model's numbers, and a clean run, judged against a reference run."""
+    s = [
+        Scenario("cnn_bn_eval_mode", "cnn_bn", drills=lambda: [EvalModeTraining()], **_BN_SGD),
+        Scenario("mlp_collapsed_batch", "mlp", drills=lambda: [CollapsedBatch()]),
+        Scenario("gpt_collapsed_batch", "gpt", drills=lambda: [CollapsedBatch()]),
+        Scenario("mlp_lr_zero", "mlp", drills=lambda: [ZeroLearningRate()]),
+        Scenario("gpt_detached_block", "gpt", drills=lambda: [DetachedOutput("h.0")]),
+        Scenario("cnn_zeroed_before_step", "cnn", drills=lambda: [ZeroedBeforeStep()]),
+    ]
     for model, mid in (("mlp", "2"), ("gpt", "h.0.mlp.c_fc")):
         s += [
             Scenario(f"{model}_missing_zero_grad", model, reference=True, drills=lambda: [MissingZeroGrad()]),

@@ -26,6 +26,13 @@ from warninglight.forensics.explaining import ranks as rank_analysis
 from warninglight.forensics.explaining import rollback as rb
 from warninglight.forensics.explaining import saved_rerun
 from warninglight.forensics.explaining.dataroot import data_root, gradients_wide
+from warninglight.forensics.explaining.findings import (
+    KINDS,
+    Finding,
+    faults,
+    findings,
+    trains_where_frozen,
+)
 from warninglight.forensics.explaining.localise import (
     DRIFT_REACH,
     Located,
@@ -35,7 +42,11 @@ from warninglight.forensics.explaining.localise import (
     onsets_held,
     root_cause,
 )
-from warninglight.forensics.explaining.reference import check_components, reference_baseline
+from warninglight.forensics.explaining.reference import (
+    check_components,
+    frozen_in,
+    reference_baseline,
+)
 from warninglight.forensics.explaining.repairable import Soundness, judge
 from warninglight.forensics.judging.baseline import band, with_baseline
 from warninglight.forensics.judging.classifier import Classifier
@@ -79,11 +90,15 @@ class Root:
     ranks: list[int]  # every rank on which the attributed component alarmed
     ranks_disagree: bool  # it alarmed on some ranks only
     evidence: str
-    scope: str  # "component" | "optimizer" | "data" | "replicas"
+    scope: str  # "component" | "optimizer" | "data" | "replicas" | "setup"
+    finding: str | None = None  # scope "setup": the finding's kind (findings.KINDS)
 
     @property
     def name(self) -> str:
         """How the root is named to a person: its module path, or what "" (the whole model) means."""
+        if self.scope == "setup" and self.finding in KINDS:
+            what = KINDS[self.finding][1]
+            return f"{what} ({self.attributed_to})" if self.attributed_to else what
         if self.scope == "optimizer":
             return "optimizer-wide (every component's update)"
         if self.scope == "data":
@@ -174,6 +189,8 @@ class Analysis:
     repair: Soundness | None = None
     # the verdict of a re-run saved beside the trace (`warninglight rerun`), None where there is none
     rerun: dict[str, Any] | None = None
+    # facts of the training set-up the recorder saw (findings.py), faults first
+    findings: list[Finding] = field(default_factory=list)
 
     def alarm_list(self) -> list[Alarm]:
         """The alarms as records, in step order (non-finite floats as None)."""
@@ -189,6 +206,7 @@ class Analysis:
             "warnings": self.warnings,
             "repair": None if self.repair is None else self.repair.to_dict(),
             "rerun": self.rerun,
+            "findings": [f.to_dict() for f in self.findings],
         }
 
     def baseline_frame(self, component: str, metric: str, rank: int = 0,
@@ -217,9 +235,9 @@ def _baseline_frame(trace: Trace, config: Config, component: str, metric: str, r
 
 def band_of(root: Root | None) -> tuple[str, str, int] | None:
     """(component, metric, rank) of the root metric's band: the metric as measured on
-    `observed_on` (e.g. the ReLU after the root Linear). None: no root, or a rank finding's
-    metric (the replicas table's), which has no baseline band."""
-    if root is None or root.metric not in schema.HEALTH_METRICS:
+    `observed_on` (e.g. the ReLU after the root Linear). None: no root, a rank finding's
+    metric (the replicas table's) or a set-up finding, which have no baseline band."""
+    if root is None or root.scope == "setup" or root.metric not in schema.HEALTH_METRICS:
         return None
     return root.observed_on, root.metric, root.rank if root.rank is not None else (root.ranks or [0])[0]
 
@@ -295,6 +313,25 @@ def with_ranks(root: Root | None, found: list[rank_analysis.RankFinding]) -> Roo
                        scope="replicas" if f.kind == rank_analysis.REPLICAS else root.scope,
                        evidence=f"{root.evidence}; {f.evidence}")
     return Root(**rank_analysis.root_fields(lead)) if lead.step == root.onset_step else root
+
+
+def with_findings(root: Root | None, found: list[Finding], ranks: int) -> Root | None:
+    """The root once the set-up's findings are known: the earliest fault finding when it held at
+    or before the root's onset (a bug present from step one, whose symptom the classifier saw
+    later), else the root as it was."""
+    setup = faults(found)
+    if not setup or (root is not None and setup[0].step > root.onset_step):
+        return root
+    f = setup[0]
+    on = f.ranks or list(range(ranks))
+    where = f.component
+    if root is not None and where and root.attributed_to == where:  # the classifier saw it too
+        return replace(root, onset_step=f.step, alarm_step=min(f.step, root.alarm_step),
+                       evidence=f"{f.evidence}; {root.evidence}", scope="setup", finding=f.kind)
+    return Root(attributed_to=where, observed_on=where, condition="unclassified", onset_step=f.step,
+                alarm_step=f.step, magnitude=None, metric=f.column,
+                rank=on[0] if len(on) == 1 else None, ranks=on, ranks_disagree=len(on) < ranks,
+                evidence=f.evidence, scope="setup", finding=f.kind)
 
 
 def param_components(components: pl.DataFrame) -> int:
@@ -540,7 +577,12 @@ def analyze(trace_dir: str | Path, *, config: Config | str | Path | None = None,
         root, skip_until = _whole_model_root(root, located, components, trace, cfg)
         ranked = rank_analysis.findings(trace)  # empty for a single rank
         panel = rank_analysis.panel(trace)
-        top = with_ranks(typed_root(root, located, summary["ranks"]), ranked)
+        found_setup = findings(trace, table, components)
+        if ref is not None:
+            found_setup = sorted([*found_setup, *trains_where_frozen(trace, frozen_in(ref), components)],
+                                 key=lambda f: (f.severity != "fault", f.step, f.kind))
+        top = with_findings(with_ranks(typed_root(root, located, summary["ranks"]), ranked), found_setup,
+                            summary["ranks"])
         root_band = _root_band(trace, cfg, top, side, root_episode(top, located_frame(located))) if band else None
         onset = top.onset_step if top else None
         found = comparators(trace, onset)
@@ -548,7 +590,8 @@ def analyze(trace_dir: str | Path, *, config: Config | str | Path | None = None,
         ckpts, source, found_warning = _checkpoints(trace, checkpoints_glob, checkpoint_every, last,
                                                     [onset, found["loss_spike_step"]])
         rollback = rb.recommend(trace, ckpts, source, onset, top.alarm_step if top else None,
-                                found["loss_spike_step"], last, skip_until)
+                                found["loss_spike_step"], last, skip_until,
+                                skip=top is None or top.scope != "setup")
         warnings = [*trace.warnings, *([found_warning] if found_warning else [])]
         missing = checks.checkpoint_warning(rollback.checkpoint_path, rollback.checkpoint_step,
                                             trace.root)
@@ -566,7 +609,11 @@ def analyze(trace_dir: str | Path, *, config: Config | str | Path | None = None,
         replaced = [root.alarm.attributed_to] if root and root.alarm.attributed_to != top.attributed_to else []
         affected = [c for c in dict.fromkeys([*replaced, *affected, *(f.component for f in ranked)])
                     if c != top.attributed_to]
+    if top is not None and top.scope == "setup" and root is not None:  # the symptom it explains
+        affected = [c for c in dict.fromkeys([root.alarm.attributed_to, *affected]) if c and c != top.attributed_to]
     first_light = alarms.select(pl.col("step").min()).item() if top is not None else None
+    if top is not None and top.scope == "setup":
+        first_light = min(top.alarm_step, first_light if first_light is not None else top.alarm_step)
     leads = {key: None if first_light is None or step is None else step - first_light
              for key, step in (("light_lead_over_loss_spike", found["loss_spike_step"]),
                                ("light_lead_over_grad_norm_spike", found["grad_norm_spike_step"]))}
@@ -574,7 +621,7 @@ def analyze(trace_dir: str | Path, *, config: Config | str | Path | None = None,
                     alarms, rollback, Detectors(**found, **leads, first_alarm_step=first_light),
                     clf.heat(), summary, components, table, cfg.baseline.min_samples + cfg.baseline.lag,
                     warnings, panel, static.alarms(), cfg, width, health_rows, band_frame,
-                    _repair(top, alarms, components, rollback), saved_rerun.load(trace_dir))
+                    _repair(top, alarms, components, rollback), saved_rerun.load(trace_dir), found_setup)
 
 
 def _repair(root: Root | None, alarms: pl.DataFrame, components: pl.DataFrame, rollback: rb.Rollback) -> Soundness | None:

@@ -32,6 +32,8 @@ class ReferenceError(TraceError):
 # mean output is a random projection's mean, different for every seed, so another run says
 # nothing about it. They stay judged against the component's own past.
 SEED_SPECIFIC = frozenset({"out_mean"})
+# an update median at or below this is an update of zero (the baseline keeps a zero at a floor)
+FROZEN_UPDATE = 1e-9
 
 
 def reference_baseline(path: str | Path, cfg: BaselineConfig) -> pl.DataFrame:
@@ -63,3 +65,16 @@ def check_components(run: pl.DataFrame | pl.LazyFrame, reference: pl.DataFrame, 
         raise ReferenceError(f"reference trace {path} has no component {missing[0]!r} "
                              f"({len(missing)} of the run's {len(run_comps)} missing) — pass a "
                              "trace of the same model, recorded with the same schedule")
+
+
+def frozen_in(reference: pl.DataFrame) -> list[str]:
+    """Components the reference run keeps frozen: no gradient at any step, and no update (its
+    update median never above the floor a zero is kept at)."""
+    grad, update = f"grad_norm_l2__med{REF}", f"update_norm_l2__med{REF}"
+    if grad not in reference.columns or update not in reference.columns:
+        return []
+    per = reference.group_by("component").agg(
+        pl.col(grad).is_not_null().any().alias("grads"),
+        (pl.col(update).fill_null(0.0) > FROZEN_UPDATE).any().alias("updates"),
+        pl.col(update).is_not_null().any().alias("weights"))
+    return sorted(per.filter(~pl.col("grads") & ~pl.col("updates") & pl.col("weights"))["component"].to_list())

@@ -32,7 +32,7 @@ from warninglight.tracer import schema
 SPREAD_LIMIT = 2  # other components damaged in their own weights before the damage has spread
 # Root conditions whose rehearsed repairs trained on no worse than the full rollback (lab/recovery.py).
 RECOMMENDED: frozenset[str] = frozenset({"dead", "losing_confidence"})
-UNSOUND_SCOPES = ("data", "optimizer")
+UNSOUND_SCOPES = ("data", "optimizer", "setup")
 
 
 @dataclass(frozen=True)
@@ -67,7 +67,8 @@ def judge(scope: str, root: str, condition: str, onset: int, alarms: pl.DataFram
     owners = set(components.filter(pl.col("param_count") > 0)["component"].to_list()) if not components.is_empty() else set()
     if scope in UNSOUND_SCOPES or (scope == "replicas" and not root) or not root:
         why = {"data": "the root is the data (bad batches): every component learnt from them",
-               "optimizer": "the root is the optimizer: every component's update departed together"
+               "optimizer": "the root is the optimizer: every component's update departed together",
+               "setup": "the root is the training set-up: fix it and rerun; a repair puts back weights, not the loop",
                }.get(scope, "the root is no single component (a whole-model divergence)")
         return Soundness(False, why)
     if root not in owners:

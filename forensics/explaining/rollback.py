@@ -163,11 +163,12 @@ def batches_by_rank(trace: Trace, first: int, last: int) -> dict[str, list[int]]
 
 def recommend(trace: Trace | None, checkpoints: list[Checkpoint], source: str, onset: int | None,
               alarm: int | None, loss_spike: int | None, last_step: int,
-              skip_until: int | None = None) -> Rollback:
+              skip_until: int | None = None, skip: bool = True) -> Rollback:
     """The rollback for a fault with `onset` raised at `alarm` (both None: nothing to roll back).
 
     `skip_until`: the last step of a bad-data window when it outlasts the alarm; the steps (and
     batches) to skip then run from the onset to there, not only to the alarm.
+    `skip` False: a fault of the training set-up, whose batches were sound: none to skip.
     `trace` None (the live monitor, which has no DuckDB trace): skip_batches is left None.
     """
     steps = sorted(c.step for c in checkpoints)
@@ -179,19 +180,29 @@ def recommend(trace: Trace | None, checkpoints: list[Checkpoint], source: str, o
             "no checkpoint before the onset: restart from initialisation" if checkpoints else
             "no checkpoint was recorded (rec.checkpoint(path)) or found beside the trace "
             f"({CONVENTIONS}): restart from initialisation, or pass --checkpoints GLOB")
+    if not skip:
+        note += "; fix the training set-up first (the batches were sound: none to skip)"
+        return Rollback(ckpt.step, ckpt.path, last_step - ckpt.step, None, None, loss_only, source,
+                        note + _loss_only_note(loss_only, ckpt, onset), steps)
     last_skip = max(alarm, skip_until or alarm)
     note += f"; skip step {onset}" if onset == last_skip else f"; skip steps {onset}-{last_skip}"
-    if loss_only.alarm_step is None:
-        note += "; the loss-spike rule never fired, so a loss-only operator would not roll back"
-    elif loss_only.checkpoint_step is not None:
-        later = loss_only.checkpoint_step - ckpt.step
-        note += (f"; a loss-only operator would roll back to step {loss_only.checkpoint_step}"
-                 + (f", which already held the damage (saved at or after onset {onset})" if loss_only.contaminated else "")
-                 + (f" ({later} steps later than ours)" if later > 0 else ""))
+    note += _loss_only_note(loss_only, ckpt, onset)
     return Rollback(ckpt.step, ckpt.path, last_step - ckpt.step, [onset, last_skip],
                     batches_in(trace, onset, last_skip) if trace is not None else None, loss_only,
                     source, note, steps,
                     batches_by_rank(trace, onset, last_skip) if trace is not None else None)
+
+
+def _loss_only_note(loss_only: LossOnlyChoice, ckpt: Checkpoint, onset: int) -> str:
+    """What a loss-only operator would have done, beside our checkpoint."""
+    if loss_only.alarm_step is None:
+        return "; the loss-spike rule never fired, so a loss-only operator would not roll back"
+    if loss_only.checkpoint_step is None:
+        return ""
+    later = loss_only.checkpoint_step - ckpt.step
+    return (f"; a loss-only operator would roll back to step {loss_only.checkpoint_step}"
+            + (f", which already held the damage (saved at or after onset {onset})" if loss_only.contaminated else "")
+            + (f" ({later} steps later than ours)" if later > 0 else ""))
 
 
 def _loss_only(checkpoints: list[Checkpoint], onset: int | None, loss_spike: int | None,

@@ -71,7 +71,8 @@ def _header(data: ReportData) -> list[str]:
              f"<p class='{'verdict' if a.root is not None else 'verdict clean'}'>{html.escape(line)}</p>"]
     if a.root is not None:
         seen = f" (first seen on <code>{html.escape(a.root.observed_on)}</code>)" if a.root.observed_on else ""
-        parts.append(f"<p><b>Why this component:</b> {html.escape(a.root.evidence)}{seen}</p>")
+        why = "What the recorder saw" if a.root.scope == "setup" else "Why this component"
+        parts.append(f"<p><b>{why}:</b> {html.escape(a.root.evidence)}{seen}</p>")
     if a.rollback.note:
         parts.append(f"<p><b>Rollback:</b> {html.escape(a.rollback.note)}</p>")
     if a.rerun:  # a re-run saved beside the trace: why, and the samples to skip
@@ -119,7 +120,9 @@ def _figures(data: ReportData, images: Mapping[str, bytes]) -> list[str]:
 def render_html(data: ReportData, images: Mapping[str, bytes]) -> str:
     """The report as one HTML string with the PNGs inlined."""
     a = data.analysis
-    parts = [*_header(data), *_figures(data, images),
+    found = ([f"<h2>Set-up findings ({len(a.findings)})</h2>"
+              + _table(tables.finding_rows(a), tables.FINDING_HEADERS, "")] if a.findings else [])
+    parts = [*_header(data), *found, *_figures(data, images),
              "<h2>Rollback</h2>" + (_table(tables.rollback_rows(a), tables.ROLLBACK_HEADERS, "") if a.root else
                                     "<p>none: no alarm, so nothing to roll back</p>"),
              "<h2>Detectors</h2>" + _table(tables.detector_rows(a), tables.DETECTOR_HEADERS, ""),

@@ -19,6 +19,7 @@ ROLLBACK_HEADERS = ("choice", "alarm step", "resume from step", "checkpoint", "s
                     "skip steps", "skip batches", "holds the damage")
 DETECTOR_HEADERS = ("detector", "first alarm step", "names a component")
 STATIC_HEADERS = ("rule", "component", "step", "value", "steps_fired")
+FINDING_HEADERS = ("severity", "kind", "first step", "last step", "steps", "components", "evidence")
 CHECKSUM = "weight_checksum"  # a rank finding's metric: the ranks' checksums compared, no baseline
 
 
@@ -45,6 +46,13 @@ def _alarm_cell(alarm: Alarm, key: str) -> Any:
     return "not recorded"
 
 
+def finding_rows(a: Analysis) -> list[dict[str, Any]]:
+    """The set-up's findings, faults first, with the report's column names."""
+    return [{"severity": f.severity, "kind": f.kind, "first step": f.step, "last step": f.last_step,
+             "steps": f.steps, "components": ", ".join(f.components) or "the whole run",
+             "evidence": f.evidence} for f in a.findings]
+
+
 def rollback_rows(a: Analysis) -> list[dict[str, Any] | str]:
     """Our rollback and the loss-only operator's, one row each; a row the operator would not
     have is the sentence that says why (`report_html` spans it across the table)."""
@@ -56,6 +64,7 @@ def rollback_rows(a: Analysis) -> list[dict[str, Any] | str]:
             "steps discarded": r.steps_discarded,
             "skip steps": _range(r.skip_step_range) if r.skip_step_range else "none",
             "skip batches": (f"{len(r.skip_batches)} batch ids" if r.skip_batches is not None else
+                             "none: the set-up, not the data" if root.scope == "setup" else
                              "not recorded: the run called no rec.batch(ids)"),
             "holds the damage": "no: saved before the onset" if r.checkpoint_step else "no: the initialisation"}
     other = r.loss_only

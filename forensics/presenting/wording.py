@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from warninglight.forensics.explaining.analysis import HEALTHY, Alarm, Analysis, Detectors, Root
+from warninglight.forensics.explaining.findings import Finding
 from warninglight.forensics.explaining.repairable import Soundness
 from warninglight.forensics.explaining.replay import Event
 from warninglight.forensics.explaining.rollback import Rollback
@@ -48,6 +49,8 @@ def summary_line(root: Root | None, rollback: Rollback, detectors: Detectors, ve
     z = "" if root.magnitude is None else f"|z| {number(root.magnitude)} "  # none: NaN/Inf, or ranks compared
     line = (f"ALARM {root.name}: {root.condition} ({z}on {root.metric}), "
             f"onset step {root.onset_step}, alarm step {root.alarm_step}")
+    if root.scope == "setup":  # a fact, not a departure: no condition, no magnitude
+        line = f"ALARM {root.name}, since step {root.onset_step} (on {root.metric})"
     first = detectors.first_alarm_step
     if first is not None and first < root.alarm_step:
         line += f" (the light first lit at step {first})"
@@ -57,6 +60,8 @@ def summary_line(root: Root | None, rollback: Rollback, detectors: Detectors, ve
              f"discard {steps(rollback.steps_discarded)}")
     if rollback.skip_step_range:
         line += f", skip the batches of {step_range(rollback.skip_step_range)}"
+    elif root.scope == "setup":
+        line += ", after fixing the set-up"
     return line + _loss_only_clause(rollback) + "."
 
 
@@ -88,6 +93,9 @@ def root_line(root: Root) -> str:
         seen += f" on rank {', '.join(str(r) for r in root.ranks)} only"
     elif root.rank is None and len(root.ranks) > 1:
         seen += " on every rank"
+    if root.scope == "setup":  # a fact of the set-up: where it held, since when, and what it is
+        only = f" on rank {', '.join(str(r) for r in root.ranks)} only" if root.ranks_disagree else ""
+        return f"root: {root.name}{only}: from step {root.onset_step}; {root.evidence}"
     return (f"root: {root.name}{seen} {root.condition}: onset step {root.onset_step}, "
             f"alarm step {root.alarm_step}{z} on {root.metric}; {root.evidence}")
 
@@ -115,9 +123,12 @@ def timeline_lines(events: Sequence[Event]) -> list[str]:
 
 def rollback_lines(rollback: Rollback) -> list[str]:
     """The rollback: our checkpoint, then the loss-only operator's, then the note."""
-    if rollback.checkpoint_step is None or rollback.skip_step_range is None:
+    if rollback.checkpoint_step is None:
         return ["rollback: none needed"]
     where = f" ({rollback.checkpoint_path})" if rollback.checkpoint_path else ""
+    if rollback.skip_step_range is None:  # a fault of the set-up: the batches were sound
+        return [f"rollback: checkpoint at step {rollback.checkpoint_step}{where}, "
+                f"{steps(rollback.steps_discarded)} discarded; no batch to skip", f"  {rollback.note}"]
     batches = "" if rollback.skip_batches is None else f", {len(rollback.skip_batches)} batch ids to skip"
     first, last = rollback.skip_step_range
     skipped = f"step {first}" if first == last else f"steps {first}-{last}"
@@ -173,12 +184,26 @@ def repair_line(s: Soundness) -> str:
             f"(to step {s.latest_step}); {s.reason}")
 
 
+def finding_lines(found: Sequence[Finding], root: Root | None = None) -> list[str]:
+    """The set-up's findings, one line each: severity, first step, kind, evidence (the root's
+    said once, in its own line)."""
+    if not found:
+        return []
+    lines = ["findings:"]
+    for f in found:
+        said = root is not None and root.scope == "setup" and root.finding == f.kind and root.onset_step == f.step
+        lines.append(f"  {f.severity} at step {f.step}: {f.kind}" + (" (the root)" if said else f": {f.evidence}"))
+    return lines
+
+
 def analysis_text(a: Analysis) -> str:
     """The human-readable answer of `warninglight analyze`."""
     lines = [f"verdict: {a.verdict}"]
     if a.root is not None:
         lines.append(root_line(a.root))
         lines.append(f"affected: {', '.join(a.affected) or 'none'}")
+    lines += finding_lines(a.findings, a.root)
+    if a.root is not None and not a.alarms.is_empty():
         lines.append("alarms:")
         rows = [alarm.to_dict() for alarm in a.alarm_list()]
         lines += ["  " + line for line in text_table(rows, ALARM_TABLE_COLUMNS).splitlines()]

@@ -291,7 +291,7 @@ def with_ranks(root: Root | None, found: list[rank_analysis.RankFinding]) -> Roo
     same = [f for f in found if f.component == root.attributed_to and f.step <= root.onset_step]
     if same:
         f = same[0]
-        return replace(root, onset_step=f.step, rank=f.rank, ranks=f.ranks, ranks_disagree=f.rank is not None,
+        return replace(root, onset_step=f.step, rank=f.rank, ranks=f.ranks, ranks_disagree=f.some_ranks,
                        scope="replicas" if f.kind == rank_analysis.REPLICAS else root.scope,
                        evidence=f"{root.evidence}; {f.evidence}")
     return Root(**rank_analysis.root_fields(lead)) if lead.step == root.onset_step else root

@@ -11,8 +11,9 @@ The faults:
 
 - `weight_scale`: one component's weights multiplied on one rank only, behind the optimizer's back
   (silent corruption in one GPU's memory);
-- `grad_corrupt`: one component's gradient multiplied on one rank before DDP's all-reduce (a GPU
-  that computes wrong): every rank then applies the same bad average;
+- `grad_corrupt`: one component's gradient (`""`: every one) multiplied on one rank before DDP's
+  all-reduce (a GPU that computes wrong; by 0: a rank whose gradients are zeroed before they are
+  shared): every rank then applies the same bad average;
 - `unwrapped_steps`: every other step trains the module inside the DDP wrapper, not the wrapper,
   so those steps' gradients are never synchronised and the replicas drift apart (on every rank,
   or on one: its all-reduces then pair with the others' next ones, and it makes up the missing
@@ -92,6 +93,8 @@ SCENARIOS: dict[str, RankScenario] = {sc.name: sc for sc in (
     RankScenario("ddp_unwrapped_steps", fault="unwrapped_steps", component="", rank=None),
     RankScenario("ddp_unwrapped_rank", fault="unwrapped_steps", component="", rank=1),
     RankScenario("ddp_zeroed_grads", fault="zeroed_grads", component="", rank=1),
+    RankScenario("ddp_zeroed_local", fault="grad_corrupt", component="", rank=1, factor=0.0,
+                 condition="losing_gradient"),
     RankScenario("ddp_layernorm_clip", fault="layernorm_clip", component="h.0.ln_1", rank=1, clip=CLIP),
     RankScenario("ddp_clean", clip=CLIP),
     RankScenario("ddp_clean_4ranks", world_size=4),

@@ -75,7 +75,14 @@ def split(z: Mapping[int, float | None], move: Mapping[int, float | None], depar
 
 def at_divergence(trace: Trace, step: int, diverged: list[str], world: int) -> Odd:
     """The odd ranks at `step`, where the checksums of `diverged` first differ with no majority."""
-    rows = _rows(trace, step)
+    return judge(_rows(trace, step), step, diverged, world)
+
+
+def judge(rows: pl.DataFrame, step: int, diverged: list[str], world: int) -> Odd:
+    """`at_divergence` on the rows it reads: (rank, component, step, g, u, local, synced) of every
+    parameter-owning component over `step` and the `HISTORY` steps before it (g: gradient norm at
+    optimizer.step, u: update norm, local: local gradient norm before the all-reduce, synced:
+    whether it was all-reduced)."""
     ranks = sorted(int(r) for r in rows["rank"].unique())
     if len(ranks) < world or rows.is_empty():
         return Odd([], "no majority of equal checksums, and not every rank recorded its health")

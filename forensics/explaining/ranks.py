@@ -192,7 +192,8 @@ def _condition(trace: Trace, step: int, component: str, odd: list[int]) -> str:
 # --- local gradients out of the band of the others ----------------------------------------------
 
 def score_local(rows: pl.DataFrame, world: int) -> pl.DataFrame:
-    """Rows (rank, component, step, g) with the band columns: d (log norm − ranks' median), z, own_z."""
+    """Rows (rank, component, step, g) with the band columns: d (log norm − ranks' median), z, own_z,
+    silent (the rank's local gradient is zero on every component, some other rank's is not), hit."""
     keys = ["rank", "component"]
     roll = {"window_size": HISTORY, "min_samples": MIN_HISTORY}
     x = pl.max_horizontal(pl.col("g").cast(pl.Float64), pl.lit(1e-30)).log()
@@ -210,12 +211,17 @@ def score_local(rows: pl.DataFrame, world: int) -> pl.DataFrame:
         scale = pl.max_horizontal(iqr / IQR_TO_SIGMA, pl.lit(LOG_SCALE_FLOOR))
         return [med.alias(f"{col}_med"), scale.alias(f"{col}_scale")]
 
-    frame = frame.with_columns(*band("d"), *band("x"))
+    # a rank whose local gradient is exactly zero on every component while some rank's is not
+    # contributed nothing to the average (zeroed or detached before the all-reduce): exact, no history
+    silent = (pl.col("g") == 0).all().over(["rank", "step"])
+    frame = frame.with_columns(*band("d"), *band("x"), silent.alias("silent")).with_columns(
+        (pl.col("silent") & (pl.col("rank").filter(pl.col("silent")).n_unique().over("step")
+                             < pl.col("rank").n_unique().over("step"))).alias("silent"))
     return frame.with_columns(
         ((pl.col("d") - pl.col("d_med")) / pl.col("d_scale")).alias("z"),
         ((pl.col("x") - pl.col("x_med")) / pl.col("x_scale")).alias("own_z"),
     ).with_columns(
-        (~pl.col("g").cast(pl.Float64).is_finite()
+        (~pl.col("g").cast(pl.Float64).is_finite() | pl.col("silent")
          | ((pl.col("z").abs() >= BAND_Z) & ((pl.col("d") - pl.col("d_med")).abs() >= BAND_FOLD))
          ).fill_null(False).alias("hit"))
 
@@ -226,29 +232,33 @@ def _local_outlier(trace: Trace, world: int, first: int, last: int) -> RankFindi
             SELECT rank, component, step, local_grad_norm_l2 AS g FROM replicas
             WHERE step BETWEEN ? AND ? AND g IS NOT NULL AND NOT coalesce(sharded, false)""",
             params=[max(first, lo - HISTORY - 1), lo + STEP_WINDOW - 1]).to_arrow_table()
-        rows = pl.DataFrame(pl.from_arrow(table))
-        if rows.is_empty():
-            continue
-        scored = score_local(rows, world)
-        hits = scored.filter(pl.col("hit") & (pl.col("step") >= lo))
-        if not hits.is_empty():
-            return _name_local(scored, hits, world)
+        found = local_finding(pl.DataFrame(pl.from_arrow(table)), world, lo)
+        if found is not None:
+            return found
     return None
+
+
+def local_finding(rows: pl.DataFrame, world: int, since: int | None = None) -> RankFinding | None:
+    """The first local-gradient finding in rows (rank, component, step, g: the local gradient norm)
+    at or after step `since` (earlier rows are history), or None."""
+    if rows.is_empty():
+        return None
+    scored = score_local(rows, world)
+    hits = scored.filter(pl.col("hit") & (pl.col("step") >= (since if since is not None else rows["step"].min())))
+    return None if hits.is_empty() else _name_local(scored, hits, world)
 
 
 def _name_local(scored: pl.DataFrame, hits: pl.DataFrame, world: int) -> RankFinding:
     step = int(hits["step"].min())
     at = hits.filter(pl.col("step") == step)
     now = scored.filter(pl.col("step") == step)
-    named, own = _local_groups(at, now, world)
+    named, hows = _local_groups(at, now, world)
     size = pl.col("z").abs().fill_nan(np.inf)
     lead = at.filter(pl.col("component").is_in(list(named)) if named else pl.lit(True)).sort(size, descending=True).row(0, named=True)
     comp = lead["component"]
     group = named.get(comp, [])
     here = now.filter(pl.col("component") == comp)
-    how = "its local gradient norm left the band of the other ranks'"
-    if comp in own:  # mirror images (two ranks, or equal groups): each rank's own history
-        how += ", and its own norm left its own history while the others' stayed in theirs"
+    how = hows.get(comp, BAND)
     alike = [c for c, g in named.items() if g == group]
     whole = bool(group) and len(alike) >= max(2, DIVERGED_SHARE * now["component"].n_unique())
     if whole:
@@ -268,19 +278,28 @@ def _name_local(scored: pl.DataFrame, hits: pl.DataFrame, world: int) -> RankFin
         sorted(alike) if whole else [], world)
 
 
-def _local_groups(at: pl.DataFrame, now: pl.DataFrame, world: int) -> tuple[dict[str, list[int]], set[str]]:
-    """Per component hit at the step: the ranks named (alone outside the band of more than two
-    ranks, else those whose own norm left its own history while the others' stayed), and the
-    components named by their own history."""
+BAND = "its local gradient norm left the band of the other ranks'"
+
+
+def _local_groups(at: pl.DataFrame, now: pl.DataFrame, world: int) -> tuple[dict[str, list[int]], dict[str, str]]:
+    """Per component hit at the step: the ranks named, and how. Named:
+    the ranks whose local gradient was zero on every component, others' not; else one rank alone
+    outside the band of more than two; else those whose own norm left its own history while the
+    others' stayed in theirs (mirror images: two ranks, or equal groups)."""
     named: dict[str, list[int]] = {}
-    own: set[str] = set()
+    how: dict[str, str] = {}  # how each was named
     for (comp,), part in at.group_by("component"):
         flagged = sorted(part["rank"].to_list())
-        if len(flagged) == 1 and world > 2:
-            named[str(comp)] = flagged
+        silent = sorted(part.filter(pl.col("silent"))["rank"].to_list())
+        if silent:
+            named[str(comp)], how[str(comp)] = silent, ("its local gradient was exactly zero on every component "
+                                                        "while the other ranks' was not")
+        elif len(flagged) == 1 and world > 2:
+            named[str(comp)], how[str(comp)] = flagged, BAND
         elif group := _own_departed(now.filter(pl.col("component") == comp)):
-            named[str(comp)], _ = group, own.add(str(comp))
-    return named, own
+            named[str(comp)], how[str(comp)] = group, (f"{BAND}, and its own norm left its own history "
+                                                       "while the others' stayed in theirs")
+    return named, how
 
 
 def _own_departed(here: pl.DataFrame) -> list[int]:

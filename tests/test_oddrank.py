@@ -33,7 +33,7 @@ def _rows(world: int = 2, seed: int = 0, first: int = 1) -> pl.DataFrame:
             local = g / 0.8 * np.exp(rng.normal(0, 0.15, world))
             for r in range(world):
                 out.append({"rank": r, "component": c, "step": step, "g": g, "u": u,
-                            "local": float(local[r]), "synced": True})
+                            "local": float(local[r]), "synced": True, "seen": True})
     return pl.DataFrame(out)
 
 
@@ -71,6 +71,11 @@ def test_gradients_zeroed_after_the_all_reduce_name_that_rank(world: int) -> Non
     odd = [1] if world == 2 else [2, 3]
     found = oddrank.judge(_at_step(_rows(world), odd, COMPONENTS, g=pl.lit(0.0)), STEP, COMPONENTS, world)
     assert found.ranks == odd and "zero" in found.how
+
+
+def test_a_rank_whose_health_row_is_missing_is_not_taken_for_one_without_a_gradient() -> None:
+    rows = _at_step(_rows(), [1], COMPONENTS, g=pl.lit(None, pl.Float64), seen=pl.lit(False))
+    assert oddrank.judge(rows, STEP, COMPONENTS, 2).ranks == []  # a dropped row, not a dropped gradient
 
 
 def test_a_rank_that_ran_no_all_reduce_is_named_and_none_running_one_is_every_rank() -> None:

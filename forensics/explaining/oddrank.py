@@ -79,10 +79,13 @@ def at_divergence(trace: Trace, step: int, diverged: list[str], world: int) -> O
 
 
 def judge(rows: pl.DataFrame, step: int, diverged: list[str], world: int) -> Odd:
-    """`at_divergence` on the rows it reads: (rank, component, step, g, u, local, synced) of every
-    parameter-owning component over `step` and the `HISTORY` steps before it (g: gradient norm at
-    optimizer.step, u: update norm, local: local gradient norm before the all-reduce, synced:
-    whether it was all-reduced)."""
+    """`at_divergence` on the rows it reads: (rank, component, step, g, u, local, synced, seen)
+    of every parameter-owning component over `step` and the `HISTORY` steps before it (g:
+    gradient norm at optimizer.step, u: update norm, local: local gradient norm before the
+    all-reduce, synced: whether it was all-reduced; seen: whether a health row was recorded,
+    true where the column is absent)."""
+    if "seen" not in rows.columns:
+        rows = rows.with_columns(seen=pl.lit(True))
     ranks = sorted(int(r) for r in rows["rank"].unique())
     if len(ranks) < world or rows.is_empty():
         return Odd([], "no majority of equal checksums, and not every rank recorded its health")
@@ -112,11 +115,12 @@ def judge(rows: pl.DataFrame, step: int, diverged: list[str], world: int) -> Odd
 
 
 def _rows(trace: Trace, step: int) -> pl.DataFrame:
-    """(rank, component, step, g, u, local, synced) of every parameter-owning component, over
-    `step` and the `HISTORY` steps before it."""
+    """(rank, component, step, g, u, local, synced, seen) of every parameter-owning component,
+    over `step` and the `HISTORY` steps before it (seen: it has a health row)."""
     table = trace.con.sql("""
         SELECT r.rank, r.component, r.step, h.grad_norm_l2 AS g, h.update_norm_l2 AS u,
-               r.local_grad_norm_l2 AS local, coalesce(r.grad_allreduced, false) AS synced
+               r.local_grad_norm_l2 AS local, coalesce(r.grad_allreduced, false) AS synced,
+               h.step IS NOT NULL AS seen
         FROM replicas r LEFT JOIN health h USING (rank, step, component)
         WHERE r.step BETWEEN ? AND ? AND NOT coalesce(r.sharded, false)""",
         params=[step - HISTORY, step]).to_arrow_table()
@@ -165,7 +169,7 @@ def _exact(found: dict[str, list[int]], ranks: list[int], how: str) -> Odd:
 
 def _no_gradient(now: pl.DataFrame, diverged: list[str], ranks: list[int]) -> Odd:
     g = pl.col("g")
-    found = _per_component(now, diverged, g.is_null() | (g == 0), g.is_not_null() & (g > 0))
+    found = _per_component(now, diverged, pl.col("seen") & (g.is_null() | (g == 0)), g.is_not_null() & (g > 0))
     return _exact(found, ranks, "its gradient was zero (or none) at optimizer.step where the other "
                                 "ranks' was not, though the all-reduce gives every rank the same one")
 

@@ -8,7 +8,8 @@ size is above 1. Two findings, each naming a rank (or every rank), a component a
   of equal checksums; with no majority (two ranks, or equal groups) it is the rank whose weights
   drifted (changed outside the optimizer) at s, else the ranks each rank's own evidence sets
   apart (`oddrank.py`: an all-reduce skipped, a gradient dropped, a gradient or update that left
-  the rank's own past while the others' stayed), else every rank, with the reason. When at least
+  the rank's own past, or its own components' line, while the others' stayed), else every rank,
+  with the reason. When at least
   half of the parameter-owning components diverge at the same first step, and the evidence does
   not narrow them, the whole model (`""`) is named: the step was not synchronised (e.g. it
   trained outside DDP).
@@ -17,7 +18,9 @@ size is above 1. Two findings, each naming a rank (or every rank), a component a
   relative value (robust z). Relative to the other ranks, so the run's own trends cancel; against
   its own history, so ranks that always see different data do not alarm. With two ranks (or
   equal groups) every rank's ratio moves (mirror images): the ranks named are those whose own
-  norm left its own history while the others' stayed in theirs (`oddrank.split`).
+  norm left its own history while the others' stayed in theirs (`oddrank.split`). A rank whose
+  local gradient is exactly zero on every component while another's is not contributed nothing
+  to the average: named at once, on the whole model, with no history needed.
 
 Memory is bounded: both scans read a window of `STEP_WINDOW` steps at a time (plus the trailing
 history) and stop at the first window that holds a finding.

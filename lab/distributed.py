@@ -11,10 +11,17 @@ The faults:
 
 - `weight_scale`: one component's weights multiplied on one rank only, behind the optimizer's back
   (silent corruption in one GPU's memory);
-- `grad_corrupt`: one component's gradient multiplied on one rank before DDP's all-reduce (a GPU
-  that computes wrong): every rank then applies the same bad average;
+- `grad_corrupt`: one component's gradient (`""`: every one) multiplied on one rank before DDP's
+  all-reduce (a GPU that computes wrong; by 0: a rank whose gradients are zeroed before they are
+  shared): every rank then applies the same bad average;
 - `unwrapped_steps`: every other step trains the module inside the DDP wrapper, not the wrapper,
-  so those steps' gradients are never synchronised and the replicas drift apart;
+  so those steps' gradients are never synchronised and the replicas drift apart (on every rank,
+  or on one: its all-reduces then pair with the others' next ones, and it makes up the missing
+  ones after the recorded run so no rank waits forever);
+- `zeroed_grads`: one rank's gradients zeroed after the all-reduce, before the optimizer step
+  (a misplaced `zero_grad`): that rank steps on momentum alone;
+- `layernorm_clip`: the gradient clipping that starts at `step` on every rank leaves LayerNorm's
+  gradients out on one rank (BLOOM-176B's bug), so their LayerNorm weights part;
 - `fsdp`: the same model sharded with FSDP2 `fully_shard` (clean), where this torch supports it.
 """
 
@@ -40,6 +47,7 @@ from .rehearsal import ScenarioError
 TRUTH_FILE = "truth.json"
 GPT = zoo.GPTConfig(vocab_size=96, block_size=16, n_layer=1, n_head=2, n_embd=16)
 CHECKPOINT_EVERY = 10
+CLIP = 0.1  # max gradient norm of the clipping scenarios: below the model's, so every step clips
 
 
 class DistributedScenarioError(ScenarioError):
@@ -52,7 +60,7 @@ class RankScenario:
 
     name: str
     world_size: int = 2
-    fault: str = "clean"  # clean | weight_scale | grad_corrupt | unwrapped_steps
+    fault: str = "clean"  # clean | weight_scale | grad_corrupt | unwrapped_steps | zeroed_grads | layernorm_clip
     component: str | None = None  # the model's own module path ("h.0.mlp.c_fc"), as recorded
     rank: int | None = None  # the faulty rank; None: every rank
     step: int = 25  # first step the fault acts
@@ -61,6 +69,7 @@ class RankScenario:
     wrapper: str = "ddp"  # ddp | fsdp
     watched: str = "wrapper"  # wrapper | inner: what watch() is given, the DDP or the module in it
     condition: str = "unclassified"  # what the fault should be named
+    clip: float | None = None  # max gradient norm clipped to from `step` on, every rank
 
     def truth(self, seed: int) -> dict[str, Any]:
         """The answer key (same keys as a single-process rehearsal's truth.json, plus rank)."""
@@ -82,6 +91,12 @@ SCENARIOS: dict[str, RankScenario] = {sc.name: sc for sc in (
     RankScenario("ddp_grad_corrupt_inner", fault="grad_corrupt", component="h.0.attn.c_attn",
                  rank=1, factor=30.0, condition="exploding", watched="inner"),
     RankScenario("ddp_unwrapped_steps", fault="unwrapped_steps", component="", rank=None),
+    RankScenario("ddp_unwrapped_rank", fault="unwrapped_steps", component="", rank=1),
+    RankScenario("ddp_zeroed_grads", fault="zeroed_grads", component="", rank=1),
+    RankScenario("ddp_zeroed_local", fault="grad_corrupt", component="", rank=1, factor=0.0,
+                 condition="losing_gradient"),
+    RankScenario("ddp_layernorm_clip", fault="layernorm_clip", component="h.0.ln_1", rank=1, clip=CLIP),
+    RankScenario("ddp_clean", clip=CLIP),
     RankScenario("ddp_clean_4ranks", world_size=4),
     RankScenario("fsdp_clean", wrapper="fsdp"),
 )}
@@ -124,7 +139,24 @@ def _corrupt_grad(sc: RankScenario, model: nn.Module, state: dict[str, int]) -> 
     """Hooks that multiply the component's local gradient by `factor` from `sc.step` on."""
     module = dict(_inner(model).named_modules())[sc.component or ""]
     hook = (lambda g: g * sc.factor if state["step"] >= sc.step else g)  # noqa: E731
-    return [p.register_hook(hook) for p in module.parameters(recurse=False)]
+    return [p.register_hook(hook) for p in module.parameters(recurse=not sc.component)]  # "": every one
+
+
+def _clipped(sc: RankScenario, model: nn.Module, faulty: bool) -> list[nn.Parameter]:
+    """The parameters this rank's clipping covers: all, or on the faulty rank all but LayerNorm's."""
+    if sc.fault == "layernorm_clip" and faulty:
+        return [p for m in _inner(model).modules() if not isinstance(m, nn.LayerNorm)
+                for p in m.parameters(recurse=False)]
+    return list(model.parameters())
+
+
+def _make_up_all_reduces(model: nn.Module, data: Any, count: int) -> None:
+    """Run `count` unrecorded backward passes through DDP: the all-reduces the other ranks still
+    wait on, which this rank skipped (a real run would hang there, or at its next collective)."""
+    for _ in range(count):
+        _, x, y = next(data)
+        logits = model(x)
+        F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1)).backward()
 
 
 def _train_one(sc: RankScenario, rank: int, root: Path, seed: int, tokens: torch.Tensor) -> None:
@@ -139,6 +171,8 @@ def _train_one(sc: RankScenario, rank: int, root: Path, seed: int, tokens: torch
     handles = _corrupt_grad(sc, model, state) if sc.fault == "grad_corrupt" and faulty else []
     data = zoo.text_batches(tokens, 8, GPT.block_size, seed=1000 * seed + rank)  # per-rank data
     watched = _inner(model) if sc.watched == "inner" else model
+    clipped = _clipped(sc, model, faulty)
+    skipped = 0
     with watch(watched, opt, str(trace), heads=["lm_head"], flush_every_steps=20) as rec:
         for step in range(1, sc.steps + 1):
             state["step"] = step
@@ -147,11 +181,17 @@ def _train_one(sc: RankScenario, rank: int, root: Path, seed: int, tokens: torch
                 with torch.no_grad():
                     for p in dict(_inner(model).named_modules())[sc.component or ""].parameters(recurse=False):
                         p.mul_(sc.factor)
-            unwrapped = sc.fault == "unwrapped_steps" and step >= sc.step and (step - sc.step) % 2 == 0
+            unwrapped = (sc.fault == "unwrapped_steps" and faulty and step >= sc.step
+                         and (step - sc.step) % 2 == 0)
+            skipped += unwrapped
             logits = (_inner(model) if unwrapped else model)(x)  # (B, T, vocab)
             loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
             opt.zero_grad(set_to_none=True)
             loss.backward()
+            if sc.fault == "zeroed_grads" and faulty and step >= sc.step:
+                opt.zero_grad(set_to_none=False)  # misplaced: after the all-reduce, before the step
+            if sc.clip is not None and step >= sc.step:
+                nn.utils.clip_grad_norm_(clipped, sc.clip)
             opt.step()
             rec.log(loss=loss.detach())
             rec.batch(ids)
@@ -160,6 +200,8 @@ def _train_one(sc: RankScenario, rank: int, root: Path, seed: int, tokens: torch
                                detail="rehearsal: no file was written")
     for h in handles:
         h.remove()
+    if sc.fault == "unwrapped_steps" and sc.rank is not None:
+        _make_up_all_reduces(model, data, skipped)
     truth = sc.truth(seed)
     if sc.wrapper == "fsdp":  # the full parameters' norms, gathered (a collective: every rank calls it)
         truth["full_weight_norms"] = _full_norms(model)

@@ -1,7 +1,8 @@
 """Rank faults in real data-parallel runs (gloo DDP on CPU, spawned processes), named by `analyze`.
 
-Two spawned groups for the whole module: three 2-rank DDP faults, a clean FSDP2 run and a
-with/without-recorder training (one group), and a clean 4-rank run (the other).
+Two spawned groups for the whole module: the 2-rank DDP faults, a clean 2-rank twin, a clean FSDP2
+run and a with/without-recorder training (one group), and a clean 4-rank run (the other). The
+local-gradient naming is also held to hand-built tables (which rank among two, or equal groups).
 """
 
 from __future__ import annotations
@@ -9,15 +10,18 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import polars as pl
 import pytest
 from typer.testing import CliRunner
 from warninglight.cli.main import app
 from warninglight.forensics import analyze, open_trace
+from warninglight.forensics.explaining.ranks import local_finding
 from warninglight.forensics.trace import checks
 from warninglight.lab.distributed import CHECKPOINT_EVERY, run_group
 
 TWO_RANKS = ["ddp_weight_scale", "ddp_grad_corrupt", "ddp_grad_corrupt_inner", "ddp_unwrapped_steps",
+             "ddp_unwrapped_rank", "ddp_zeroed_grads", "ddp_zeroed_local", "ddp_layernorm_clip", "ddp_clean",
              "fsdp_clean"]
 
 
@@ -34,6 +38,11 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     ("ddp_grad_corrupt", "h.0.attn.c_attn", 1, "component"),
     ("ddp_grad_corrupt_inner", "h.0.attn.c_attn", 1, "component"),  # watch() given the module in the DDP
     ("ddp_unwrapped_steps", "", None, "replicas"),  # every rank, the whole model
+    # no majority among two: each rank's own evidence names it
+    ("ddp_unwrapped_rank", "", 1, "replicas"),  # it alone ran no all-reduce
+    ("ddp_zeroed_grads", "", 1, "replicas"),  # its gradients zeroed after the all-reduce
+    ("ddp_zeroed_local", "", 1, "component"),  # ... before it: the replicas stay equal
+    ("ddp_layernorm_clip", "h.0.ln_1", 1, "replicas"),  # LayerNorm left out of its clipping
 ])
 def test_a_rank_fault_is_named_by_rank_component_onset_and_checkpoint(
         runs: Path, scenario: str, component: str, rank: int | None, scope: str) -> None:
@@ -91,6 +100,11 @@ def test_steps_outside_ddp_are_visible_as_not_all_reduced(runs: Path) -> None:
     assert rows == [(23, True), (24, True), (25, False), (26, True), (27, False), (28, True)]
     root = analyze(runs / "ddp_unwrapped_steps").to_dict()["root"]
     assert "trained outside DDP" in root["evidence"] and root["ranks"] == [0, 1]
+
+
+def test_the_clean_two_rank_twin_that_clips_is_healthy_with_no_alarm(runs: Path) -> None:
+    d = analyze(runs / "ddp_clean").to_dict()
+    assert (d["verdict"], d["root"], d["alarms"]) == ("healthy", None, [])
 
 
 def test_a_clean_four_rank_run_is_healthy_with_no_alarm(runs: Path) -> None:
@@ -166,3 +180,38 @@ def test_eval_counts_every_ranks_rows_and_fires_the_comparators_on_every_ranks_s
         assert (rows, comps) == _read_run(path) and rows > 0, path.name
         fired += len(comps.loss) + len(comps.grad)
     assert fired > 0
+
+
+# --- the local-gradient finding on hand-built tables ------------------------------------------
+
+def _local(world: int, steps: int = 40, seed: int = 0) -> pl.DataFrame:
+    """Local gradient norms of a healthy run: per rank its own noise around a per-component scale."""
+    rng = np.random.default_rng(seed)
+    comps = [f"c{i}" for i in range(6)]
+    scale = {c: 10 ** rng.uniform(-2, 0) for c in comps}
+    return pl.DataFrame([{"rank": r, "component": c, "step": s, "g": scale[c] * float(np.exp(rng.normal(0, 0.15)))}
+                         for s in range(1, steps + 1) for c in comps for r in range(world)])
+
+
+def _scaled(rows: pl.DataFrame, ranks: list[int], components: list[str], factor: float, step: int = 30) -> pl.DataFrame:
+    where = pl.col("rank").is_in(ranks) & pl.col("component").is_in(components) & (pl.col("step") >= step)
+    return rows.with_columns(pl.when(where).then(pl.col("g") * factor).otherwise(pl.col("g")).alias("g"))
+
+
+@pytest.mark.parametrize(("world", "odd"), [(2, [1]), (2, [0]), (4, [2, 3])])
+def test_the_ranks_whose_own_local_norm_left_its_own_history_are_named(world: int, odd: list[int]) -> None:
+    f = local_finding(_scaled(_local(world), odd, ["c2"], 30.0), world)
+    assert f is not None and (f.component, f.step, f.ranks) == ("c2", 30, odd)
+    assert f.rank == (odd[0] if len(odd) == 1 else None) and f.some_ranks
+
+
+def test_two_ranks_whose_local_norms_both_left_their_own_history_are_not_told_apart() -> None:
+    rows = _scaled(_scaled(_local(2), [0], ["c2"], 30.0), [1], ["c2"], 1 / 30)
+    f = local_finding(rows, 2)
+    assert f is not None and (f.step, f.rank, f.ranks) == (30, None, [0, 1]) and not f.some_ranks
+
+
+def test_a_rank_whose_local_gradient_is_all_zero_is_named_at_the_first_step_on_the_whole_model() -> None:
+    comps = sorted(_local(2)["component"].unique())
+    f = local_finding(_scaled(_local(2), [1], comps, 0.0, step=1), 2)
+    assert f is not None and (f.component, f.step, f.rank, f.condition) == ("", 1, 1, "losing_gradient")

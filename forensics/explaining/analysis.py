@@ -309,7 +309,7 @@ def with_ranks(root: Root | None, found: list[rank_analysis.RankFinding]) -> Roo
     same = [f for f in found if f.component == root.attributed_to and f.step <= root.onset_step]
     if same:
         f = same[0]
-        return replace(root, onset_step=f.step, rank=f.rank, ranks=f.ranks, ranks_disagree=f.rank is not None,
+        return replace(root, onset_step=f.step, rank=f.rank, ranks=f.ranks, ranks_disagree=f.some_ranks,
                        scope="replicas" if f.kind == rank_analysis.REPLICAS else root.scope,
                        evidence=f"{root.evidence}; {f.evidence}")
     return Root(**rank_analysis.root_fields(lead)) if lead.step == root.onset_step else root
@@ -323,6 +323,11 @@ def with_findings(root: Root | None, found: list[Finding], ranks: int) -> Root |
     if not setup or (root is not None and setup[0].step > root.onset_step):
         return root
     f = setup[0]
+    if root is not None and root.scope == "replicas" and f.step >= root.onset_step:
+        # the replicas diverged at that step: the ranks' comparison names the odd one and how; the
+        # fact on that rank (e.g. it stepped on zero gradients) says what it did
+        who = f"rank {', '.join(map(str, f.ranks))}" if f.ranks else "every rank"
+        return replace(root, evidence=f"{root.evidence}; on {who}: {f.evidence}")
     on = f.ranks or list(range(ranks))
     where = f.component
     if root is not None and where and root.attributed_to == where:  # the classifier saw it too

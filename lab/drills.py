@@ -390,30 +390,76 @@ class PreActivationScale(Drill):
 
 @dataclass
 class CorruptBatches(Drill):
-    """A window of `duration` corrupted batches: inputs scaled by `factor` plus noise (bad shard).
+    """A window of `duration` corrupted batches (a bad shard).
 
+    mode `scale`: float inputs scaled by `factor` plus noise of that scale; token ids replaced by
+    random tokens below the batch's largest, targets shuffled across samples. mode `random`: the
+    batch replaced by garbage of the data's own range, nothing larger than the data: token ids
+    and targets random over `vocab_size` (the batch's largest id + 1 when 0), float inputs by
+    Gaussian noise of the batch's own mean and deviation with shuffled labels.
     `component` names the first module that reads the batch (where forensics should see it).
     """
 
     duration: int = 20
     factor: float = 25.0
     seed: int = 0
+    mode: str = "scale"
+    vocab_size: int = 0
     fault: str = "corrupt_batches"
     condition: str = "exploding"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.mode not in ("scale", "random"):
+            raise DrillError(f"CorruptBatches mode must be scale or random, got {self.mode!r}")
 
     def corrupt_batch(self, step: int, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if not self.step <= step < self.step + self.duration:
             return x, y
-        if not x.is_floating_point():  # token ids: replace with random tokens, shuffle targets
-            g = torch.Generator().manual_seed(self.seed + step)
-            return torch.randint(0, int(x.max()) + 1, x.shape, generator=g), y.roll(1, 0)
+        return self._garbage(step, x, y, torch.ones(len(x), dtype=torch.bool))
+
+    def _garbage(self, step: int, x: torch.Tensor, y: torch.Tensor,
+                 rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The batch with `rows` (a boolean mask over its samples) made garbage."""
         g = torch.Generator().manual_seed(self.seed + step)
-        return x * self.factor + torch.randn(x.shape, generator=g) * self.factor, y
+        x, y = x.clone(), y.clone()
+        n = int(rows.sum())
+        if not x.is_floating_point():
+            vocab = self.vocab_size or int(x.max()) + 1
+            x[rows] = torch.randint(0, vocab, (n, *x.shape[1:]), generator=g)
+            if self.mode == "random":
+                y[rows] = torch.randint(0, vocab, (n, *y.shape[1:]), generator=g)
+            else:
+                y[rows] = y.roll(1, 0)[rows]
+            return x, y
+        if self.mode == "random":
+            x[rows] = torch.randn((n, *x.shape[1:]), generator=g) * x.std() + x.mean()
+        else:
+            x[rows] = x[rows] * self.factor + torch.randn((n, *x.shape[1:]), generator=g) * self.factor
+        y[rows] = y.roll(1, 0)[rows]
+        return x, y
 
     def truth(self) -> dict[str, Any]:
         # the data, not a module, is at fault; `component` is the first module that reads it
         return {**super().truth(), "scope": "data", "reads": self.component,
                 "last_step": self.step + self.duration - 1}
+
+
+@dataclass
+class PoisonedSamples(CorruptBatches):
+    """For `duration` steps, `count` samples of each batch are garbage (mode as `CorruptBatches`)
+    and the rest are sound: a poisoned source mixed into clean batches."""
+
+    count: int = 2
+    mode: str = "random"
+    fault: str = "poisoned_samples"
+
+    def corrupt_batch(self, step: int, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.step <= step < self.step + self.duration:
+            return x, y
+        rows = torch.zeros(len(x), dtype=torch.bool)
+        rows[torch.randperm(len(x), generator=torch.Generator().manual_seed(self.seed - step))[:self.count]] = True
+        return self._garbage(step, x, y, rows)
 
 
 # --- faults present from step one -------------------------------------------------------------

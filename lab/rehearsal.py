@@ -36,6 +36,7 @@ from .drills import (
     MissingZeroGrad,
     NaNInjection,
     NotInOptimizer,
+    PoisonedSamples,
     PreActivationScale,
     WeightCorruption,
     WeightGrowth,
@@ -60,7 +61,7 @@ class Scenario:
     """A rehearsal: which model, how long, which optimizer, which drills."""
 
     name: str
-    model: str  # "mlp" | "cnn" | "cnn_bn" | "gpt"
+    model: str  # one of MODELS
     steps: int = 300
     optimizer: str = "adam"  # "adam" | "adamw" | "sgd"
     lr: float = 1e-3
@@ -106,8 +107,10 @@ SCHEDULES: dict[str, Callable[[int, int], float]] = {
 }
 MANUAL_FACTOR = 0.3  # "manual": the loop multiplies every group's lr by this at mid-run
 
-def build_model(scenario: Scenario, seed: int) -> tuple[nn.Module, str]:
-    """The scenario's model (seeded) and the name of its output head."""
+def build_model(scenario: Scenario, seed: int) -> tuple[nn.Module, str | None]:
+    """The scenario's model (seeded) and the name of its output head (None: a head tied to the
+    embedding is no component; the recorder takes the last one called, as it does for a user
+    who names none)."""
     torch.manual_seed(seed)
     if scenario.model == "mlp":
         return zoo.mlp(activation=scenario.activation), "6"
@@ -117,10 +120,16 @@ def build_model(scenario: Scenario, seed: int) -> tuple[nn.Module, str]:
         return zoo.cnn(batchnorm=True), "8"
     if scenario.model == "gpt":
         return zoo.TinyGPT(_GPT), "lm_head"
-    raise ScenarioError(f"unknown model {scenario.model!r}; expected mlp, cnn or gpt")
+    if scenario.model == "gpt_parallel":
+        return zoo.ParallelGPT(_GPT), None
+    if scenario.model == "llama":
+        return zoo.TinyLlama(_GPT), "lm_head"
+    raise ScenarioError(f"unknown model {scenario.model!r}; expected one of {', '.join(MODELS)}")
 
 
 _GPT = zoo.GPTConfig(vocab_size=96, block_size=32, n_layer=2, n_head=2, n_embd=32)
+MODELS = ("mlp", "cnn", "cnn_bn", "gpt", "gpt_parallel", "llama")
+LANGUAGE = ("gpt", "gpt_parallel", "llama")  # trained on the character corpus
 
 
 def _data(scenario: Scenario, seed: int) -> Iterator[zoo.Batch]:
@@ -134,9 +143,9 @@ def _data(scenario: Scenario, seed: int) -> Iterator[zoo.Batch]:
     return zoo.text_batches(tokens, scenario.batch_size // 2, _GPT.block_size, seed=seed)
 
 
-def _optimizer(scenario: Scenario, model: nn.Module, head: str) -> torch.optim.Optimizer:
+def _optimizer(scenario: Scenario, model: nn.Module, head: str | None) -> torch.optim.Optimizer:
     params: Any = list(model.parameters())
-    if scenario.head_group:
+    if scenario.head_group and head is not None:
         own = {id(p) for p in dict(model.named_modules())[head].parameters()}
         params = [{"params": [p for p in params if id(p) not in own]},
                   {"params": [p for p in params if id(p) in own], "lr": scenario.lr * 0.1}]
@@ -205,7 +214,7 @@ def rehearse(scenario: str | Scenario, trace_dir: str | Path, *, seed: int = 0,
         next(data)
     losses: list[float] = []
     try:
-        with watch(model, optimizer, str(trace_dir), heads=[head], start_step=start_step,
+        with watch(model, optimizer, str(trace_dir), heads=[head] if head else None, start_step=start_step,
                    rank=rank, world_size=world_size) as rec:
             for step in range(start_step + 1, n_steps + 1):
                 ids, x, y = next(data)
@@ -226,7 +235,7 @@ def rehearse(scenario: str | Scenario, trace_dir: str | Path, *, seed: int = 0,
 
 
 def _start(sc: Scenario, seed: int, resume_from: str | Path | None
-           ) -> tuple[nn.Module, str, torch.optim.Optimizer]:
+           ) -> tuple[nn.Module, str | None, torch.optim.Optimizer]:
     """The model, its head's name and the optimizer: fresh, or restored from a checkpoint."""
     model, head = build_model(sc, seed)
     optimizer = _optimizer(sc, model, head)
@@ -325,7 +334,7 @@ def _scenarios() -> dict[str, Scenario]:
         Scenario("mlp_creeping_corruption", "mlp",
                  drills=lambda: [WeightGrowth("2", 150, rate=0.03, duration=150)]),
     ]
-    return {sc.name: sc for sc in s + _recipes() + _from_step_one()}
+    return {sc.name: sc for sc in s + _recipes() + _from_step_one() + _bad_data()}
 
 
 _BN_SGD = {"optimizer": "sgd", "lr": 0.05, "momentum": 0.9, "weight_decay": 5e-4}
@@ -375,6 +384,27 @@ def _from_step_one() -> list[Scenario]:
             Scenario(f"{model}_reference_clean", model, reference=True),
         ]
     return s
+
+
+def _bad_data() -> list[Scenario]:
+    """Bad data beyond the models above: garbage of the data's own range (random tokens, noise
+    images), in whole batches or in a few samples of each, on other architectures."""
+    window = {"step": 150, "duration": 30, "mode": "random"}
+    return [
+        Scenario("gpt_parallel_clean", "gpt_parallel"),
+        Scenario("gpt_parallel_corrupt_batches", "gpt_parallel",
+                 drills=lambda: [CorruptBatches("wte", vocab_size=_GPT.vocab_size, **window)]),
+        Scenario("llama_clean", "llama", optimizer="adamw", lr=3e-3, weight_decay=0.1,
+                 schedule="warmup_cosine"),
+        Scenario("llama_corrupt_batches", "llama", optimizer="adamw", lr=3e-3, weight_decay=0.1,
+                 schedule="warmup_cosine",
+                 drills=lambda: [CorruptBatches("model.embed_tokens", vocab_size=_GPT.vocab_size, **window)]),
+        Scenario("cnn_noise_batches", "cnn", drills=lambda: [CorruptBatches("0", **window)]),
+        # a quarter of each batch's samples, the rest sound
+        Scenario("gpt_poisoned_samples", "gpt", batch_size=16,
+                 drills=lambda: [PoisonedSamples("wte", count=2, vocab_size=_GPT.vocab_size, **window)]),
+        Scenario("gpt_clean_small_batch", "gpt", batch_size=16),
+    ]
 
 
 class _Registry(dict[str, Scenario]):

@@ -115,6 +115,149 @@ class TinyGPT(nn.Module):
         return self.lm_head(self.ln_f(x))  # (B, T, vocab)
 
 
+class MLP(nn.Module):
+    """nanoGPT's MLP: the activation and the dropout are modules of their own."""
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.c_fc = nn.Linear(cfg.n_embd, 4 * cfg.n_embd)
+        self.gelu = nn.GELU()
+        self.c_proj = nn.Linear(4 * cfg.n_embd, cfg.n_embd)
+        self.dropout = nn.Dropout(0.0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.dropout(self.c_proj(self.gelu(self.c_fc(x))))
+
+
+class ParallelBlock(nn.Module):
+    """GPT-J's block layout: attention and MLP read one normalised input side by side."""
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.ln = nn.LayerNorm(cfg.n_embd)
+        self.attn = CausalSelfAttention(cfg)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.ln(x)
+        return x + self.attn(h) + self.mlp(h)
+
+
+class ParallelGPT(nn.Module):
+    """A GPT of another layout than `TinyGPT`: parallel blocks, and the head tied to the token
+    embedding (nanoGPT's weight tying: the head owns no parameter of its own)."""
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
+        self.wpe = nn.Embedding(cfg.block_size, cfg.n_embd)
+        self.drop = nn.Dropout(0.0)
+        self.h = nn.ModuleList(ParallelBlock(cfg) for _ in range(cfg.n_layer))
+        self.ln_f = nn.LayerNorm(cfg.n_embd)
+        self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
+        self.lm_head.weight = self.wte.weight
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        T = idx.shape[1]
+        x = self.drop(self.wte(idx) + self.wpe(torch.arange(T, device=idx.device)))  # (B, T, C)
+        for block in self.h:
+            x = block(x)
+        return self.lm_head(self.ln_f(x))  # (B, T, vocab)
+
+
+class RMSNorm(nn.Module):
+    """Llama's normalisation: scale by the root mean square, no mean subtracted, no bias."""
+
+    def __init__(self, dim: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.weight * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary position embedding of (B, nh, T, hs) by the angles' cos and sin, (T, hs)."""
+    half = x.shape[-1] // 2
+    turned = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + turned * sin
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.n_head = cfg.n_head
+        self.q_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=False)
+        self.k_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=False)
+        self.v_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=False)
+        self.o_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.shape
+        q, k, v = (p(x).view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
+                   for p in (self.q_proj, self.k_proj, self.v_proj))  # (B, nh, T, hs)
+        y = F.scaled_dot_product_attention(_rotate(q, cos, sin), _rotate(k, cos, sin), v, is_causal=True)
+        return self.o_proj(y.transpose(1, 2).contiguous().view(B, T, C))
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        hidden = 8 * cfg.n_embd // 3
+        self.gate_proj = nn.Linear(cfg.n_embd, hidden, bias=False)
+        self.up_proj = nn.Linear(cfg.n_embd, hidden, bias=False)
+        self.down_proj = nn.Linear(hidden, cfg.n_embd, bias=False)
+        self.act_fn = nn.SiLU()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+
+class LlamaLayer(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.n_embd)
+        self.self_attn = LlamaAttention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.n_embd)
+        self.mlp = SwiGLU(cfg)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaBody(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.n_embd)
+        self.layers = nn.ModuleList(LlamaLayer(cfg) for _ in range(cfg.n_layer))
+        self.norm = RMSNorm(cfg.n_embd)
+
+
+class TinyLlama(nn.Module):
+    """A Llama-shaped model (RMSNorm, SwiGLU, rotary positions, no biases), with the module
+    names of Hugging Face's `LlamaForCausalLM` (`model.layers.0.self_attn.k_proj`)."""
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.model = LlamaBody(cfg)
+        self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
+        hs = cfg.n_embd // cfg.n_head
+        angles = torch.outer(torch.arange(cfg.block_size).float(),
+                             10000.0 ** (-torch.arange(0, hs, 2).float() / hs))  # (T, hs/2)
+        angles = torch.cat((angles, angles), dim=-1)  # (T, hs)
+        self.register_buffer("cos", angles.cos(), persistent=False)
+        self.register_buffer("sin", angles.sin(), persistent=False)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        T = idx.shape[1]
+        x = self.model.embed_tokens(idx)  # (B, T, C)
+        for layer in self.model.layers:
+            x = layer(x, self.cos[:T], self.sin[:T])
+        return self.lm_head(self.model.norm(x))  # (B, T, vocab)
+
+
 # --- data -------------------------------------------------------------------------------------
 
 def teacher_classification(n: int = 4096, d_in: int = 32, n_classes: int = 10,

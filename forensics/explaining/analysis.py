@@ -25,7 +25,12 @@ from warninglight.forensics.comparators.static_rules import StaticAlarm, StaticS
 from warninglight.forensics.explaining import ranks as rank_analysis
 from warninglight.forensics.explaining import rollback as rb
 from warninglight.forensics.explaining import saved_rerun
-from warninglight.forensics.explaining.dataroot import data_root, gradients_wide
+from warninglight.forensics.explaining.dataroot import (
+    SUSTAIN,
+    data_root,
+    gradients_wide,
+    loss_spike_root,
+)
 from warninglight.forensics.explaining.findings import (
     KINDS,
     Finding,
@@ -361,19 +366,25 @@ def _step_series(trace: Trace, column: str) -> tuple[np.ndarray, np.ndarray]:
 def _whole_model_root(cause: RootCause | None, located: list[Located], components: pl.DataFrame,
                       trace: Trace, cfg: Config) -> tuple[RootCause | None, int | None]:
     """Re-root on the data (or on the gradients fed to the optimizer) when they, not one component,
-    explain the departure; with the bad window's last step for data."""
-    if cause is None:
-        return None, None
+    explain the departure — or find the data where no component alarmed; with the bad window's
+    last step for data."""
     far = 1 << 30  # never called in a forward pass: downstream of everything
     rows = [{**asdict(a), "forward_index": far if a.forward_index is None else a.forward_index} for a in located]
-    root = {**asdict(cause.alarm), "scope": cause.scope}
+    root = None if cause is None else {**asdict(cause.alarm), "scope": cause.scope}
     owners = components.filter(pl.col("param_count") > 0).drop_nulls("forward_index")
     readers = set(owners.filter(pl.col("forward_index") == pl.col("forward_index").min())["component"].to_list())
-    found = data_root(root, rows, readers, _step_series(trace, "loss"),
-                      _step_series(trace, "grad_norm_total_l2"), cfg.baseline)
+    batch = (_step_series(trace, "loss"), _batch_grad(trace), cfg.baseline)
+    found = data_root(root, rows, readers, *batch, lr=_step_series(trace, "lr"))
+    if found is None and cause is None:  # never darker than the loss-spike rule
+        fired = detectors.loss_spikes(*_step_series(trace, "loss"))
+        found = loss_spike_root(fired, rows, readers, *batch, lr=_step_series(trace, "lr")) if fired else None
     if found is not None:
         onset, end, evidence = found
-        return RootCause(replace(cause.alarm, attributed_to="", onset_step=onset), evidence, "data"), end
+        alarm = cause.alarm if cause is not None and cause.alarm.onset_step <= end else _batch_alarm(
+            onset, end, sorted(readers)[0] if readers else "", batch[0])
+        return RootCause(replace(alarm, attributed_to="", onset_step=onset), evidence, "data"), end
+    if cause is None:
+        return None, None
     heads = set(components.filter(pl.col("role") == "head")["component"].to_list())
     wide = gradients_wide(root, rows, heads, param_components(components))
     if wide is not None:
@@ -382,6 +393,26 @@ def _whole_model_root(cause: RootCause | None, located: list[Located], component
                      == (lead["rank"], lead["observed_on"], lead["condition"], lead["step"], lead["metric"]))
         return RootCause(replace(alarm, attributed_to="", onset_step=onset), evidence, "optimizer"), None
     return _lr_evidence(cause), None
+
+
+def _batch_grad(trace: Trace) -> tuple[np.ndarray, np.ndarray]:
+    """The total gradient norm as each step's backward left it: before any clipping where the
+    trace records it (clipping caps the norm a bad batch makes), else as the optimizer got it."""
+    if "grad_norm_preclip_l2" not in trace.columns("steps"):
+        return _step_series(trace, "grad_norm_total_l2")
+    return _step_series(trace, "coalesce(grad_norm_preclip_l2, grad_norm_total_l2)")
+
+
+def _batch_alarm(onset: int, end: int, reader: str, loss: tuple[np.ndarray, np.ndarray]) -> Located:
+    """The alarm of a data root no component alarmed for: on the loss, observed where the batch
+    is read, lit once the excursion's steps are in."""
+    at = min(end, onset + SUSTAIN - 1)
+    steps, values = loss
+    here = values[steps == onset]
+    return Located(rank=0, observed_on=reader, condition="unclassified", step=at, last_step=end, metric="loss",
+                   value=float(here[0]) if len(here) else None, median=None, magnitude=None,
+                   onset_step=onset, attributed_to="", nonfinite=False, drift=False, signal="forward",
+                   forward_index=None)
 
 
 def _lr_evidence(cause: RootCause) -> RootCause:

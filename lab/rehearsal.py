@@ -129,7 +129,6 @@ def build_model(scenario: Scenario, seed: int) -> tuple[nn.Module, str | None]:
 
 _GPT = zoo.GPTConfig(vocab_size=96, block_size=32, n_layer=2, n_head=2, n_embd=32)
 MODELS = ("mlp", "cnn", "cnn_bn", "gpt", "gpt_parallel", "llama")
-LANGUAGE = ("gpt", "gpt_parallel", "llama")  # trained on the character corpus
 
 
 def _data(scenario: Scenario, seed: int) -> Iterator[zoo.Batch]:
@@ -394,9 +393,9 @@ def _bad_data() -> list[Scenario]:
         Scenario("gpt_parallel_clean", "gpt_parallel"),
         Scenario("gpt_parallel_corrupt_batches", "gpt_parallel",
                  drills=lambda: [CorruptBatches("wte", vocab_size=_GPT.vocab_size, **window)]),
-        Scenario("llama_clean", "llama", optimizer="adamw", lr=3e-3, weight_decay=0.1,
+        Scenario("llama_clean", "llama", optimizer="adamw", lr=1e-3, weight_decay=0.1,
                  schedule="warmup_cosine"),
-        Scenario("llama_corrupt_batches", "llama", optimizer="adamw", lr=3e-3, weight_decay=0.1,
+        Scenario("llama_corrupt_batches", "llama", optimizer="adamw", lr=1e-3, weight_decay=0.1,
                  schedule="warmup_cosine",
                  drills=lambda: [CorruptBatches("model.embed_tokens", vocab_size=_GPT.vocab_size, **window)]),
         Scenario("cnn_noise_batches", "cnn", drills=lambda: [CorruptBatches("0", **window)]),

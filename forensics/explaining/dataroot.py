@@ -48,7 +48,8 @@ from warninglight.forensics.judging.conditions import BaselineConfig
 from warninglight.tracer.schema import FORWARD, metrics_of
 
 JUMP_Z = 6.0  # the |z| the registry's exploding rules ask of a norm far above its baseline
-HELD_Z = 2.5  # median z over SUSTAIN steps that makes an excursion a run of bad batches
+HELD_Z = 2.0  # median z over SUSTAIN steps that makes an excursion a run of bad batches (healthy
+# runs stay near 0 after a 3-sigma step: a plateau, a hard batch or two)
 SUSTAIN = 8  # steps: a run of bad batches is told from one odd batch by its length
 MIN_COMPONENTS = 3  # departing together: more than a component and its neighbour
 CALM_STEPS = 3  # steps back at baseline that end a bad window: a few ordinary batches inside a
@@ -183,16 +184,15 @@ def held(sig: Signal, at: int, cfg: BaselineConfig, from_onset: bool = True) -> 
 
 
 def excursion(found: list[Signal], cfg: BaselineConfig) -> tuple[int, float, list[int]] | None:
-    """(step, median z, signals held) of the run's first sustained excursion of the loss (the
-    first signal); the other signals held with it. The gradient norm alone is no evidence of
-    one: it drifts and swings for long stretches in healthy runs."""
+    """(step, median z, [0]) of the run's first sustained excursion of the loss (the first
+    signal). The gradient norm alone is no evidence of one: it drifts and swings for long
+    stretches in healthy runs."""
     loss = found[0]
     starts = loss.series[0][np.nan_to_num(loss.zs(cfg), nan=-np.inf) >= cfg.onset_z]
     for step in starts:
         z = held(loss, int(step), cfg)
         if z is not None and z >= HELD_Z:
-            also = [i for i, sig in enumerate(found[1:], 1) if (h := held(sig, int(step), cfg)) is not None and h >= HELD_Z]
-            return int(step), z, [0, *also]
+            return int(step), z, [0]
     return None
 
 

@@ -197,33 +197,35 @@ def excursion(found: list[Signal], cfg: BaselineConfig) -> tuple[int, float, lis
 
 
 def bad_window(sig: Signal, start: int, cfg: BaselineConfig) -> tuple[int, int]:
-    """(first, last) bad step of the excursion found at `start`: steps nearer the level of its
-    first `SUSTAIN` steps than the baseline before it, back and on until `CALM_STEPS` steps in a
-    row are nearer the baseline."""
+    """(first, last) bad step of the excursion found at `start`: on from it while steps stay
+    nearer the level of its first `SUSTAIN` steps than the baseline before it, until
+    `CALM_STEPS` steps in a row are nearer the baseline; back from it over steps nearer the level
+    of the clearly bad ones among them (a short burst: its own bad steps, not its calm
+    neighbours), likewise."""
     base = sig.baseline(start, cfg)
     steps, values = sig.series
     if base is None:
         return start, start
     ahead = values[(steps >= start) & (steps < start + SUSTAIN) & np.isfinite(values)]
-    bad = float(np.median(ahead)) if len(ahead) else base[0]
-    mid = max((base[0] + bad) / 2, base[0] + cfg.onset_z * base[1] / 2)
+    clear = ahead[ahead >= base[0] + cfg.onset_z * base[1]]
 
-    def is_bad(i: int) -> bool:
-        return bool(np.isfinite(values[i]) and values[i] > mid)
+    def midway(level: np.ndarray) -> float:
+        bad = float(np.median(level)) if len(level) else base[0]
+        return max((base[0] + bad) / 2, base[0] + cfg.onset_z * base[1] / 2)
     at = int(np.searchsorted(steps, start))
-    first = at
-    for i in range(at - 1, -1, -1):  # back over the odd calm batch, as forward
-        if steps[i] < steps[first] - CALM_STEPS * _gap(steps):
-            break
-        if is_bad(i):
-            first = i
-    last = at
-    for i in range(at + 1, len(steps)):
-        if steps[i] > steps[last] + CALM_STEPS * _gap(steps):
-            break
-        if is_bad(i):
-            last = i
-    return int(steps[first]), int(steps[last])
+    return int(steps[_reach(steps, values, at, -1, midway(clear if len(clear) else ahead))]), \
+        int(steps[_reach(steps, values, at, 1, midway(ahead))])
+
+
+def _reach(steps: np.ndarray, values: np.ndarray, at: int, way: int, above: float) -> int:
+    """The furthest index from `at` in direction `way` (1 on, -1 back) whose value is above
+    `above`, crossing fewer than `CALM_STEPS` steps in a row that are not."""
+    far, i = at, at + way
+    while 0 <= i < len(steps) and abs(int(steps[i]) - int(steps[far])) <= CALM_STEPS * _gap(steps):
+        if np.isfinite(values[i]) and values[i] > above:
+            far = i
+        i += way
+    return far
 
 
 def _inside_model(near: list[dict[str, Any]], first_readers: set[str], start: int) -> bool:
@@ -261,9 +263,10 @@ def _window(found: list[Signal], which: list[int], start: int, cfg: BaselineConf
     return min(min(spans[i][0] for i in which), start), max(s[1] for s in spans.values())
 
 
-def _evidence(found: list[Signal], which: list[int], how: str, first: int, last: int, tail: str) -> str:
+def _evidence(found: list[Signal], which: list[int], how: str, at: int, first: int, last: int,
+              tail: str) -> str:
     what = " and ".join(found[i].name for i in which)
-    return (f"data: {what} {how} at step {first}{tail}, with no weight drift and no departure "
+    return (f"data: {what} {how} at step {at}{tail}, with no weight drift and no departure "
             f"beginning inside the model: the batches of steps {first}-{last} (until it returned "
             "to its baseline)")
 
@@ -291,7 +294,7 @@ def data_root(root: dict[str, Any] | None, rows: list[dict[str, Any]], first_rea
             lo, hi = _window(found, which, start, cfg)
             tail = (f" (z={z:.1f} against its baseline) while {len(comps)} components in "
                     f"{len({block_of(c) for c in comps})} blocks departed together")
-            return lo, hi, _evidence(found, which, "jumped", lo, hi, tail)
+            return lo, hi, _evidence(found, which, "jumped", start, lo, hi, tail)
     held_at = excursion(found, cfg)
     if held_at is None:
         return None
@@ -306,7 +309,7 @@ def data_root(root: dict[str, Any] | None, rows: list[dict[str, Any]], first_rea
     tail = (f" (median z={z:.1f} against its baseline over the next {SUSTAIN} steps: a run of bad "
             "batches, not one)" + (f" while {len(comps)} components departed" if comps else
                                    " while no component departed on its own"))
-    return lo, hi, _evidence(found, which, "rose and stayed high", lo, hi, tail)
+    return lo, hi, _evidence(found, which, "rose and stayed high", start, lo, hi, tail)
 
 
 def loss_spike_root(fired: list[int], rows: list[dict[str, Any]], first_readers: set[str],
@@ -326,7 +329,7 @@ def loss_spike_root(fired: list[int], rows: list[dict[str, Any]], first_readers:
         if _inside_model(near, first_readers, step) or _lr_rose(lr, step):
             continue
         tail = f" (z={z:.1f} against its baseline, where the loss-spike rule fired)"
-        return lo, hi, _evidence(found, [0], "jumped", lo, hi, tail)
+        return lo, hi, _evidence(found, [0], "jumped", step, lo, hi, tail)
     return None
 
 

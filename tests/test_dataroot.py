@@ -2,8 +2,14 @@
 
 from __future__ import annotations
 
+import tempfile
+from dataclasses import replace
+
 from rehearsed import analysed, truth
+from warninglight.forensics import analyze
 from warninglight.forensics.explaining.dataroot import block_of
+from warninglight.lab.drills import CorruptBatches
+from warninglight.lab.rehearsal import SCENARIOS, rehearse
 
 
 def test_corrupted_batches_are_rooted_on_the_data_with_the_whole_window_skipped() -> None:
@@ -25,3 +31,50 @@ def test_a_fault_inside_the_model_is_not_taken_for_bad_data() -> None:
 
 def test_blocks_are_paths_up_to_their_index() -> None:
     assert [block_of(c) for c in ("h.1.mlp.c_fc", "wte", "3", "layers.10.attn")] == ["h.1", "wte", "3", "layers.10"]
+
+
+def _skipped(name: str, steps: int) -> tuple[dict, dict, float, float]:
+    """(root, truth, share of the bad steps skipped, share of their sample ids skipped)."""
+    found = analysed(name, steps=steps)
+    a, t = found.to_dict(), truth(found.trace_dir)
+    rb = a["rollback"]
+    bad = found.steps.filter(found.steps["step"].is_between(t["step"], t["last_step"]))
+    first, last = rb["skip_step_range"] or (0, -1)
+    ids = {i for row in bad["batch_ids"].to_list() for i in row}
+    inside = max(0, min(last, t["last_step"]) - max(first, t["step"]) + 1)
+    return a["root"], t, inside / (t["last_step"] - t["step"] + 1), len(ids & set(rb["skip_batches"] or ())) / len(ids)
+
+
+def test_random_tokens_in_a_llama_are_rooted_on_the_data_and_skipped_whole() -> None:
+    # RMSNorm, SwiGLU, rotary positions: garbage of the data's own range, which moves no single
+    # component far — the loss, rising and staying high, says it
+    root, t, steps, ids = _skipped("llama_corrupt_batches", 200)
+    assert (root["scope"], root["attributed_to"], root["onset_step"]) == ("data", "", t["step"])
+    assert steps >= 0.9 and ids >= 0.9
+    assert analysed("llama_clean", steps=200).root is None  # its clean twin stays healthy
+
+
+def test_noise_images_in_a_cnn_are_rooted_on_the_data_and_skipped_whole() -> None:
+    root, t, steps, ids = _skipped("cnn_noise_batches", 200)
+    assert (root["scope"], root["onset_step"]) == ("data", t["step"])
+    assert steps >= 0.9 and ids >= 0.9
+
+
+def test_a_few_poisoned_samples_in_sound_batches_are_no_healthy_run() -> None:
+    root, t, steps, _ = _skipped("gpt_poisoned_samples", 200)
+    assert root is not None and root["scope"] == "data"
+    assert abs(root["onset_step"] - t["step"]) <= 2 and steps >= 0.8
+    assert "rose and stayed high" in root["evidence"]
+
+
+def test_one_bad_batch_where_the_loss_spike_rule_fires_is_a_data_fault() -> None:
+    """Never darker than the loss-spike rule: one garbage batch, which no component alarms on."""
+    sc = replace(SCENARIOS["gpt_clean"], name="gpt_one_bad_batch",
+                 drills=lambda: [CorruptBatches("wte", 150, duration=1, mode="random", vocab_size=96)])
+    with tempfile.TemporaryDirectory() as tmp:
+        rehearse(sc, tmp, steps=170, checkpoint_every=0)
+        a = analyze(tmp, heat=False)
+    assert a.detectors.loss_spike_step == 150
+    assert a.root is not None and (a.root.scope, a.root.onset_step) == ("data", 150)
+    assert a.rollback.skip_step_range is not None and a.rollback.skip_step_range[0] == 150
+    assert "loss-spike rule" in a.root.evidence

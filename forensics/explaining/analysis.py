@@ -291,7 +291,8 @@ def typed_root(cause: RootCause | None, located: list[Located], ranks: int) -> R
     root = cause.alarm
     # an optimizer-wide root ("" = the whole model) is located where it was observed
     where = root.attributed_to or root.observed_on
-    on = sorted({a.rank for a in located if a.attributed_to == where})
+    # no alarm located there: a data root read from the steps table, which holds every rank's
+    on = sorted({a.rank for a in located if a.attributed_to == where}) or list(range(ranks))
     return Root(attributed_to=root.attributed_to, observed_on=root.observed_on,
                 condition=root.condition, onset_step=root.onset_step, alarm_step=root.step,
                 magnitude=_plain(root.magnitude), metric=root.metric, ranks=on,

@@ -213,8 +213,16 @@ def bad_window(sig: Signal, start: int, cfg: BaselineConfig) -> tuple[int, int]:
         bad = float(np.median(level)) if len(level) else base[0]
         return max((base[0] + bad) / 2, base[0] + cfg.onset_z * base[1] / 2)
     at = int(np.searchsorted(steps, start))
-    return int(steps[_reach(steps, values, at, -1, midway(clear if len(clear) else ahead))]), \
-        int(steps[_reach(steps, values, at, 1, midway(ahead))])
+    first = _reach(steps, values, at, -1, midway(clear if len(clear) else ahead))
+    last = _reach(steps, values, at, 1, midway(ahead))
+    if _gap(steps) == 1:
+        return int(steps[first]), int(steps[last])
+    # a value logged every few steps is the mean of the steps since the one before (Trainer's
+    # loss): the window holds all of those, and those of a next value still above the baseline
+    after = last + 1 < len(steps) and np.isfinite(values[last + 1]) and \
+        values[last + 1] >= base[0] + cfg.onset_z * base[1] / 2
+    return (int(steps[first - 1]) + 1 if first > 0 else int(steps[first]),
+            int(steps[last + 1]) if after else int(steps[last]))
 
 
 def _reach(steps: np.ndarray, values: np.ndarray, at: int, way: int, above: float) -> int:
@@ -260,7 +268,14 @@ def _window(found: list[Signal], which: list[int], start: int, cfg: BaselineConf
     along = [i for i, sig in enumerate(found) if (h := held(sig, start, cfg, from_onset=False)) is not None
              and h >= cfg.onset_z / 2]
     spans = {i: bad_window(found[i], start, cfg) for i in sorted({*which, *along})}
-    return min(min(spans[i][0] for i in which), start), max(s[1] for s in spans.values())
+    lo = min(min(spans[i][0] for i in which), start)
+    if any(_gap(found[i].series[0]) > 1 for i in which):
+        # a sparse signal's first interval: from where a signal of every step left its baseline
+        dense = [sig for sig in found if _gap(sig.series[0]) == 1]
+        left = [int(st) for sig in dense for st, z in zip(sig.series[0], sig.zs(cfg), strict=True)
+                if lo <= st <= start and z >= cfg.onset_z]
+        lo = min(left, default=lo)
+    return lo, max(s[1] for s in spans.values())
 
 
 def _evidence(found: list[Signal], which: list[int], how: str, at: int, first: int, last: int,
@@ -299,9 +314,9 @@ def data_root(root: dict[str, Any] | None, rows: list[dict[str, Any]], first_rea
     if held_at is None:
         return None
     start, z, which = held_at
-    if root is not None and root["onset_step"] < start - ROOT_WINDOW:
-        return None  # a fault inside the model began first
     lo, hi = _window(found, which, start, cfg)
+    if root is not None and root["onset_step"] < lo - ROOT_WINDOW:
+        return None  # a fault inside the model began first
     near = [a for a in rows if lo - ROOT_WINDOW <= a["onset_step"] <= start + ROOT_WINDOW]
     if _inside_model(near, first_readers, start) or _lr_rose(lr, start):
         return None

@@ -16,6 +16,7 @@ from warninglight.lab.drills import (
     GradientSignFlip,
     LRSpike,
     NaNInjection,
+    PoisonedSamples,
     PreActivationScale,
     WeightCorruption,
     WeightShrink,
@@ -121,6 +122,24 @@ def test_preactivation_scale_and_corrupt_batches() -> None:
     assert bad.corrupt_batch(6, x, y)[0].std() > 20 * x.std()
     assert bad.corrupt_batch(7, x, y)[0] is x
     assert bad.truth()["last_step"] == 6
+
+
+def test_garbage_of_the_data_own_range_whole_or_in_a_few_samples() -> None:
+    g = torch.Generator().manual_seed(0)
+    tokens, targets = torch.randint(1, 60, (8, 32), generator=g), torch.randint(1, 60, (8, 32), generator=g)
+    bad_x, bad_y = CorruptBatches("wte", 3, duration=1, mode="random", vocab_size=96).corrupt_batch(3, tokens, targets)
+    assert bad_x.max() >= 60 and bad_x.max() < 96 and not torch.equal(bad_y, targets)  # the whole vocabulary
+    few = PoisonedSamples("wte", 3, duration=2, count=2, vocab_size=96)
+    x, y = few.corrupt_batch(4, tokens, targets)
+    changed = (x != tokens).any(1)
+    assert int(changed.sum()) == 2 and torch.equal(x[~changed], tokens[~changed])  # the rest are sound
+    assert few.corrupt_batch(5, tokens, targets)[0] is tokens and few.truth()["last_step"] == 4
+    images = torch.randn(16, 1, 8, 8, generator=g) * 0.3 + 0.5
+    noise, _ = CorruptBatches("0", 1, duration=1, mode="random").corrupt_batch(1, images, torch.arange(16))
+    assert abs(float(noise.mean() - images.mean())) < 0.05 and abs(float(noise.std() / images.std()) - 1) < 0.1
+    assert not torch.allclose(noise, images)
+    with pytest.raises(DrillError, match="mode must be scale or random"):
+        CorruptBatches("0", 1, mode="zeros")
 
 
 def test_unknown_module_and_scenario_are_named() -> None:

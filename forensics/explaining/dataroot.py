@@ -3,9 +3,9 @@
 A corrupted batch (a bad shard, a broken tokenizer, shuffled labels, garbage samples mixed into
 sound batches) shows first in what the step measures of the batch as a whole: its loss, and the
 total gradient norm (in log units; before any clipping where recorded, since clipping hides a
-jump). Both are judged against their own trailing baseline (the components' baseline settings),
-whose robust scale is never below `LOSS_FLOOR` of the loss as training began: a loss near zero
-moving by a thousandth is no jump. The root is the data when:
+jump). Both are judged against their own trailing baseline (the components' baseline settings);
+the loss's robust scale is never below `LOSS_FLOOR` of the loss as training began: a loss near
+zero moving by a thousandth is no jump. The root is the data when:
 
 - the batch signals leave their baseline: a jump (robust z at least `JUMP_Z`) within
   `ROOT_WINDOW` steps of the earliest onset, with several components departing together (at
@@ -13,7 +13,8 @@ moving by a thousandth is no jump. The root is the data when:
   needs no component to alarm at all (garbage of the data's own range moves no single
   component far, and a few garbage samples in each batch move none): from a step at least
   `onset_z` above its baseline, the median z over the next `SUSTAIN` steps is at least
-  `HELD_Z` — a run of bad batches, not one odd batch;
+  `HELD_Z` — a run of bad batches, not one odd batch — and `RECORD` times any such median the
+  run held before (a loss that wanders sets its own bar);
 - nothing inside the model explains it: no weight drift (nothing wrote the weights), no
   non-finite value, no learning rate that rose (an alarm on it, or the recorded rate itself), no
   component fault that began earlier, and no output departing, by the step the batch signals
@@ -48,8 +49,9 @@ from warninglight.forensics.judging.conditions import BaselineConfig
 from warninglight.tracer.schema import FORWARD, metrics_of
 
 JUMP_Z = 6.0  # the |z| the registry's exploding rules ask of a norm far above its baseline
-HELD_Z = 2.0  # median z over SUSTAIN steps that makes an excursion a run of bad batches (healthy
-# runs stay near 0 after a 3-sigma step: a plateau, a hard batch or two)
+HELD_Z = 2.0  # median z over SUSTAIN steps that makes an excursion a run of bad batches (a
+# healthy run is back at its baseline right after an odd step: a hard batch, a plateau's bump)
+RECORD = 1.5  # an excursion stands this many times above the run's own largest before it
 SUSTAIN = 8  # steps: a run of bad batches is told from one odd batch by its length
 MIN_COMPONENTS = 3  # departing together: more than a component and its neighbour
 CALM_STEPS = 3  # steps back at baseline that end a bad window: a few ordinary batches inside a
@@ -57,6 +59,8 @@ CALM_STEPS = 3  # steps back at baseline that end a bad window: a few ordinary b
 LOSS_FLOOR = 0.02  # the loss's robust scale is at least this share of its level as training began
 LR_RISE = 2.0  # a learning rate this many times its value a few steps before: the optimizer's
 MIN_POINTS = 8  # however sparse the logging (a loss every N steps), never a baseline of fewer
+
+
 def _gap(steps: np.ndarray) -> int:
     """The usual number of steps between two points of a series (a loss logged every N steps: N)."""
     return max(1, int(np.median(np.diff(steps)))) if len(steps) > 1 else 1
@@ -103,7 +107,7 @@ class Signal:
         med, scale = np.full(n, np.nan), np.full(n, np.nan)
         if n == 0:
             return med, scale
-        if (np.diff(steps) == 1).all():  # a value every step: rolling windows of points, in one pass
+        if _gap(steps) == 1:  # a value every step (a dropped one aside): windows of points, one pass
             past = pl.Series(np.where(np.isfinite(values), values, np.nan)).fill_nan(None)
             roll = {"window_size": cfg.window, "min_samples": self.needed(cfg)}
             m = past.rolling_median(**roll).to_numpy()
@@ -113,8 +117,10 @@ class Signal:
             iqr_at[shift:] = iqr[: n - shift]
             scale = np.maximum.reduce([iqr_at / 1.349, 0.02 * np.abs(med), np.full(n, max(self.floor, 1e-8))])
             return med, np.where(np.isfinite(med), scale, np.nan)
-        for i, at in enumerate(steps):  # logged every few steps: few points
-            past = values[(steps < at - cfg.lag + 1) & (steps >= at - cfg.lag + 1 - cfg.window)]
+        lo = np.searchsorted(steps, steps - cfg.lag + 1 - cfg.window)
+        hi = np.searchsorted(steps, steps - cfg.lag + 1)
+        for i in range(n):  # logged every few steps: a few points each
+            past = values[lo[i]:hi[i]]
             past = past[np.isfinite(past)]
             if len(past) >= self.needed(cfg):
                 med[i] = float(np.median(past))
@@ -185,14 +191,19 @@ def held(sig: Signal, at: int, cfg: BaselineConfig, from_onset: bool = True) -> 
 
 def excursion(found: list[Signal], cfg: BaselineConfig) -> tuple[int, float, list[int]] | None:
     """(step, median z, [0]) of the run's first sustained excursion of the loss (the first
-    signal). The gradient norm alone is no evidence of one: it drifts and swings for long
-    stretches in healthy runs."""
+    signal): `HELD_Z` held, and `RECORD` times the largest median z any step `onset_z` above the
+    baseline held before it (a loss that wanders has had such excursions all along: its own
+    record is its bar). The gradient norm alone is no evidence of one: it drifts and swings for
+    long stretches in healthy runs."""
     loss = found[0]
-    starts = loss.series[0][np.nan_to_num(loss.zs(cfg), nan=-np.inf) >= cfg.onset_z]
-    for step in starts:
+    record = 0.0
+    for step in loss.series[0][np.nan_to_num(loss.zs(cfg), nan=-np.inf) >= cfg.onset_z]:
         z = held(loss, int(step), cfg)
-        if z is not None and z >= HELD_Z:
+        if z is None:
+            continue
+        if z >= max(HELD_Z, RECORD * record):
             return int(step), z, [0]
+        record = max(record, z)
     return None
 
 

@@ -365,19 +365,19 @@ def _step_series(trace: Trace, column: str) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _whole_model_root(cause: RootCause | None, located: list[Located], components: pl.DataFrame,
-                      trace: Trace, cfg: Config) -> tuple[RootCause | None, int | None]:
+                      trace: Trace, cfg: Config, within: tuple[int, int]) -> tuple[RootCause | None, int | None]:
     """Re-root on the data (or on the gradients fed to the optimizer) when they, not one component,
-    explain the departure — or find the data where no component alarmed; with the bad window's
-    last step for data."""
+    explain the departure — or find the data where no component alarmed, in the steps judged
+    (`within`); with the bad window's last step for data."""
     far = 1 << 30  # never called in a forward pass: downstream of everything
     rows = [{**asdict(a), "forward_index": far if a.forward_index is None else a.forward_index} for a in located]
     root = None if cause is None else {**asdict(cause.alarm), "scope": cause.scope}
     owners = components.filter(pl.col("param_count") > 0).drop_nulls("forward_index")
     readers = set(owners.filter(pl.col("forward_index") == pl.col("forward_index").min())["component"].to_list())
     batch = (_step_series(trace, "loss"), _batch_grad(trace), cfg.baseline)
-    found = data_root(root, rows, readers, *batch, lr=_step_series(trace, "lr"))
+    found = data_root(root, rows, readers, *batch, lr=_step_series(trace, "lr"), within=within)
     if found is None and cause is None:  # never darker than the loss-spike rule
-        fired = detectors.loss_spikes(*_step_series(trace, "loss"))
+        fired = [s for s in detectors.loss_spikes(*_step_series(trace, "loss")) if within[0] <= s <= within[1]]
         found = loss_spike_root(fired, rows, readers, *batch, lr=_step_series(trace, "lr")) if fired else None
     if found is not None:
         onset, end, evidence = found
@@ -611,7 +611,7 @@ def analyze(trace_dir: str | Path, *, config: Config | str | Path | None = None,
                              steps=steps, reference=ref)
         located = locate_alarms(trace, clf.alarms(), components, cfg, since=read_from, reference=ref)
         root, affected = root_cause(located, cfg, param_components(components))
-        root, skip_until = _whole_model_root(root, located, components, trace, cfg)
+        root, skip_until = _whole_model_root(root, located, components, trace, cfg, (first, last_health))
         ranked = rank_analysis.findings(trace)  # empty for a single rank
         panel = rank_analysis.panel(trace)
         found_setup = findings(trace, table, components)

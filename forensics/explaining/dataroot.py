@@ -189,19 +189,23 @@ def held(sig: Signal, at: int, cfg: BaselineConfig, from_onset: bool = True) -> 
     return float(np.median((ahead - base[0]) / base[1])) if len(ahead) >= 3 else None
 
 
-def excursion(found: list[Signal], cfg: BaselineConfig) -> tuple[int, float, list[int]] | None:
+def excursion(found: list[Signal], cfg: BaselineConfig,
+              within: tuple[int, int] | None = None) -> tuple[int, float, list[int]] | None:
     """(step, median z, [0]) of the run's first sustained excursion of the loss (the first
     signal): `HELD_Z` held, and `RECORD` times the largest median z any step `onset_z` above the
     baseline held before it (a loss that wanders has had such excursions all along: its own
     record is its bar). The gradient norm alone is no evidence of one: it drifts and swings for
-    long stretches in healthy runs."""
+    long stretches in healthy runs. `within` = (first, last): only excursions beginning there
+    (the record counts from the run's start)."""
     loss = found[0]
     record = 0.0
     for step in loss.series[0][np.nan_to_num(loss.zs(cfg), nan=-np.inf) >= cfg.onset_z]:
+        if within is not None and step > within[1]:
+            break
         z = held(loss, int(step), cfg)
         if z is None:
             continue
-        if z >= max(HELD_Z, RECORD * record):
+        if z >= max(HELD_Z, RECORD * record) and (within is None or step >= within[0]):
             return int(step), z, [0]
         record = max(record, z)
     return None
@@ -299,12 +303,14 @@ def _evidence(found: list[Signal], which: list[int], how: str, at: int, first: i
 
 def data_root(root: dict[str, Any] | None, rows: list[dict[str, Any]], first_readers: set[str],
               loss: Series, grad: Series, cfg: BaselineConfig,
-              lr: Series | None = None) -> tuple[int, int, str] | None:
+              lr: Series | None = None, within: tuple[int, int] | None = None) -> tuple[int, int, str] | None:
     """(onset, end of the bad window, evidence) when the root is the data, else None.
 
     `root`: the classifier's root (None: no component alarmed); `rows`: the located alarms;
     `first_readers`: the components that read the batch first; `loss`, `grad`: (steps, values)
-    of the loss and of the total gradient norm; `lr`: of the learning rate.
+    of the loss and of the total gradient norm; `lr`: of the learning rate; `within` = (first,
+    last): the steps judged (an incident window), where an excursion no component alarmed on
+    must begin.
     """
     if root is not None and root.get("scope") != "component":
         return None
@@ -321,7 +327,7 @@ def data_root(root: dict[str, Any] | None, rows: list[dict[str, Any]], first_rea
             tail = (f" (z={z:.1f} against its baseline) while {len(comps)} components in "
                     f"{len({block_of(c) for c in comps})} blocks departed together")
             return lo, hi, _evidence(found, which, "jumped", start, lo, hi, tail)
-    held_at = excursion(found, cfg)
+    held_at = excursion(found, cfg, within)
     if held_at is None:
         return None
     start, z, which = held_at

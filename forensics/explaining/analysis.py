@@ -380,9 +380,9 @@ def _whole_model_root(cause: RootCause | None, located: list[Located], component
         fired = [s for s in detectors.loss_spikes(*_step_series(trace, "loss")) if within[0] <= s <= within[1]]
         found = loss_spike_root(fired, rows, readers, *batch, lr=_step_series(trace, "lr")) if fired else None
     if found is not None:
-        onset, end, evidence = found
+        onset, end, evidence, z = found
         alarm = cause.alarm if cause is not None and cause.alarm.onset_step <= end else _batch_alarm(
-            onset, end, sorted(readers)[0] if readers else "", batch[0])
+            onset, end, sorted(readers)[0] if readers else "", batch[0], z)
         return RootCause(replace(alarm, attributed_to="", onset_step=onset), evidence, "data"), end
     if cause is None:
         return None, None
@@ -404,14 +404,14 @@ def _batch_grad(trace: Trace) -> tuple[np.ndarray, np.ndarray]:
     return _step_series(trace, "coalesce(grad_norm_preclip_l2, grad_norm_total_l2)")
 
 
-def _batch_alarm(onset: int, end: int, reader: str, loss: tuple[np.ndarray, np.ndarray]) -> Located:
+def _batch_alarm(onset: int, end: int, reader: str, loss: tuple[np.ndarray, np.ndarray], z: float) -> Located:
     """The alarm of a data root no component alarmed for: on the loss, observed where the batch
     is read, lit once the excursion's steps are in."""
     at = min(end, onset + SUSTAIN - 1)
     steps, values = loss
     here = values[steps == onset]
     return Located(rank=0, observed_on=reader, condition="unclassified", step=at, last_step=end, metric="loss",
-                   value=float(here[0]) if len(here) else None, median=None, magnitude=None,
+                   value=float(here[0]) if len(here) else None, median=None, magnitude=z,
                    onset_step=onset, attributed_to="", nonfinite=False, drift=False, signal="forward",
                    forward_index=None)
 

@@ -303,8 +303,9 @@ def _evidence(found: list[Signal], which: list[int], how: str, at: int, first: i
 
 def data_root(root: dict[str, Any] | None, rows: list[dict[str, Any]], first_readers: set[str],
               loss: Series, grad: Series, cfg: BaselineConfig,
-              lr: Series | None = None, within: tuple[int, int] | None = None) -> tuple[int, int, str] | None:
-    """(onset, end of the bad window, evidence) when the root is the data, else None.
+              lr: Series | None = None, within: tuple[int, int] | None = None) -> tuple[int, int, str, float] | None:
+    """(onset, end of the bad window, evidence, z of the signal that found it) when the root is
+    the data, else None.
 
     `root`: the classifier's root (None: no component alarmed); `rows`: the located alarms;
     `first_readers`: the components that read the batch first; `loss`, `grad`: (steps, values)
@@ -326,7 +327,7 @@ def data_root(root: dict[str, Any] | None, rows: list[dict[str, Any]], first_rea
             lo, hi = _window(found, which, start, cfg)
             tail = (f" (z={z:.1f} against its baseline) while {len(comps)} components in "
                     f"{len({block_of(c) for c in comps})} blocks departed together")
-            return lo, hi, _evidence(found, which, "jumped", start, lo, hi, tail)
+            return lo, hi, _evidence(found, which, "jumped", start, lo, hi, tail), z
     held_at = excursion(found, cfg, within)
     if held_at is None:
         return None
@@ -341,13 +342,13 @@ def data_root(root: dict[str, Any] | None, rows: list[dict[str, Any]], first_rea
     tail = (f" (median z={z:.1f} against its baseline over the next {SUSTAIN} steps: a run of bad "
             "batches, not one)" + (f" while {len(comps)} components departed" if comps else
                                    " while no component departed on its own"))
-    return lo, hi, _evidence(found, which, "rose and stayed high", start, lo, hi, tail)
+    return lo, hi, _evidence(found, which, "rose and stayed high", start, lo, hi, tail), z
 
 
 def loss_spike_root(fired: list[int], rows: list[dict[str, Any]], first_readers: set[str],
                     loss: Series, grad: Series, cfg: BaselineConfig,
-                    lr: Series | None = None) -> tuple[int, int, str] | None:
-    """(onset, end of the bad window, evidence) where the loss-spike rule fired (`fired`: its
+                    lr: Series | None = None) -> tuple[int, int, str, float] | None:
+    """(onset, end of the bad window, evidence, z of the loss) where the loss-spike rule fired (`fired`: its
     steps), the loss jumped `JUMP_Z` against its own baseline there and nothing inside the model
     explains it; else None. Where no component alarmed, the light is never darker than that rule."""
     found = signals(loss, grad, cfg)
@@ -361,7 +362,7 @@ def loss_spike_root(fired: list[int], rows: list[dict[str, Any]], first_readers:
         if _inside_model(near, first_readers, step) or _lr_rose(lr, step):
             continue
         tail = f" (z={z:.1f} against its baseline, where the loss-spike rule fired)"
-        return lo, hi, _evidence(found, [0], "jumped", step, lo, hi, tail)
+        return lo, hi, _evidence(found, [0], "jumped", step, lo, hi, tail), z
     return None
 
 

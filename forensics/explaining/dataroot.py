@@ -57,7 +57,7 @@ MIN_COMPONENTS = 3  # departing together: more than a component and its neighbou
 CALM_STEPS = 3  # steps back at baseline that end a bad window: a few ordinary batches inside a
 # bad shard (or a model half-adapted to the garbage) do not end it
 LOSS_FLOOR = 0.02  # the loss's robust scale is at least this share of its level as training began
-LR_RISE = 2.0  # a learning rate this many times its value a few steps before: the optimizer's
+LR_RISE = 2.0  # a learning rate this many times its value a few steps before: the optimizer moved
 MIN_POINTS = 8  # however sparse the logging (a loss every N steps), never a baseline of fewer
 
 

@@ -3,12 +3,16 @@
 Run as a script, trains one case for a number of steps and exits (`python bench/cases.py CASE
 STEPS [--trace PATH] [--threads T]`): the body of `bench/overhead.py --whole-runs N
 --fresh-process`, which times such processes from start to exit. Without `--trace` the recorder
-is never imported, so a plain run costs what a training script without it costs.
+is never imported, so a plain run costs what a training script without it costs. With
+`--trace PATH --setup` it prints what the recorder costs the process once, in process CPU
+seconds: importing it, importing numba, `watch()` (which loads the compiled kernels from numba's
+cache, or compiles them on a fresh install), the first step beyond a plain one, and `close()`.
 """
 
 from __future__ import annotations
 
 import argparse
+import time
 from collections.abc import Callable
 
 import torch
@@ -74,6 +78,8 @@ def main() -> None:
     ap.add_argument("steps", type=int)
     ap.add_argument("--trace", default=None, help="watch the run, writing its trace here")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: leave as is)")
+    ap.add_argument("--setup", action="store_true",
+                    help="with --trace: print the recorder's one-off costs to this process")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -83,11 +89,45 @@ def main() -> None:
         for _ in range(args.steps):
             step()
         return
+    if args.setup:
+        setup(step, model, opt, args.trace, args.steps)
+        return
     from warninglight.tracer import watch
 
     with watch(model, opt, args.trace) as rec:
         for _ in range(args.steps):
             rec.log(loss=step())
+
+
+def setup(step: Callable[[], torch.Tensor], model: torch.nn.Module, opt: torch.optim.Optimizer,
+          trace: str, steps: int) -> None:
+    """Process CPU seconds of the recorder's one-off costs (see the module docstring)."""
+    clock = time.process_time
+    for _ in range(2):  # the plain step's own first-call costs
+        step()
+    t = clock()
+    step()
+    plain = clock() - t
+    t = clock()
+    from warninglight.tracer import watch
+    imported = clock() - t
+    t = clock()
+    import numba  # noqa: F401 (its import, apart from loading the kernels)
+    numba_s = clock() - t
+    t = clock()
+    rec = watch(model, opt, trace)
+    watch_s = clock() - t
+    t = clock()
+    rec.log(loss=step())
+    first = clock() - t - plain
+    for _ in range(max(0, steps - 1)):
+        rec.log(loss=step())
+    t = clock()
+    rec.close()
+    close = clock() - t
+    print(f"process CPU s: import the recorder {imported:.3f}, import numba {numba_s:.3f}, watch() "
+          f"{watch_s:.3f}, first step beyond a plain one {first:.3f}, close() {close:.3f}; "
+          f"in all {imported + numba_s + watch_s + first + close:.3f} (a plain step: {plain:.3f})")
 
 
 if __name__ == "__main__":

@@ -124,7 +124,7 @@ def _print_parts(lines: list[tuple[str, int]], totals: dict[str, float], part_fa
     print(f"{'in all (the unindented lines)':<28s} {outermost / steps * 1e3:6.2f} ms/step")
 
 
-def norms_ab(model: torch.nn.Module, opt: torch.optim.Optimizer, step: Callable[[], torch.Tensor],
+def norms_ab(model: torch.nn.Module, opt: torch.optim.Optimizer, train: Callable[[], torch.Tensor],
              steps: int) -> None:
     """The probe's entry points, steps alternating the compiled and the eager norm passes."""
     totals: dict[tuple[str, bool], float] = collections.defaultdict(float)
@@ -144,7 +144,7 @@ def norms_ab(model: torch.nn.Module, opt: torch.optim.Optimizer, step: Callable[
         rec = watch(model, opt, tmp)
         probe = rec.params
         assert probe._compiled, "no compiled passes here (numba missing, or WARNINGLIGHT_EAGER set)"
-        run_block(step, 11, rec)
+        run_block(train, 11, rec)
         totals.clear()
         for step in range(2 * steps):
             # alternate, the order flipped every 8 steps: the exact first-forward pass of every
@@ -155,7 +155,7 @@ def norms_ab(model: torch.nn.Module, opt: torch.optim.Optimizer, step: Callable[
                 probe.refresh()  # takes the weights' addresses again
             else:
                 probe._weight_addrs = None  # the eager ops read the weights
-            run_block(step, 1, rec)
+            run_block(train, 1, rec)
         rec.close()
     print(f"parameter probe, ms per step, compiled / eager ({steps} steps each way, alternated; "
           f"BLAS from {params.BLAS_FROM:,} values, {sum(n >= params.BLAS_FROM for n in probe._numel)} "

@@ -13,8 +13,10 @@ a shared machine it is less disturbed by others' load. Every metric of every com
 recorded at every step (forward statistics are computed for 8 steps at once, but each step
 keeps its own values). Run: `python bench/overhead.py [--steps N] [--pairs N] [--threads T]`;
 `--interleave N` alternates single steps instead of blocks (see `measure_interleaved`);
-`--whole-runs N` alternates whole runs of N steps, set-up and close included, as a user times a
-run (see `measure_whole_runs`).
+`--whole-runs N` alternates whole runs of N steps, set-up and close included, in this process or,
+with `--fresh-process`, each a new process timed from its start to its exit, as a user times a run
+(see `measure_whole_runs`). The models are bench/cases.py's; `--nanogpt` adds one in nanoGPT's
+layout and loop (bench/nanogpt.py) to the interleaved and whole-run measurements.
 """
 
 from __future__ import annotations

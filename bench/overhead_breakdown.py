@@ -27,13 +27,17 @@ from typing import Any
 import torch
 from cases import CASES
 from overhead import run_block
-from warninglight.tracer import params, probes, recorder, watch
+from warninglight.tracer import loopfacts, params, probes, recorder, watch
 
 # (class, method, indent): what a step's recorder work is made of; indented = part of the line above
 PARTS = ((recorder.Recorder, "_root_pre_hook", 0), (params.ParamProbe, "begin", 1),
-         (probes.ForwardProbe, "observe", 0), (recorder.Recorder, "_after_backward", 0),
+         (loopfacts.LoopProbe, "forward", 1),
+         (probes.ForwardProbe, "observe", 0), (recorder.Recorder, "_on_output_grad", 0),
+         (loopfacts.LoopProbe, "backward_begins", 1), (recorder.Recorder, "_after_backward", 0),
          (recorder.Recorder, "_pre_step", 0), (params.ParamProbe, "grads", 1),
+         (loopfacts.LoopProbe, "step_facts", 1),
          (recorder.Recorder, "_post_step", 0), (params.ParamProbe, "end", 1),
+         (loopfacts.LoopProbe, "step_ended", 1),
          (recorder.Recorder, "_reduce_pending", 1), (params.ParamProbe, "reduce", 2),
          (probes.ForwardProbe, "compute", 2), (recorder.Recorder, "_flush", 1),
          (recorder.Recorder, "log", 0))

@@ -13,60 +13,37 @@ a shared machine it is less disturbed by others' load. Every metric of every com
 recorded at every step (forward statistics are computed for 8 steps at once, but each step
 keeps its own values). Run: `python bench/overhead.py [--steps N] [--pairs N] [--threads T]`;
 `--interleave N` alternates single steps instead of blocks (see `measure_interleaved`);
-`--whole-runs N` alternates whole runs of N steps, set-up and close included, as a user times a
-run (see `measure_whole_runs`).
+`--whole-runs N` alternates whole runs of N steps, set-up and close included, in this process or,
+with `--fresh-process`, each a new process timed from its start to its exit, as a user times a run
+(see `measure_whole_runs`). The models are bench/cases.py's; `--nanogpt` adds one in nanoGPT's
+layout and loop (bench/nanogpt.py) to the interleaved and whole-run measurements.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import glob
 import os
 import statistics
+import subprocess
+import sys
 import tempfile
 import threading
 import time
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
-from warninglight.lab import zoo
+from cases import CASES, Training, adamw_loop, mlp_case
 from warninglight.tracer import Recorder, probes, watch
 
 
-def gpt_case(batch: int, n_layer: int, n_embd: int, block: int) -> tuple[torch.nn.Module, Callable[[], torch.Tensor]]:
-    """A character GPT and a closure computing one batch's loss."""
-    cfg = zoo.GPTConfig(n_layer=n_layer, n_embd=n_embd, n_head=4, block_size=block)
-    model = zoo.TinyGPT(cfg)
-    data = zoo.text_batches(zoo.char_corpus(200_000), batch, block)
-
-    def loss() -> torch.Tensor:
-        _, x, y = next(data)
-        return F.cross_entropy(model(x).flatten(0, 1), y.flatten())
-    return model, loss
-
-
-def mlp_case(batch: int) -> tuple[torch.nn.Module, Callable[[], torch.Tensor]]:
-    """The worst case: a tiny MLP, its step so short that the recorder's fixed costs weigh most."""
-    model = zoo.mlp()
-    data = zoo.batches(*zoo.teacher_classification(), batch)
-
-    def loss() -> torch.Tensor:
-        _, x, y = next(data)
-        return F.cross_entropy(model(x), y)
-    return model, loss
-
-
-def run_block(loss_fn: Callable[[], torch.Tensor], opt: torch.optim.Optimizer, steps: int,
-              rec: Recorder | None) -> tuple[float, float]:
+def run_block(step: Callable[[], torch.Tensor], steps: int, rec: Recorder | None) -> tuple[float, float]:
     """Wall seconds and process CPU seconds per step over `steps` training steps (with `rec`:
     until its writer thread is idle again, so the writing it was given counts too)."""
     t0, c0 = time.perf_counter(), time.process_time()
     for _ in range(steps):
-        loss = loss_fn()
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        loss = step()
         if rec is not None:
             rec.log(loss=loss)
     if rec is not None:
@@ -74,7 +51,6 @@ def run_block(loss_fn: Callable[[], torch.Tensor], opt: torch.optim.Optimizer, s
     return (time.perf_counter() - t0) / steps, (time.process_time() - c0) / steps
 
 
-Case = tuple[torch.nn.Module, Callable[[], torch.Tensor]]
 
 
 def _others_running() -> int:
@@ -131,44 +107,40 @@ def wait_for_quiet(max_wait_s: float) -> bool:
     return False
 
 
-Twin = tuple[torch.nn.Module, Callable[[], torch.Tensor], torch.optim.Optimizer]
-
-
-def _twins(make: Callable[[], Case]) -> list[Twin]:
-    """Two copies of a case (same initial weights, same batches), each with its own AdamW:
-    [(model, loss, optimizer) of the plain copy, the same of the copy to watch]."""
+def _twins(make: Callable[[], Training]) -> list[Training]:
+    """Two copies of a case (same initial weights, same batches), each with its own optimizer:
+    [the plain copy, the copy to watch]."""
     out = []
     for _ in range(2):
         torch.manual_seed(0)
-        model, loss = make()
-        out.append((model, loss, torch.optim.AdamW(model.parameters(), lr=1e-3)))
+        out.append(make())
     return out
 
 
-def measure(name: str, make: Callable[[], Case], pairs: int, steps: int, wait_s: float = 0.0,
+def measure(name: str, make: Callable[[], Training], pairs: int, steps: int, wait_s: float = 0.0,
             flush_every: int | None = None) -> None:
     """Alternate blocks of a plain and a watched copy; print the median ratio and its spread.
 
     `wait_s` > 0: before each pair, wait up to that long for other processes to leave the CPUs;
     the ratio is also printed over the pairs during which none of them ran ("clean" pairs)."""
-    (_, plain_loss, plain_opt), (model, loss_fn, opt) = _twins(make)
+    (_, _, plain_step), (model, opt, step) = _twins(make)
     wall, cpu, base, watched, busy = [], [], [], [], []
     contention = Contention()
     with tempfile.TemporaryDirectory() as tmp:
-        run_block(plain_loss, plain_opt, 3, None)  # warm-up: allocator, thread pools
+        run_block(plain_step, 3, None)  # warm-up: allocator, thread pools
         rec = watch(model, opt, f"{tmp}/run",
                     **({} if flush_every is None else {"flush_every_steps": flush_every}))
-        run_block(loss_fn, opt, 11, rec)  # settles components, writes the early first segment
+        run_block(step, 11, rec)  # settles components, writes the early first segment
         for i in range(pairs):
             if wait_s > 0:
                 wait_for_quiet(wait_s)
             contention.fraction()
             if i % 2:  # alternate the order inside a pair: load drift does not favour one side
-                recorded = run_block(loss_fn, opt, steps, rec)
-                plain = run_block(plain_loss, plain_opt, steps, None)
+                recorded = run_block(step, steps, rec)
+                plain = run_block(plain_step, steps, None)
             else:
-                plain = run_block(plain_loss, plain_opt, steps, None)
-                recorded = run_block(loss_fn, opt, steps, rec)
+                plain = run_block(plain_step, steps, None)
+                recorded = run_block(step, steps, rec)
             wall.append(recorded[0] / plain[0])
             watched.append(recorded[0])
             cpu.append(recorded[1] / plain[1])
@@ -192,7 +164,7 @@ def measure(name: str, make: Callable[[], Case], pairs: int, steps: int, wait_s:
     print(f"  load average after: {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
 
 
-def measure_interleaved(name: str, make: Callable[[], Case], steps: int, chunks: int = 10) -> None:
+def measure_interleaved(name: str, make: Callable[[], Training], steps: int, chunks: int = 10) -> None:
     """Alternate single steps of a plain and a watched copy (`steps` each, order swapped every
     step); print the ratio of the summed step times, and its spread over `chunks` runs of steps.
 
@@ -201,18 +173,18 @@ def measure_interleaved(name: str, make: Callable[[], Case], steps: int, chunks:
     watched step is timed until the writer thread is idle again, so a flush's writing is charged
     to the watched side in full (more than a real run pays: there it overlaps the next steps);
     flushes at the recorder's default interval (100 steps)."""
-    (_, plain_loss, plain_opt), (model, loss_fn, opt) = _twins(make)
+    (_, _, plain_step), (model, opt, step) = _twins(make)
     plain_t, watched_t = [], []
     with tempfile.TemporaryDirectory() as tmp:
-        run_block(plain_loss, plain_opt, 3, None)
+        run_block(plain_step, 3, None)
         rec = watch(model, opt, f"{tmp}/run")
-        run_block(loss_fn, opt, 11, rec)  # settles components, writes the early first segment
+        run_block(step, 11, rec)  # settles components, writes the early first segment
         for i in range(steps):
             for watched in ((False, True) if i % 2 else (True, False)):
                 if watched:
-                    watched_t.append(run_block(loss_fn, opt, 1, rec)[0])  # waits for the writer
+                    watched_t.append(run_block(step, 1, rec)[0])  # waits for the writer
                 else:
-                    plain_t.append(run_block(plain_loss, plain_opt, 1, None)[0])
+                    plain_t.append(run_block(plain_step, 1, None)[0])
         rec.close()
         lost = rec.dropped_steps
     n = steps // chunks
@@ -225,43 +197,61 @@ def measure_interleaved(name: str, make: Callable[[], Case], steps: int, chunks:
     print(f"  load average after: {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
 
 
-def _whole_run(make: Callable[[], Case], steps: int, path: str | None) -> float:
-    """Wall seconds of one training run of `steps` steps from a fresh model, as a user times a
-    run: with `path`, from `watch()` to the end of its `with` block (hooks, the first step's
-    settling, every flush, the last segment written and the writer joined)."""
+def _whole_run(make: Callable[[], Training], steps: int, path: str | None) -> float:
+    """Wall seconds of one training run of `steps` steps from a fresh model, in this process:
+    with `path`, from `watch()` to the end of its `with` block (hooks, the first step's settling,
+    every flush, the last segment written and the writer joined)."""
     torch.manual_seed(0)
-    model, loss_fn = make()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model, opt, step = make()
     t0 = time.perf_counter()
     if path is None:
-        run_block(loss_fn, opt, steps, None)
+        run_block(step, steps, None)
     else:
         with watch(model, opt, path) as rec:
             for _ in range(steps):
-                loss = loss_fn()
-                loss.backward()
-                opt.step()
-                opt.zero_grad(set_to_none=True)
-                rec.log(loss=loss)
+                rec.log(loss=step())
     return time.perf_counter() - t0
 
 
-def measure_whole_runs(name: str, make: Callable[[], Case], pairs: int, steps: int) -> None:
+def _fresh_process_run(case: str, steps: int, path: str | None, threads: int) -> float:
+    """Wall seconds of `python bench/cases.py CASE STEPS` from its start to its exit: a
+    training run as a user times `python train.py`, the process's imports (torch's, and with
+    `path` the recorder's and numba's) and the recorder's set-up included."""
+    cmd = [sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)), "cases.py"), case,
+           str(steps), "--threads", str(threads)] + ([] if path is None else ["--trace", path])
+    t0 = time.perf_counter()
+    subprocess.run(cmd, check=True)
+    return time.perf_counter() - t0
+
+
+def measure_whole_runs(name: str, case: str, pairs: int, steps: int, fresh: bool, threads: int) -> None:
     """Whole runs with and without the recorder, alternated (order swapped every pair): what a
-    user sees timing `python train.py` both ways, the recorder's fixed costs (set-up, the first
-    step, the last flush and close) included; print the median ratio and its spread."""
+    user sees timing a training run both ways, the recorder's fixed costs (set-up, the first
+    step, the last flush and close) included; print the median ratio and its spread.
+
+    In one process (the default) the process's imports and numba's first compilation are paid
+    by warm-up runs before the timed ones; with `fresh` every run is a new Python process, timed
+    from its start to its exit, so each watched run pays for importing the recorder and loading
+    its compiled kernels, as `time python train.py` does."""
+    make = CASES[case][1]
     with tempfile.TemporaryDirectory() as tmp:
-        _whole_run(make, 3, None)  # warm-up: allocator, thread pools, the recorder's kernels
-        _whole_run(make, 3, f"{tmp}/warm")
+        if fresh:
+            run = functools.partial(_fresh_process_run, case, steps, threads=threads)
+            run(f"{tmp}/warm")  # a fresh install's first run compiles the kernels into numba's cache
+        else:
+            _whole_run(make, 3, None)  # warm-up: allocator, thread pools, the recorder's kernels
+            _whole_run(make, 3, f"{tmp}/warm")
+            run = functools.partial(_whole_run, make, steps)
         ratios, plain_s, watched_s = [], [], []
         for i in range(pairs):
             order = (None, f"{tmp}/run{i}") if i % 2 == 0 else (f"{tmp}/run{i}", None)
-            times = {p is not None: _whole_run(make, steps, p) for p in order}
+            times = {p is not None: run(p) for p in order}
             plain_s.append(times[False])
             watched_s.append(times[True])
             ratios.append(times[True] / times[False])
-    print(f"{name}: whole runs of {steps} steps, {statistics.median(plain_s):.2f} s without the recorder, "
-          f"{statistics.median(watched_s):.2f} s with it (median of {pairs} alternated pairs)")
+    how = "each a fresh process, timed from its start to its exit" if fresh else "in this process"
+    print(f"{name}: whole runs of {steps} steps ({how}), {statistics.median(plain_s):.2f} s without "
+          f"the recorder, {statistics.median(watched_s):.2f} s with it (median of {pairs} alternated pairs)")
     _print_ratios("wall-clock ratio of whole runs with/without", ratios)
     print(f"  load average after: {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
 
@@ -279,17 +269,20 @@ def main() -> None:
     ap.add_argument("--flush-every", type=int, default=None,
                     help="the watched run's flush interval in steps (default: the recorder's)")
     ap.add_argument("--pairs", type=int, default=6, help="with/without block pairs")
-    ap.add_argument("--batch", type=int, default=8, help="GPT batch size")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: leave as is)")
     ap.add_argument("--skip-mlp", action="store_true", help="only the GPT figures")
     ap.add_argument("--skip-bench-gpt", action="store_true", help="not the d=256 GPT")
     ap.add_argument("--skip-small-gpt", action="store_true", help="not the d=128 GPT")
+    ap.add_argument("--nanogpt", action="store_true",
+                    help="with --interleave or --whole-runs: the nanoGPT-layout model too (bench/nanogpt.py)")
     ap.add_argument("--wait-quiet", type=float, default=0.0, metavar="S",
                     help="before each pair, wait up to S seconds until no other process is runnable")
     ap.add_argument("--interleave", type=int, default=0, metavar="N",
                     help="instead of blocks: N steps each way alternated step by step (the GPTs only)")
     ap.add_argument("--whole-runs", type=int, default=0, metavar="N",
                     help="instead of blocks: whole runs of N steps each way, alternated (--pairs of them; the GPTs only)")
+    ap.add_argument("--fresh-process", action="store_true",
+                    help="with --whole-runs: every run a new Python process, timed from its start to its exit")
     ap.add_argument("--skip-replicas", action="store_true",
                     help="skip the per-rank evidence figure (bench/replica_overhead.py)")
     ap.add_argument("--hold-outputs", action="store_true",
@@ -304,34 +297,22 @@ def main() -> None:
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
     print(f"load average before: {' '.join(f'{x:.1f}' for x in os.getloadavg())} on {os.cpu_count()} "
           "CPUs (a loaded, shared machine moves these figures by several points)")
+    cases = [c for c, skip in (("bench", args.skip_bench_gpt), ("small", args.skip_small_gpt),
+                               ("nanogpt", not args.nanogpt)) if not skip]
     if args.whole_runs:
-        if not args.skip_bench_gpt:
-            measure_whole_runs(f"bench GPT 4 layers, d=256, seq 128, batch {args.batch}",
-                               lambda: gpt_case(args.batch, n_layer=4, n_embd=256, block=128), args.pairs,
-                               args.whole_runs)
-        if not args.skip_small_gpt:
-            measure_whole_runs("small GPT 4 layers, d=128, seq 64, batch 16",
-                               lambda: gpt_case(16, n_layer=4, n_embd=128, block=64), args.pairs, args.whole_runs)
+        for case in cases:
+            measure_whole_runs(CASES[case][0], case, args.pairs, args.whole_runs, args.fresh_process,
+                               torch.get_num_threads())
         return
     if args.interleave:
-        if not args.skip_bench_gpt:
-            measure_interleaved(f"bench GPT 4 layers, d=256, seq 128, batch {args.batch}",
-                                lambda: gpt_case(args.batch, n_layer=4, n_embd=256, block=128), args.interleave)
-        if not args.skip_small_gpt:
-            measure_interleaved("small GPT 4 layers, d=128, seq 64, batch 16",
-                                lambda: gpt_case(16, n_layer=4, n_embd=128, block=64), args.interleave)
+        for case in cases:
+            measure_interleaved(CASES[case][0], CASES[case][1], args.interleave)
         return
-    if not args.skip_bench_gpt:
-        measure(f"bench GPT 4 layers, d=256, seq 128, batch {args.batch}",
-                lambda: gpt_case(args.batch, n_layer=4, n_embd=256, block=128), args.pairs, args.steps,
-                args.wait_quiet, args.flush_every)
-    if not args.skip_small_gpt:
-        measure("small GPT 4 layers, d=128, seq 64, batch 16",
-                lambda: gpt_case(16, n_layer=4, n_embd=128, block=64), args.pairs, args.steps,
-                args.wait_quiet, args.flush_every)
+    for case in cases:
+        measure(CASES[case][0], CASES[case][1], args.pairs, args.steps, args.wait_quiet, args.flush_every)
     if not args.skip_mlp:
-        measure("MLP 32-64-64-64-10, batch 64", lambda: mlp_case(batch=64), args.pairs, args.steps * 20,
-                args.wait_quiet, args.flush_every)
+        measure("MLP 32-64-64-64-10, batch 64", lambda: adamw_loop(mlp_case(batch=64)), args.pairs,
+                args.steps * 20, args.wait_quiet, args.flush_every)
     if not args.skip_replicas:  # data-parallel runs only: weight checksums, local gradient norms
         from replica_overhead import report as replica_report
 

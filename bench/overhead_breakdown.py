@@ -25,14 +25,19 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from overhead import gpt_case, run_block
-from warninglight.tracer import params, probes, recorder, watch
+from cases import CASES
+from overhead import run_block
+from warninglight.tracer import loopfacts, params, probes, recorder, watch
 
 # (class, method, indent): what a step's recorder work is made of; indented = part of the line above
 PARTS = ((recorder.Recorder, "_root_pre_hook", 0), (params.ParamProbe, "begin", 1),
-         (probes.ForwardProbe, "observe", 0), (recorder.Recorder, "_after_backward", 0),
+         (loopfacts.LoopProbe, "forward", 1),
+         (probes.ForwardProbe, "observe", 0), (recorder.Recorder, "_on_output_grad", 0),
+         (loopfacts.LoopProbe, "backward_begins", 1), (recorder.Recorder, "_after_backward", 0),
          (recorder.Recorder, "_pre_step", 0), (params.ParamProbe, "grads", 1),
+         (loopfacts.LoopProbe, "step_facts", 1),
          (recorder.Recorder, "_post_step", 0), (params.ParamProbe, "end", 1),
+         (loopfacts.LoopProbe, "step_ended", 1),
          (recorder.Recorder, "_reduce_pending", 1), (params.ParamProbe, "reduce", 2),
          (probes.ForwardProbe, "compute", 2), (recorder.Recorder, "_flush", 1),
          (recorder.Recorder, "log", 0))
@@ -55,15 +60,13 @@ def _timed(totals: dict[str, float], faults: dict[str, float], name: str,
     return wrapper
 
 
-MODELS = {"bench": (8, 256, 128), "small": (16, 128, 64)}  # (batch, d, seq) of bench/overhead.py's GPTs
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=30, help="timed steps each way")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: leave as is)")
-    ap.add_argument("--model", choices=sorted(MODELS), default="bench",
-                    help="bench: the bench GPT; small: the small GPT (small ops, many hooks)")
+    ap.add_argument("--model", choices=sorted(CASES), default="bench",
+                    help="bench: the bench GPT; small: the small GPT (small ops, many hooks); "
+                         "nanogpt: nanoGPT's layout and loop (bench/nanogpt.py)")
     ap.add_argument("--plain-first", action="store_true",
                     help="time the pass without the recorder first (its page faults then owe nothing "
                          "to the allocator state the watched pass leaves)")
@@ -78,23 +81,20 @@ def main() -> None:
         if args.blas_from is not None:
             params.BLAS_FROM = args.blas_from
         torch.manual_seed(0)
-        batch, n_embd, block = MODELS[args.model]
-        norms_ab(*gpt_case(batch, n_layer=4, n_embd=n_embd, block=block), args.steps)
+        norms_ab(*CASES[args.model][1](), args.steps)
         return
     totals: dict[str, float] = collections.defaultdict(float)
     part_faults: dict[str, float] = collections.defaultdict(float)
     for cls, name, _ in PARTS:
         setattr(cls, name, _timed(totals, part_faults, f"{cls.__name__}.{name}", getattr(cls, name)))
     torch.manual_seed(0)
-    batch, n_embd, block = MODELS[args.model]
-    model, loss_fn = gpt_case(batch, n_layer=4, n_embd=n_embd, block=block)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model, opt, step = CASES[args.model][1]()
 
     faults: dict[bool, float] = {}  # minor page faults per step, by whether the recorder ran
 
     def train(steps: int, rec: Any = None) -> float:
         before = _minflt()
-        step_s = run_block(loss_fn, opt, steps, rec)[0]
+        step_s = run_block(step, steps, rec)[0]
         faults[rec is not None] = (_minflt() - before) / steps
         return step_s
 
@@ -109,8 +109,7 @@ def main() -> None:
         rec.close()
     if without is None:
         without = train(args.steps)
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, "
-          f"TinyGPT 4x{n_embd} seq {block} batch {batch}")
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {CASES[args.model][0]}")
     print(f"step: {without * 1e3:.1f} ms without, {with_rec * 1e3:.1f} ms with the recorder "
           f"(ratio {with_rec / without:.3f}, one pass each way: noisier than bench/overhead.py)")
     print(f"minor page faults per step: {faults[False]:.0f} without "
@@ -129,9 +128,9 @@ def _print_parts(lines: list[tuple[str, int]], totals: dict[str, float], part_fa
     print(f"{'in all (the unindented lines)':<28s} {outermost / steps * 1e3:6.2f} ms/step")
 
 
-def norms_ab(model: torch.nn.Module, loss_fn: Callable[[], torch.Tensor], steps: int) -> None:
+def norms_ab(model: torch.nn.Module, opt: torch.optim.Optimizer, train: Callable[[], torch.Tensor],
+             steps: int) -> None:
     """The probe's entry points, steps alternating the compiled and the eager norm passes."""
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     totals: dict[tuple[str, bool], float] = collections.defaultdict(float)
     compiled = [True]
     names = ("begin", "grads", "end")
@@ -149,7 +148,7 @@ def norms_ab(model: torch.nn.Module, loss_fn: Callable[[], torch.Tensor], steps:
         rec = watch(model, opt, tmp)
         probe = rec.params
         assert probe._compiled, "no compiled passes here (numba missing, or WARNINGLIGHT_EAGER set)"
-        run_block(loss_fn, opt, 11, rec)
+        run_block(train, 11, rec)
         totals.clear()
         for step in range(2 * steps):
             # alternate, the order flipped every 8 steps: the exact first-forward pass of every
@@ -160,7 +159,7 @@ def norms_ab(model: torch.nn.Module, loss_fn: Callable[[], torch.Tensor], steps:
                 probe.refresh()  # takes the weights' addresses again
             else:
                 probe._weight_addrs = None  # the eager ops read the weights
-            run_block(loss_fn, opt, 1, rec)
+            run_block(train, 1, rec)
         rec.close()
     print(f"parameter probe, ms per step, compiled / eager ({steps} steps each way, alternated; "
           f"BLAS from {params.BLAS_FROM:,} values, {sum(n >= params.BLAS_FROM for n in probe._numel)} "

@@ -44,7 +44,7 @@ def record(out: Path, steps: int) -> Path:
     import torch
 
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from overhead import gpt_case
+    from cases import gpt_case
     from warninglight.tracer import watch
 
     torch.manual_seed(0)

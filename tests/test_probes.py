@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+import subprocess
+import sys
 from pathlib import Path
 
 import duckdb
@@ -247,6 +249,21 @@ def _nan_as_str(values: dict) -> dict:
 def _steps_column(trace: Path, column: str) -> list[float | None]:
     glob = schema.segment_glob(trace, "steps")
     return [v for (v,) in duckdb.sql(f"select {column} from read_parquet('{glob}') order by step").fetchall()]
+
+
+def test_a_later_process_loads_every_compiled_kernel_from_numbas_cache() -> None:
+    # a kernel numba cannot key the same way in two processes is compiled again at every watch():
+    # seconds of set-up in every run. The first process may compile (a fresh checkout); the
+    # second must find all of them, every signature, in the cache
+    script = ("from warninglight.tracer import jit, kernels\n"
+              "assert kernels.available()\n"
+              "ks = (jit.forward_sums, jit.tensor_norms, jit.gather_sketch)\n"
+              "print(sum(sum(k.stats.cache_misses.values()) for k in ks), "
+              "sum(sum(k.stats.cache_hits.values()) for k in ks))")
+    runs = [subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
+            for _ in range(2)]
+    misses, hits = map(int, runs[1].stdout.split())
+    assert (misses, hits) == (0, 4), runs[1].stdout  # forward_sums in two layouts, the others in one
 
 
 @pytest.mark.parametrize("blas_from", [params.BLAS_FROM, 60])

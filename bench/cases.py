@@ -1,0 +1,134 @@
+"""The models the overhead benches train, each with its optimizer and one whole training step.
+
+Run as a script, trains one case for a number of steps and exits (`python bench/cases.py CASE
+STEPS [--trace PATH] [--threads T]`): the body of `bench/overhead.py --whole-runs N
+--fresh-process`, which times such processes from start to exit. Without `--trace` the recorder
+is never imported, so a plain run costs what a training script without it costs. With
+`--trace PATH --setup` it prints what the recorder costs the process once, in process CPU
+seconds: importing it, importing numba, `watch()` (which loads the compiled kernels from numba's
+cache, or compiles them on a fresh install), the first step beyond a plain one, and `close()`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from nanogpt import nanogpt_case
+from warninglight.lab import zoo
+
+# a model, its optimizer, and one whole training step (forward, backward, optimizer step) returning the loss
+Training = tuple[torch.nn.Module, torch.optim.Optimizer, Callable[[], torch.Tensor]]
+
+
+def gpt_case(batch: int, n_layer: int, n_embd: int, block: int) -> tuple[torch.nn.Module, Callable[[], torch.Tensor]]:
+    """A character GPT and a closure computing one batch's loss."""
+    cfg = zoo.GPTConfig(n_layer=n_layer, n_embd=n_embd, n_head=4, block_size=block)
+    model = zoo.TinyGPT(cfg)
+    data = zoo.text_batches(zoo.char_corpus(200_000), batch, block)
+
+    def loss() -> torch.Tensor:
+        _, x, y = next(data)
+        return F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+    return model, loss
+
+
+def mlp_case(batch: int) -> tuple[torch.nn.Module, Callable[[], torch.Tensor]]:
+    """The worst case: a tiny MLP, its step so short that the recorder's fixed costs weigh most."""
+    model = zoo.mlp()
+    data = zoo.batches(*zoo.teacher_classification(), batch)
+
+    def loss() -> torch.Tensor:
+        _, x, y = next(data)
+        return F.cross_entropy(model(x), y)
+    return model, loss
+
+
+def adamw_loop(case: tuple[torch.nn.Module, Callable[[], torch.Tensor]]) -> Training:
+    """A model and its loss closure as the plain loop trains them: AdamW, backward, step, zero_grad."""
+    model, loss_fn = case
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+    def step() -> torch.Tensor:
+        loss = loss_fn()
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss
+    return model, opt, step
+
+
+# name -> (what it is, its factory): the cases --whole-runs and --interleave measure
+CASES: dict[str, tuple[str, Callable[[], Training]]] = {
+    "bench": ("bench GPT 4 layers, d=256, seq 128, batch 8",
+              lambda: adamw_loop(gpt_case(8, n_layer=4, n_embd=256, block=128))),
+    "small": ("small GPT 4 layers, d=128, seq 64, batch 16",
+              lambda: adamw_loop(gpt_case(16, n_layer=4, n_embd=128, block=64))),
+    "nanogpt": ("nanoGPT layout 4 layers, d=128, seq 64, batch 12, clipped, tied head",
+                nanogpt_case),
+}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("case", choices=sorted(CASES))
+    ap.add_argument("steps", type=int)
+    ap.add_argument("--trace", default=None, help="watch the run, writing its trace here")
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: leave as is)")
+    ap.add_argument("--setup", action="store_true",
+                    help="with --trace: print the recorder's one-off costs to this process")
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    model, opt, step = CASES[args.case][1]()
+    if args.trace is None:
+        for _ in range(args.steps):
+            step()
+        return
+    if args.setup:
+        setup(step, model, opt, args.trace, args.steps)
+        return
+    from warninglight.tracer import watch
+
+    with watch(model, opt, args.trace) as rec:
+        for _ in range(args.steps):
+            rec.log(loss=step())
+
+
+def setup(step: Callable[[], torch.Tensor], model: torch.nn.Module, opt: torch.optim.Optimizer,
+          trace: str, steps: int) -> None:
+    """Process CPU seconds of the recorder's one-off costs (see the module docstring)."""
+    clock = time.process_time
+    for _ in range(2):  # the plain step's own first-call costs
+        step()
+    t = clock()
+    step()
+    plain = clock() - t
+    t = clock()
+    from warninglight.tracer import watch
+    imported = clock() - t
+    t = clock()
+    import numba  # noqa: F401 (its import, apart from loading the kernels)
+    numba_s = clock() - t
+    t = clock()
+    rec = watch(model, opt, trace)
+    watch_s = clock() - t
+    t = clock()
+    rec.log(loss=step())
+    first = clock() - t - plain
+    for _ in range(max(0, steps - 1)):
+        rec.log(loss=step())
+    t = clock()
+    rec.close()
+    close = clock() - t
+    print(f"process CPU s: import the recorder {imported:.3f}, import numba {numba_s:.3f}, watch() "
+          f"{watch_s:.3f}, first step beyond a plain one {first:.3f}, close() {close:.3f}; "
+          f"in all {imported + numba_s + watch_s + first + close:.3f} (a plain step: {plain:.3f})")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,104 @@
+"""The recorder's numba kernels (see tracer/kernels.py, which imports this module on first use).
+
+They are defined at module level, every one with `cache=True`: a function that refers to an
+object made at run time (an intrinsic defined inside another function, say) gets a new cache key
+in every process and is compiled again each time; here a later process loads all three from
+numba's cache instead of compiling them at `watch()`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numba
+import numpy as np
+from numba import types
+from numba.extending import intrinsic
+
+
+@numba.njit(nogil=True, cache=True, boundscheck=False)
+def forward_sums(m: np.ndarray, slots: np.ndarray, centre: np.ndarray, half: np.ndarray,
+                 bounded: bool, dead_eps: float, sums: np.ndarray, absmax: np.ndarray) -> None:
+    r, w = m.shape
+    block = 512  # columns whose running sums stay in L1 while the rows stream past
+    # float32 running sums, branch-free, so that the loop over columns is vectorised (a
+    # column has a few dozen rows: float32 sums lose nothing that matters there)
+    nfin = np.empty(block, np.float32)
+    nz = np.empty(block, np.float32)
+    sat = np.empty(block, np.float32)
+    total = np.empty(block, np.float32)
+    sq = np.empty(block, np.float32)
+    mx = np.empty(block, np.float32)
+    one, zero = np.float32(1.0), np.float32(0.0)
+    for j0 in range(0, w, block):
+        b = min(block, w - j0)
+        nfin[:] = 0.0
+        nz[:] = 0.0
+        sat[:] = 0.0
+        total[:] = 0.0
+        sq[:] = 0.0
+        mx[:] = 0.0
+        c, h = centre[j0:j0 + b], half[j0:j0 + b]
+        for i in range(r):
+            row = m[i, j0:j0 + b]
+            for jj in range(b):
+                x = row[jj]
+                finite = x - x == 0  # False for NaN and +-inf
+                x = x if finite else zero  # a non-finite value counts as 0 but for nfin
+                nfin[jj] += one if finite else zero
+                total[jj] += x
+                sq[jj] += x * x
+                nz[jj] += one if x != 0 else zero
+                mx[jj] = max(mx[jj], abs(x))
+            if bounded:
+                for jj in range(b):
+                    x = row[jj]
+                    x = x if x - x == 0 else zero
+                    sat[jj] += one if abs(x - c[jj]) >= h[jj] else zero
+        for jj in range(b):
+            s = slots[j0 + jj]
+            sums[0, s] += nfin[jj]
+            sums[1, s] += total[jj]
+            sums[2, s] += sq[jj]
+            sums[3, s] += nfin[jj] - nz[jj]
+            sums[5, s] += sat[jj]
+            if mx[jj] <= dead_eps:
+                sums[6, s] += 1.0
+            absmax[s] = max(absmax[s], mx[jj])
+
+@intrinsic
+def f32_at(typingctx: Any, addr: Any) -> Any:  # an integer address as a float32 pointer
+    sig = types.CPointer(types.float32)(types.int64)
+
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        return builder.inttoptr(args[0], context.get_value_type(types.CPointer(types.float32)))
+    return sig, codegen
+
+# reassociation only (the sum vectorises); no assumption that values are finite
+@numba.njit(nogil=True, fastmath={"reassoc", "contract"}, boundscheck=False, cache=True)
+def tensor_norms(addrs: np.ndarray, lens: np.ndarray, out: np.ndarray) -> bool:
+    all_finite = True
+    for i in range(addrs.shape[0]):
+        n = lens[i]
+        acc = 0.0
+        if n > 0:
+            a = numba.carray(f32_at(addrs[i]), (n,))
+            for j in range(n):
+                x = np.float64(a[j])
+                acc += x * x
+        v = np.float32(np.sqrt(acc))
+        out[i] = v
+        if not np.isfinite(v):
+            all_finite = False
+    return all_finite
+
+@numba.njit(nogil=True, boundscheck=False, cache=True)
+def gather_sketch(addrs: np.ndarray, offsets: np.ndarray, strides: np.ndarray, ks: np.ndarray,
+                  out: np.ndarray) -> None:
+    o = 0
+    for i in range(addrs.shape[0]):
+        k, off, st = ks[i], offsets[i], strides[i]
+        a = numba.carray(f32_at(addrs[i]), (off + (k - 1) * st + 1,))
+        for j in range(k):
+            out[o + j] = a[off + j * st]
+        o += k

@@ -100,8 +100,15 @@ _NOTES = """\
   layer or a large change of one element outside the sketch is seen; a sign flip of one
   element outside the sketch is not.
 - **Heads** (`role = head`): the components named in `watch(heads=[...])`, else the last
-  parameter-owning component called in the first forward. Entropy and max probability are of
-  the softmax over the last dimension of the sampled rows.
+  component called in the first forward that owns parameters or whose parameters are all tied
+  to a module listed before it. Entropy and max probability are of the softmax over the last
+  dimension of the sampled rows. An output head tied to the token embedding (`lm_head.weight =
+  wte.weight`: nanoGPT, GPT-2, models with `tie_word_embeddings`) is such a module: it is the
+  head, with its output and prediction columns, and `tied_to` names the embedding; it owns no
+  parameter (`param_count` 0), so its parameter columns are null and the shared weight's norms,
+  gradients and updates are on the embedding's rows alone, counted once. A tied module that is
+  not a head is not recorded: no component when heads are named, else listed with null health
+  rows.
 - **Precision.** The columns marked "an estimate" are statistics of a subsample (`out_*`,
   `pred_*`) or of a coordinate sketch (`update_*`). The recorder stores them rounded to nearest
   (ties to even) to 10 significand bits after the leading one, so a stored value is within

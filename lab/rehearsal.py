@@ -108,9 +108,8 @@ SCHEDULES: dict[str, Callable[[int, int], float]] = {
 MANUAL_FACTOR = 0.3  # "manual": the loop multiplies every group's lr by this at mid-run
 
 def build_model(scenario: Scenario, seed: int) -> tuple[nn.Module, str | None]:
-    """The scenario's model (seeded) and the name of its output head (None: a head tied to the
-    embedding is no component; the recorder takes the last one called, as it does for a user
-    who names none)."""
+    """The scenario's model (seeded) and the name of its output head (a head tied to the token
+    embedding is named as any other)."""
     torch.manual_seed(seed)
     if scenario.model == "mlp":
         return zoo.mlp(activation=scenario.activation), "6"
@@ -121,7 +120,7 @@ def build_model(scenario: Scenario, seed: int) -> tuple[nn.Module, str | None]:
     if scenario.model == "gpt":
         return zoo.TinyGPT(_GPT), "lm_head"
     if scenario.model == "gpt_parallel":
-        return zoo.ParallelGPT(_GPT), None
+        return zoo.ParallelGPT(_GPT), "lm_head"
     if scenario.model == "llama":
         return zoo.TinyLlama(_GPT), "lm_head"
     raise ScenarioError(f"unknown model {scenario.model!r}; expected one of {', '.join(MODELS)}")

@@ -65,6 +65,7 @@ def test_one_health_step_per_optimizer_step(trained: dict[str, Any]) -> None:
         loss_steps = [s for (s,) in trace.con.execute(
             "SELECT step FROM steps WHERE loss IS NOT NULL ORDER BY step").fetchall()]
         ckpts = trace.con.execute("SELECT step, path FROM checkpoints ORDER BY step").fetchall()
+        heads = trace.con.execute("SELECT component, tied_to FROM components WHERE role = 'head'").fetchall()
     finally:
         trace.close()
     assert [s for s, *_ in steps] == list(range(1, STEPS + 1))
@@ -78,6 +79,8 @@ def test_one_health_step_per_optimizer_step(trained: dict[str, Any]) -> None:
     assert [s for s, _ in ckpts] == list(range(SAVE_EVERY, STEPS + 1, SAVE_EVERY))
     for step, path in ckpts:
         assert Path(path) == trained["out"] / f"checkpoint-{step}" and Path(path).is_dir()
+    # GPT-2 ties its lm_head to the token embedding: the logits head is the head all the same
+    assert heads == [("lm_head", "transformer.wte")]
 
 
 def test_clean_warmup_cosine_clipped_run_is_healthy(trained: dict[str, Any]) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 from dataclasses import dataclass, field
 
 from torch import nn
@@ -41,6 +42,8 @@ class Component:
     param_names: list[str] = field(default_factory=list)  # state-dict keys of `params`, in order
     optimizer_index: list[int | None] = field(default_factory=list)  # each one's optimizer state key
     requires_grad: list[bool] = field(default_factory=list)  # each one's requires_grad at the first step
+    tied_to: str | None = None         # a module whose parameters are all another component's
+    released: bool = False             # a tied module found not to be a head: not recorded
     extra: dict[str, object] = field(default_factory=dict)
 
     @property
@@ -57,34 +60,51 @@ def user_module(model: nn.Module) -> nn.Module:
     return model
 
 
-def discover(model: nn.Module) -> list[Component]:
-    """Every module owning parameters directly, plus known activation modules, in module order."""
-    seen: set[int] = set()
+def discover(model: nn.Module, heads: list[str] | None = None) -> list[Component]:
+    """Every module owning parameters directly, plus known activation modules, in module order.
+
+    A module whose parameters are all owned by a module found earlier (an output head tied to
+    the token embedding) owns none; it is a component only as a possible head: when it is named
+    in `heads`, or when no heads are named (the default head may be it; `release_tied` drops the
+    others after the first forward). Its `tied_to` names the owner of the first of them.
+    """
+    owner: dict[int, str] = {}
     found: list[Component] = []
     for name, module in model.named_modules():
-        named = [(n, p) for n, p in module.named_parameters(recurse=False) if id(p) not in seen]
+        every = list(module.named_parameters(recurse=False))
+        named = [(n, p) for n, p in every if id(p) not in owner]
         own = [p for _, p in named]
-        seen.update(id(p) for p in own)  # a tied parameter belongs to its first owner
+        for p in own:  # a tied parameter belongs to its first owner
+            owner[id(p)] = name
+        tied_to = None
         if own:
             role, bound = "param", None
+        elif every and (heads is None or name in heads):
+            role, bound, tied_to = "param", None, owner[id(every[0][1])]
         elif type(module) in ACTIVATION_BOUNDS:
             role, bound = "activation", ACTIVATION_BOUNDS[type(module)]
         else:
             continue
         found.append(Component(len(found), name, module, own, role, bound,
-                               channel_first=isinstance(module, _CHANNEL_FIRST),
+                               channel_first=isinstance(module, _CHANNEL_FIRST), tied_to=tied_to,
                                param_names=[f"{name}.{n}" if name else n for n, _ in named]))
     return found
 
 
-def resolve_heads(components: list[Component], heads: list[str] | None) -> None:
-    """Mark output heads: the names given, else the last parameter-owning component called."""
+def resolve_heads(components: list[Component], heads: list[str] | None,
+                  possible: list[str] | None = None) -> None:
+    """Mark output heads: the names given, else the last component called that owns parameters
+    or whose parameters are all tied to another's (a tied output head produces the logits).
+    `possible`: the paths a head could have had (default: the components'), for the message."""
     by_name = {c.name: c for c in components}
     if heads:
         unknown = [h for h in heads if h not in by_name]
         if unknown:
-            raise ValueError(f"heads={unknown!r} are not components of the model; "
-                             f"expected module paths such as {list(by_name)[-3:]!r}")
+            names = possible if possible is not None else list(by_name)
+            close = difflib.get_close_matches(unknown[0], names, n=1, cutoff=0.6)
+            hint = f"did you mean {close[0]!r}? " if close else ""
+            raise ValueError(f"heads={unknown!r} are not components of the model; {hint}"
+                             f"expected module paths such as {names[-3:]!r}")
         for h in heads:
             by_name[h].head = True
     else:
@@ -94,6 +114,14 @@ def resolve_heads(components: list[Component], heads: list[str] | None) -> None:
     for c in components:
         if c.head:
             c.role = "head"
+
+
+def release_tied(components: list[Component]) -> list[Component]:
+    """Tied modules that did not become heads: no longer recorded (their health rows are null)."""
+    out = [c for c in components if c.tied_to is not None and not c.head]
+    for c in out:
+        c.released = True
+    return out
 
 
 def assign_parents(components: list[Component]) -> None:
@@ -143,4 +171,5 @@ def component_rows(components: list[Component]) -> dict[str, list[object]]:
         "param_names": [c.param_names or None for c in components],
         "optimizer_index": [c.optimizer_index if c.params and c.optimizer_index else None for c in components],
         "requires_grad": [c.requires_grad or None for c in components],
+        "tied_to": [c.tied_to for c in components],
     }

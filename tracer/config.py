@@ -36,7 +36,8 @@ class RecorderConfig:
     """How many ranks train; None: torch.distributed's, or 1."""
     heads: tuple[str, ...] | None = None
     """Module paths of the output heads (prediction entropy and confidence); None: the last
-    parameter-owning component called in the first step."""
+    component called in the first step that owns parameters, or whose parameters are all tied to
+    another's (an output head tied to the token embedding)."""
     sample_size: int = 16
     """Rows subsampled from each component's output per step."""
     sketch_size: int = 256

@@ -51,6 +51,7 @@ from .components import (
     assign_parents,
     discover,
     note_trainable,
+    release_tied,
     resolve_heads,
     user_module,
 )
@@ -107,12 +108,15 @@ class Recorder:
         self.model, self.optimizer = model, _usable_optimizer(optimizer)
         self.rank, self.world_size = _rank_and_world(cfg.rank, cfg.world_size)
         inner = user_module(model)  # component names are the user's module paths, wrapped or not
-        self.components = discover(inner)
+        heads = None
         if cfg.heads:
-            names = {c.name for c in self.components}
+            names = {n for n, _ in inner.named_modules()}
             # a head named by its path under the DDP wrapper ("module.lm_head") is taken as well
-            resolve_heads(self.components, [h.removeprefix("module.") if inner is not model and
-                                            h not in names else h for h in cfg.heads])
+            heads = [h.removeprefix("module.") if inner is not model and h not in names else h
+                     for h in cfg.heads]
+        self.components = discover(inner, heads)
+        if heads:  # the message for a wrong name lists tied modules too, unnamed as they are
+            resolve_heads(self.components, heads, [c.name for c in discover(inner)])
         self._heads_given = bool(cfg.heads)
         params = [p for c in self.components for p in c.params]
         self.device = params[0].device if params else torch.device("cpu")
@@ -163,6 +167,7 @@ class Recorder:
         self._eager_under_compile = cfg.hooks_under_compile == "eager"
         self._in_graph = cfg.hooks_under_compile == "graph"
         self._handles: list[Any] = []
+        self._comp_hooks: dict[int, Any] = {}
         self._install_hooks()
         self._prev_sigterm = self._install_sigterm()
         atexit.register(self._at_exit)
@@ -271,6 +276,7 @@ class Recorder:
             handles.append(self.model.register_forward_hook(self._root_hook))
             for comp in self.components:
                 handles.append(comp.module.register_forward_hook(self._make_hook(comp)))
+                self._comp_hooks[comp.index] = handles[-1]
             if self.optimizer is not None:
                 handles.append(self.optimizer.register_step_pre_hook(lambda *_: self._pre_step()))
                 handles.append(self.optimizer.register_step_post_hook(lambda *_: self._post_step()))
@@ -509,18 +515,23 @@ class Recorder:
             valid[c.index, _METRIC_POS["out_sat_frac"]] = c.bound in ("tanh", "sigmoid")
             for m in ("pred_entropy_nats", "pred_maxprob"):
                 valid[c.index, _METRIC_POS[m]] = c.head
+            if c.released:
+                valid[c.index] = False
         return valid
 
     def _settle_components(self) -> None:
         """After the first step: heads, parents, and a warning for components never seen."""
         if not self._heads_given:
             resolve_heads(self.components, None)
+            for c in release_tied(self.components):  # a tied module is recorded as a head only
+                if (handle := self._comp_hooks.pop(c.index, None)) is not None:
+                    handle.remove()
         assign_parents(self.components)
         if self.optimizer is not None:
             assign_param_groups(self.components, self.optimizer.param_groups)
         note_trainable(self.components)
         self._static_valid = self._structural_validity()
-        unseen = [c.name for c in self.components if c.forward_index is None]
+        unseen = [c.name for c in self.components if c.forward_index is None and not c.released]
         if unseen:
             why = ("the model is in eval() mode: outputs are recorded only in train() mode, so "
                    "call model.train() before training" if not self.model.training else

@@ -118,13 +118,14 @@ COMPONENT_COLUMNS: tuple[Column, ...] = (
     Column("kind", STR, "", "module class name, e.g. `Linear`, `ReLU`"),
     Column("forward_index", I64, "", "order of first call in the first recorded forward pass (0 = first); null if never called"),
     Column("param_count", I64, "parameters", "parameters owned directly by this module (not its children)"),
-    Column("role", STR, "", "`param` (owns parameters), `activation` (parameter-free nonlinearity) or `head` (output head)"),
+    Column("role", STR, "", "`param` (owns parameters, or a tied module not chosen as a head: see `tied_to`), `activation` (parameter-free nonlinearity) or `head` (output head)"),
     Column("bound", STR, "", "range of a bounded activation: `tanh` (-1,1), `sigmoid` (0,1), `relu` [0,inf), or null"),
     Column("parent_param", STR, "", "for an activation: the parameter-owning component called just before it (the layer it reads from)"),
     Column("param_group", I64, "", "index of the optimizer param group holding this component's parameters (the first that holds any); null if it owns none or the optimizer holds none of them"),
     Column("param_names", LIST_STR, "", "the names (`model.named_parameters()`, i.e. state-dict keys) of the parameters this module owns directly, in its own order; null if it owns none"),
     Column("optimizer_index", LIST_I64, "", "each of those parameters' index in the optimizer's parameter order at the first step (param groups in order, each group's `params` in order): the key of `optimizer.state_dict()[\"state\"]`; null entries for parameters the optimizer does not hold. `warninglight repair` matches optimizer state to parameters through it"),
     Column("requires_grad", LIST_BOOL, "", "each of those parameters' `requires_grad` at the first step, in the same order; null if it owns none"),
+    Column("tied_to", STR, "", "for a module whose parameters are all tied to (shared with) a module listed before it, e.g. an output head tied to the token embedding: that owner's path. It owns none (`param_count` 0, parameter columns null): the shared parameters' statistics are the owner's rows alone. Such a module is recorded only as a head (see Heads); when no heads are named and it is not chosen, it is listed with null health rows. Null for every other module, and in traces written before it"),
 )
 
 # Significand bits kept of an estimate (a statistic of a 16-row subsample of an output, or of a

@@ -387,6 +387,8 @@ def _whole_model_root(cause: RootCause | None, located: list[Located], component
     if cause is None:
         return None, None
     heads = set(components.filter(pl.col("role") == "head")["component"].to_list())
+    if "tied_to" in components.columns:  # a tied head's gradient is its owner's (the embedding's)
+        heads |= set(components.filter(pl.col("role") == "head")["tied_to"].drop_nulls().to_list())
     wide = gradients_wide(root, rows, heads, param_components(components))
     if wide is not None:
         lead, onset, evidence = wide

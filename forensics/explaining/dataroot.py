@@ -25,7 +25,7 @@ zero moving by a thousandth is no jump. The root is the data when:
 `loss_spike_root` keeps the light never darker than the loss-spike rule: where that rule fires,
 the loss jumped against its own baseline and nothing else explains it, the root is the data.
 
-When instead the gradients of most components — the head's among them — grow far past their
+When instead the gradients of most components — the head's among them (a tied head's is its owner's) — grow far past their
 baseline, alarming before anything else and with no weight drift or non-finite value, what the optimizer steps on changed for the whole model: gradients not zeroed between
 steps, a wrong loss scale (`gradients_wide`). Against a reference run this finds a forgotten
 `optimizer.zero_grad()` present from the first step.

@@ -394,6 +394,11 @@ def _bad_data() -> list[Scenario]:
                  drills=lambda: [CorruptBatches("wte", vocab_size=_GPT.vocab_size, **window)]),
         Scenario("llama_clean", "llama", optimizer="adamw", lr=1e-3, weight_decay=0.1,
                  schedule="warmup_cosine"),
+        # three times the lr: once warmup ends, attention sharpens and the gradient moves onto its
+        # projections (one projection's gradient norm several times its past) while the model's
+        # total gradient norm and the loss stay in their course: a healthy run
+        Scenario("llama_high_lr_clean", "llama", optimizer="adamw", lr=3e-3, weight_decay=0.1,
+                 schedule="warmup_cosine"),
         Scenario("llama_corrupt_batches", "llama", optimizer="adamw", lr=1e-3, weight_decay=0.1,
                  schedule="warmup_cosine",
                  drills=lambda: [CorruptBatches("model.embed_tokens", vocab_size=_GPT.vocab_size, **window)]),

@@ -5,9 +5,13 @@ from __future__ import annotations
 import tempfile
 from dataclasses import replace
 
+import numpy as np
 from rehearsed import analysed, truth
 from warninglight.forensics import analyze
+from warninglight.forensics.explaining.analysis import felt_alarms
 from warninglight.forensics.explaining.dataroot import block_of
+from warninglight.forensics.explaining.localise import Located
+from warninglight.forensics.judging.conditions import Config
 from warninglight.lab.drills import CorruptBatches
 from warninglight.lab.rehearsal import SCENARIOS, rehearse
 
@@ -78,3 +82,25 @@ def test_one_bad_batch_where_the_loss_spike_rule_fires_is_a_data_fault() -> None
     assert a.root is not None and (a.root.scope, a.root.onset_step) == ("data", 150)
     assert a.rollback.skip_step_range is not None and a.rollback.skip_step_range[0] == 150
     assert "loss-spike rule" in a.root.evidence
+
+
+def _surge(metric: str = "grad_norm_l2", nonfinite: bool = False) -> Located:
+    """An exploding alarm on one component, onset at step 150."""
+    return Located(rank=0, observed_on="k_proj", condition="exploding", step=152, last_step=158, metric=metric,
+                   value=1.0, median=0.1, magnitude=7.0, onset_step=150, attributed_to="k_proj",
+                   nonfinite=nonfinite, drift=False, signal="gradient", forward_index=3)
+
+
+def test_one_component_s_gradient_surge_the_model_never_felt_is_no_explosion() -> None:
+    rng = np.random.default_rng(0)
+    steps = np.arange(300)
+    calm = np.exp(rng.normal(np.log(0.4), 0.1, 300))  # the model's total gradient norm, in its range
+    cfg = Config()
+    alarms = [_surge(), _surge("out_rms"), _surge(nonfinite=True)]
+    kept = felt_alarms(alarms, (steps, calm), cfg)
+    assert [a.metric for a in kept] == ["out_rms", "grad_norm_l2"] and kept[1].nonfinite
+    felt = calm.copy()
+    felt[151:156] *= 5  # the whole model's gradient rises with it: an explosion
+    assert felt_alarms(alarms, (steps, felt), cfg) == alarms
+    # no total gradient norm recorded: nothing to tell a shift from an explosion, the alarm stands
+    assert felt_alarms(alarms, (np.arange(0), np.arange(0.0)), cfg) == alarms

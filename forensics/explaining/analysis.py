@@ -28,6 +28,7 @@ from warninglight.forensics.explaining import saved_rerun
 from warninglight.forensics.explaining.dataroot import (
     SUSTAIN,
     data_root,
+    gradient_felt,
     gradients_wide,
     loss_spike_root,
 )
@@ -398,6 +399,16 @@ def _whole_model_root(cause: RootCause | None, located: list[Located], component
     return _lr_evidence(cause), None
 
 
+def felt_alarms(located: list[Located], grad: tuple[np.ndarray, np.ndarray], cfg: Config) -> list[Located]:
+    """The alarms less those of a gradient norm surging on one component while the model's total
+    gradient norm never left its own range (`dataroot.gradient_felt`): a finite excursion of
+    `grad_norm_l2` alone is an explosion only where the whole model's gradient feels it. Every
+    other alarm (a non-finite value, outputs, weights, updates, the lr) stands as it is. Judged
+    from the onset to the alarm's step, as a live alarm must be."""
+    return [a for a in located if a.condition != "exploding" or a.metric != "grad_norm_l2" or a.nonfinite
+            or gradient_felt(grad, a.onset_step, a.step, cfg.baseline)]
+
+
 def _batch_grad(trace: Trace) -> tuple[np.ndarray, np.ndarray]:
     """The total gradient norm as each step's backward left it: before any clipping where the
     trace records it (clipping caps the norm a bad batch makes), else as the optimizer got it."""
@@ -612,6 +623,8 @@ def analyze(trace_dir: str | Path, *, config: Config | str | Path | None = None,
         clf = classify_trace(trace, cfg, components, heat_width=width if heat else None, static=static,
                              steps=steps, reference=ref)
         located = locate_alarms(trace, clf.alarms(), components, cfg, since=read_from, reference=ref)
+        if ref is None:
+            located = felt_alarms(located, _batch_grad(trace), cfg)
         root, affected = root_cause(located, cfg, param_components(components))
         root, skip_until = _whole_model_root(root, located, components, trace, cfg, (first, last_health))
         ranked = rank_analysis.findings(trace)  # empty for a single rank

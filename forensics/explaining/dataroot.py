@@ -189,6 +189,26 @@ def held(sig: Signal, at: int, cfg: BaselineConfig, from_onset: bool = True) -> 
     return float(np.median((ahead - base[0]) / base[1])) if len(ahead) >= 3 else None
 
 
+def gradient_felt(grad: Series, first: int, last: int, cfg: BaselineConfig) -> bool:
+    """Whether the model's total gradient norm (`grad`) rose `onset_z` above its own baseline at
+    some step from `first` to `last`; True too where it cannot tell (no total gradient norm, or
+    no baseline for it there). One component's gradient norm surging while the whole model's
+    stays in its usual range is a shift of the gradient between components (attention sharpening
+    once warmup ends moves it onto its projections), which neither the loss nor the updates of
+    an adaptive optimizer feel: no explosion of the gradient."""
+    sig = Signal("the total gradient norm", (grad[0], np.log(np.maximum(grad[1], 1e-12))))
+    steps = sig.series[0]
+    span = (steps >= first) & (steps <= last)
+    if not span.any():
+        return True
+    med, scale = sig.bands(cfg)
+    if not np.isfinite(med[span]).any():
+        return True
+    with np.errstate(invalid="ignore"):
+        z = (sig.series[1][span] - med[span]) / scale[span]
+    return bool(np.any(~np.isfinite(sig.series[1][span])) or np.nanmax(np.where(np.isfinite(z), z, -np.inf)) >= cfg.onset_z)
+
+
 def excursion(found: list[Signal], cfg: BaselineConfig,
               within: tuple[int, int] | None = None) -> tuple[int, float, list[int]] | None:
     """(step, median z, [0]) of the run's first sustained excursion of the loss (the first

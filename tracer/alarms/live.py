@@ -25,6 +25,7 @@ from warninglight.forensics.explaining.analysis import (
     ALARM_KEYS,
     Alarm,
     Detectors,
+    felt_alarms,
     param_components,
     typed_root,
 )
@@ -60,6 +61,7 @@ class LiveClassifier:
         self._batches: dict[int, list[int] | None] = {}
         self._wall: dict[int, float] = {}
         self._losses: dict[int, float | None] = {}  # every logged loss (one float a step)
+        self._grads: dict[int, float] = {}  # every recorded total gradient norm (one float a step)
         self.last_step = 0
 
     def feed(self, seg: Segment) -> list[dict[str, Any]]:
@@ -77,7 +79,8 @@ class LiveClassifier:
             [self._rows.filter(pl.col("step") > kept_from), rows], how="diagonal_relaxed")
         if new.is_empty():
             return []
-        fresh = locate(new, self._scored(new), self.components, self.config)
+        fresh = felt_alarms(locate(new, self._scored(new), self.components, self.config), self._grad_series(),
+                            self.config)
         self._located += fresh
         out = []
         for a in fresh:
@@ -150,6 +153,11 @@ class LiveClassifier:
             out["text"] = alarm_line(alarm)
         return out
 
+    def _grad_series(self) -> tuple[np.ndarray, np.ndarray]:
+        steps = sorted(self._grads)
+        return (np.array(steps, dtype=np.int64),
+                np.array([self._grads[s] for s in steps], dtype=np.float64))
+
     def _loss_series(self) -> tuple[np.ndarray, np.ndarray]:
         steps = sorted(self._losses)
         return (np.array(steps, dtype=np.int64),
@@ -177,8 +185,17 @@ class LiveClassifier:
             self._batches[int(s)], self._wall[int(s)] = ids, t
             if loss is not None:
                 self._losses[int(s)] = loss
+        # the gradient as the backward left it (before clipping, where recorded), as `analyze` reads it
+        pre, total = steps.get("grad_norm_preclip_l2", []), steps.get("grad_norm_total_l2", [])
+        for i, s in enumerate(steps.get("step", [])):
+            g = pre[i] if i < len(pre) and pre[i] is not None else total[i] if i < len(total) else None
+            if g is not None:
+                self._grads[int(s)] = float(g)
         for s in [s for s in self._batches if s <= self.last_step - self.reach]:
             del self._batches[s], self._wall[s]
+        # a felt surge is judged from its onset (at most `reach` back) against the baseline before it
+        for s in [s for s in self._grads if s <= self.last_step - self.reach - self.history]:
+            del self._grads[s]
 
     def _health_rows(self, seg: Segment) -> pl.DataFrame:
         rows = pl.from_arrow(health_table(seg))

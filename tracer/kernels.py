@@ -185,3 +185,58 @@ def gather_sketch(addrs: np.ndarray, offsets: np.ndarray, strides: np.ndarray, k
     tensor at `addrs[i]`, one after the other into `out` (float32). The caller keeps the tensors
     alive and guarantees each holds at least `offsets[i] + (ks[i] - 1) * strides[i] + 1` values."""
     _state["gather_sketch"](addrs, offsets, strides, ks, out)
+
+
+def _build_word_sums() -> Any:
+    import numba
+    from numba import types
+    from numba.extending import intrinsic
+
+    @intrinsic
+    def u32_at(typingctx: Any, addr: Any) -> Any:  # an integer address as a uint32 pointer
+        sig = types.CPointer(types.uint32)(types.int64)
+
+        def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+            return builder.inttoptr(args[0], context.get_value_type(types.CPointer(types.uint32)))
+        return sig, codegen
+
+    @numba.njit(nogil=True, boundscheck=False)
+    def word_sums(addrs: np.ndarray, words: np.ndarray, slots: np.ndarray, out: np.ndarray) -> None:
+        for i in range(addrs.shape[0]):
+            n = words[i]
+            acc = np.uint32(0)  # uint32 arithmetic wraps mod 2^32: the checksum's own
+            if n > 0:
+                a = numba.carray(u32_at(addrs[i]), (n,))
+                for j in range(n):
+                    acc += a[j]
+            out[slots[i]] += np.int64(acc)
+
+    t = [np.array([1.0, -2.5], np.float32), np.array([3.0], np.float64)]
+    got = np.zeros(2, np.int64)
+    word_sums(np.array([a.ctypes.data for a in t]), np.array([2, 2]), np.array([1, 1]), got)
+    want = sum(int(a.view(np.uint32).astype(np.uint64).sum()) % 2**32 for a in t)
+    if list(got) != [0, want]:
+        raise RuntimeError("the compiled checksum kernel gave a wrong value")
+    return word_sums
+
+
+def word_sums_available() -> bool:
+    """Whether `word_sums` can be used (compiled on first use; False without numba, or with
+    `WARNINGLIGHT_EAGER=1`)."""
+    if not available():
+        return False
+    with _lock:
+        if "word_sums_ok" not in _state:
+            try:
+                _state["word_sums"] = _build_word_sums()
+                _state["word_sums_ok"] = True
+            except Exception:  # numba cannot compile it here: the eager ops stay
+                _state["word_sums_ok"] = False
+        return bool(_state["word_sums_ok"])
+
+
+def word_sums(addrs: np.ndarray, words: np.ndarray, slots: np.ndarray, out: np.ndarray) -> None:
+    """For each contiguous CPU tensor at `addrs[i]` (int64) holding `words[i]` 32-bit words: the
+    wrapping (mod 2^32) sum of its words read as unsigned integers, added into `out[slots[i]]`
+    (int64). The caller keeps the tensors alive and guarantees what the addresses point at."""
+    _state["word_sums"](addrs, words, slots, out)

@@ -7,11 +7,20 @@ records, per parameter-owning component and step:
   component's parameters after the step (each float viewed as 16- or 32-bit integer words).
   Integer addition mod 2^32 is exact and order-free, so bit-identical replicas give equal
   checksums on any device and thread count, and one flipped bit changes the sum by ±2^k mod
-  2^32, never 0. `weight_checksum_fwd` is the same taken at the step's first forward: on one
-  rank it differs from the previous step's `weight_checksum` exactly when something other than
-  the optimizer wrote the weights in between (an exact weight drift; a low mantissa bit that no
-  norm sees counts). Cost: two reads of the weights per step, one small op per parameter each,
-  no host sync.
+  2^32, never 0. Taken for every component after every step: replicas that part are found at
+  the step they part, whatever parted them. On the CPU one compiled pass over the weights
+  (tracer/kernels.py) takes every parameter's sum; elsewhere one small op per parameter.
+- `weight_checksum_fwd`: the same checksum taken at the step's first forward; on one rank it
+  differs from the previous step's `weight_checksum` exactly when something other than the
+  optimizer wrote the weights in between (an exact weight drift; a low mantissa bit that no
+  norm sees counts). It names the rank whose weights were written when the replicas part, so it
+  is taken where a write may have happened, not everywhere: on a component one of whose
+  parameters PyTorch saw written since the last step's end (its version counter moved, or its
+  tensor was replaced: every in-place op on the parameter or a view of it, `load_state_dict`,
+  `copy_`), and on every component in turn, a share of them each step balanced by bytes, so
+  that every component is checked at least every `FWD_CHECK_EVERY` steps whatever the counters
+  say (writes into `.data`, and memory faults, move none). Null where not taken. Sharded
+  components, and every component at the first step, are always taken.
 - `local_grad_norm_l2`: the L2 norm of the gradient this rank contributed *before* the
   all-reduce averaged it with the others (null on a step whose gradients were not all-reduced).
   Read in a DistributedDataParallel communication hook, which sees each bucket of local
@@ -20,7 +29,8 @@ records, per parameter-owning component and step:
 - `grad_allreduced`: whether DDP all-reduced this component's gradients in this step; false on
   every component means the step trained outside DDP (its gradients stayed local).
 
-Values stay on the device until the segment is flushed, like the health stats.
+Values stay on the device until the segment is flushed, like the health stats; nothing in a
+step reads one back to the host.
 """
 
 from __future__ import annotations
@@ -31,9 +41,13 @@ import numpy as np
 import torch
 from torch import nn
 
+from . import kernels
 from .components import Component
 
 _INT_VIEW = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int32}  # element bytes -> words
+# steps within which every component's weights are checked at the first forward (the bound on
+# finding a write outside the optimizer that PyTorch does not see, on the rank that made it)
+FWD_CHECK_EVERY = 8
 
 
 def local_shard(p: torch.Tensor) -> torch.Tensor:
@@ -73,10 +87,24 @@ class ReplicaProbe:
         for c, p in owned:
             self.sharded[c] |= is_sharded(p)
         self.world_size = world_size
-        self.rows: dict[int, tuple[torch.Tensor, torch.Tensor, np.ndarray]] = {}
-        self._at_forward: torch.Tensor | None = None
+        # per step: (checksums after it and at its forward (2, C), local norms (C,), all-reduced
+        # components, components checked at the forward)
+        self.rows: dict[int, tuple[torch.Tensor, torch.Tensor, np.ndarray, np.ndarray]] = {}
+        self._at_forward: tuple[torch.Tensor, np.ndarray] | None = None
         self._buckets: dict[int, tuple[torch.Tensor, torch.Tensor, np.ndarray]] = {}
         self._layouts: dict[tuple[int, ...], tuple[torch.Tensor, np.ndarray]] = {}
+        self.param_comp_np = np.array([c for c, _ in owned], dtype=np.int64)
+        self._turns = self._rotation(owned)
+        # parameters whose version counters and addresses say whether PyTorch saw them written
+        self._watched = [i for i, (c, _) in enumerate(owned) if not self.sharded[c]]
+        self._at_end: tuple[list[int], list[int]] | None = None  # (versions, addresses) at the last end
+        self._next_step = 0
+        self._addrs: np.ndarray | None = None  # the compiled pass's addresses (None: eager ops)
+        self._ptrs: list[int] = []
+        self._words = np.zeros(0, dtype=np.int64)
+        self._zero: torch.Tensor | None = None  # a parameter not taken by the eager ops adds this
+        self._compiled = bool(self.params) and self.device.type == "cpu" and kernels.word_sums_available()
+        self._refresh()
         self.closed = False
         self.model = model
         ddp = isinstance(model, nn.parallel.DistributedDataParallel)
@@ -130,12 +158,15 @@ class ReplicaProbe:
 
     def _observe_bucket(self, bucket: Any) -> None:
         """Per-component sum of squares of this bucket's local gradients (kept until the step ends)."""
-        grads = bucket.gradients()
-        params = bucket.parameters()
-        key = tuple(id(p) for p in params)
+        self.local_norms_of(bucket.index(), bucket.gradients(), [id(p) for p in bucket.parameters()])
+
+    def local_norms_of(self, index: int, grads: list[torch.Tensor], param_ids: list[int]) -> None:
+        """Per-component sums of squares of one bucket's local gradients `grads` (of the
+        parameters `param_ids`), kept as bucket `index`'s until the step ends."""
+        key = tuple(param_ids)
         layout = self._layouts.get(key)
         if layout is None:
-            comps = [self.comp_of.get(id(p), -1) for p in params]
+            comps = [self.comp_of.get(i, -1) for i in param_ids]
             keep = torch.tensor([c >= 0 for c in comps], dtype=torch.bool, device=self.device)
             idx = torch.tensor([max(c, 0) for c in comps], dtype=torch.long, device=self.device)
             mask = np.zeros(self.n, dtype=bool)
@@ -145,24 +176,85 @@ class ReplicaProbe:
             return
         norms = torch.stack(torch._foreach_norm(grads)).float()
         # a later call for the same bucket in the step (another synced micro-batch) replaces it
-        self._buckets[bucket.index()] = (layout[0][0], norms * norms * layout[0][1], layout[1])
+        self._buckets[index] = (layout[0][0], norms * norms * layout[0][1], layout[1])
 
-    # --- per step -----------------------------------------------------------------------------
+    # --- weight checksums -------------------------------------------------------------------
 
-    def checksums(self) -> torch.Tensor:
-        """(C,) int64: per component, the sum of its parameters' wrapping int32 bit sums."""
+    def _rotation(self, owned: list[tuple[int, torch.Tensor]]) -> np.ndarray:
+        """(FWD_CHECK_EVERY, C) bool: the components checked at the forward on each turn, every
+        component on one turn, the turns' bytes balanced (largest component first)."""
+        size = np.zeros(self.n, dtype=np.int64)
+        for c, p in owned:
+            size[c] += local_shard(p).numel() * p.element_size()
+        turns = np.zeros((FWD_CHECK_EVERY, self.n), dtype=bool)
+        load = np.zeros(FWD_CHECK_EVERY, dtype=np.int64)
+        for c in sorted(np.flatnonzero(self.is_param), key=lambda c: -size[c]):
+            t = int(np.argmin(load))
+            turns[t, c], load[t] = True, load[t] + size[c]
+        return turns
+
+    def _refresh(self) -> None:
+        """Take the parameters' addresses again (in case `p.data` was replaced); the compiled
+        pass reads them while every parameter is a plain contiguous CPU tensor of 32- or 64-bit
+        elements whose storage holds it (else the eager ops read them)."""
+        self._addrs = None
+        if not self._compiled:
+            return
+        flat = [local_shard(p) for p in self.params]
+        self._ptrs = [p.data_ptr() for p in self.params]
+        if all(type(t) is torch.Tensor and t.is_cpu and t.is_contiguous() and t.element_size() in (4, 8)
+               and t.data_ptr() != 0 and t.untyped_storage().nbytes() >= (t.storage_offset() + t.numel())
+               * t.element_size() for t in flat):
+            self._words = np.array([t.numel() * t.element_size() // 4 for t in flat], dtype=np.int64)
+            self._addrs = np.array(self._ptrs, dtype=np.int64)
+
+    def checksums(self, take: np.ndarray | None = None) -> torch.Tensor:
+        """(C,) int64: per component, the sum of its parameters' wrapping 32-bit bit sums
+        (unsigned); only over the parameters `take` marks (a (P,) bool mask), if given."""
+        if self._compiled and [p.data_ptr() for p in self.params] != self._ptrs:
+            self._refresh()
+        if self._addrs is not None:
+            out = np.zeros(self.n, dtype=np.int64)
+            if take is None:
+                kernels.word_sums(self._addrs, self._words, self.param_comp_np, out)
+            else:
+                kernels.word_sums(self._addrs[take], self._words[take], self.param_comp_np[take], out)
+            return torch.from_numpy(out)
+        if take is None:
+            take = np.ones(len(self.params), dtype=bool)
         # int32 accumulation: its wrap mod 2^32 is the checksum's own arithmetic, so no wider sum
-        # is needed, and the narrow one is the faster on CPU
-        sums = torch.stack([_words(local_shard(p)).sum(dtype=torch.int32) for p in self.params])
+        # is needed, and the narrow one is the faster on CPU. A parameter not taken adds 0, so the
+        # index stays the one on the device (no host-to-device copy in the step)
+        zero = self._zero if self._zero is not None else torch.zeros((), dtype=torch.int32, device=self.device)
+        self._zero = zero
+        sums = torch.stack([_words(local_shard(p)).sum(dtype=torch.int32) if t else zero
+                            for p, t in zip(self.params, take, strict=True)])
         return torch.zeros(self.n, dtype=torch.int64, device=self.device).index_add_(
             0, self.param_comp, sums.long() & 0xFFFFFFFF)  # unsigned: a checksum is never < 0
 
+    def _written(self) -> np.ndarray:
+        """(C,) bool: the components to check at this forward (`weight_checksum_fwd`)."""
+        if self._at_end is None:  # no step ended yet: all of them
+            return self.is_param.copy()
+        take = self._turns[self._next_step % FWD_CHECK_EVERY] | (self.sharded & self.is_param)
+        versions, ptrs = self._at_end
+        params = self.params
+        for j, i in enumerate(self._watched):
+            p = params[i]
+            if p._version != versions[j] or p.data_ptr() != ptrs[j]:
+                take[self.param_comp_np[i]] = True
+        return take
+
+    # --- per step -----------------------------------------------------------------------------
+
     def begin(self) -> str | None:
-        """First training forward of a step: the checksums of the weights as the step found them;
-        at the first one, for an inner module, a note when its local gradients cannot be had."""
+        """First training forward of a step: the checksums of the weights as the step found them,
+        where they may have been written (`_written`); at the first one, for an inner module, a
+        note when its local gradients cannot be had."""
         note = self._find_wrapper() if self._wrapper_unknown and not self.closed else None
         if self.params and not self.closed:
-            self._at_forward = self.checksums()
+            take = self._written()
+            self._at_forward = (self.checksums(take[self.param_comp_np]), take)
         return note
 
     def end_step(self, step: int) -> None:
@@ -170,7 +262,11 @@ class ReplicaProbe:
         if not self.params:
             return
         checksum = self.checksums()
-        fwd = self._at_forward if self._at_forward is not None else torch.full_like(checksum, -1)
+        params = self.params
+        self._at_end = ([params[i]._version for i in self._watched],
+                        [params[i].data_ptr() for i in self._watched])
+        self._next_step = step + 1
+        fwd, taken = self._at_forward or (torch.zeros_like(checksum), np.zeros(self.n, dtype=bool))
         self._at_forward = None
         local = torch.zeros(self.n, device=self.device)
         reduced = np.zeros(self.n, dtype=bool)
@@ -178,7 +274,7 @@ class ReplicaProbe:
             local.index_add_(0, idx, sq)
             reduced |= mask
         self._buckets.clear()
-        self.rows[step] = (torch.stack([checksum, fwd]), local.sqrt(), reduced)
+        self.rows[step] = (torch.stack([checksum, fwd]), local.sqrt(), reduced, taken)
 
     def take(self, steps: np.ndarray) -> dict[str, list[Any]]:
         """The `replicas` rows of `steps` (one per step and parameter-owning component), host side."""
@@ -190,13 +286,15 @@ class ReplicaProbe:
         checks = torch.stack([r[0] for _, r in recs]).cpu().numpy()[:, :, comps]  # one copy each
         local = torch.stack([r[1] for _, r in recs]).cpu().numpy()[:, comps]
         reduced = np.stack([r[2] for _, r in recs])[:, comps]
+        taken = np.stack([r[3] for _, r in recs])[:, comps]
         norms = [float(v) if ok else None  # NaN/Inf kept: a non-finite local gradient is evidence
                  for v, ok in zip(local.reshape(-1).tolist(), reduced.reshape(-1).tolist(), strict=True)]
         return {"step": np.repeat([s for s, _ in recs], len(comps)).tolist(),
                 "component": [self.names[c] for c in comps] * len(recs),
                 "weight_checksum": checks[:, 0].reshape(-1).tolist(),
-                # -1: no training forward ran in the step (no checksum taken; a real one is >= 0)
-                "weight_checksum_fwd": [None if v < 0 else v for v in checks[:, 1].reshape(-1).tolist()],
+                # null where not taken (`_written`), or no training forward ran in the step
+                "weight_checksum_fwd": [v if ok else None for v, ok in zip(
+                    checks[:, 1].reshape(-1).tolist(), taken.reshape(-1).tolist(), strict=True)],
                 "local_grad_norm_l2": norms,
                 "grad_allreduced": reduced.reshape(-1).tolist(),
                 "sharded": np.tile(self.sharded[comps], len(recs)).tolist()}

@@ -204,16 +204,18 @@ def _build_word_sums() -> Any:
     def word_sums(addrs: np.ndarray, words: np.ndarray, slots: np.ndarray, out: np.ndarray) -> None:
         for i in range(addrs.shape[0]):
             n = words[i]
-            acc = np.uint32(0)  # uint32 arithmetic wraps mod 2^32: the checksum's own
+            # numba widens integer arithmetic to 64 bits: the sum wraps mod 2^64, of which
+            # the low 32 bits are the sum mod 2^32 (the checksum's own arithmetic)
+            acc = np.uint64(0)
             if n > 0:
                 a = numba.carray(u32_at(addrs[i]), (n,))
                 for j in range(n):
                     acc += a[j]
-            out[slots[i]] += np.int64(acc)
+            out[slots[i]] += np.int64(acc & np.uint64(0xFFFFFFFF))
 
-    t = [np.array([1.0, -2.5], np.float32), np.array([3.0], np.float64)]
+    t = [np.array([1.0, -2.5, -1e30, -3e38], np.float32), np.array([3.0], np.float64)]
     got = np.zeros(2, np.int64)
-    word_sums(np.array([a.ctypes.data for a in t]), np.array([2, 2]), np.array([1, 1]), got)
+    word_sums(np.array([a.ctypes.data for a in t]), np.array([4, 2]), np.array([1, 1]), got)
     want = sum(int(a.view(np.uint32).astype(np.uint64).sum()) % 2**32 for a in t)
     if list(got) != [0, want]:
         raise RuntimeError("the compiled checksum kernel gave a wrong value")

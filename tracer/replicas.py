@@ -103,7 +103,9 @@ class ReplicaProbe:
         self._ptrs: list[int] = []
         self._words = np.zeros(0, dtype=np.int64)
         self._zero: torch.Tensor | None = None  # a parameter not taken by the eager ops adds this
-        self._compiled = bool(self.params) and self.device.type == "cpu" and kernels.word_sums_available()
+        # sharded (DTensor) parameters take the eager ops, which read their local shards
+        self._compiled = (bool(self.params) and self.device.type == "cpu" and not self.sharded.any()
+                          and kernels.word_sums_available())
         self._refresh()
         self.closed = False
         self.model = model
@@ -202,9 +204,11 @@ class ReplicaProbe:
             return
         flat = [local_shard(p) for p in self.params]
         self._ptrs = [p.data_ptr() for p in self.params]
-        if all(type(t) is torch.Tensor and t.is_cpu and t.is_contiguous() and t.element_size() in (4, 8)
-               and t.data_ptr() != 0 and t.untyped_storage().nbytes() >= (t.storage_offset() + t.numel())
-               * t.element_size() for t in flat):
+        usable = all(type(t) is torch.Tensor and t.data_ptr() == q != 0 and t.is_cpu and t.is_contiguous()
+                     and t.element_size() in (4, 8)
+                     and t.untyped_storage().nbytes() >= (t.storage_offset() + t.numel()) * t.element_size()
+                     for t, q in zip(flat, self._ptrs, strict=True))
+        if usable:
             self._words = np.array([t.numel() * t.element_size() // 4 for t in flat], dtype=np.int64)
             self._addrs = np.array(self._ptrs, dtype=np.int64)
 

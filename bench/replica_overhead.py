@@ -5,18 +5,20 @@ bench/overhead.py three ways at once: plain DistributedDataParallel, watched wit
 per-rank evidence (`replicas=False`), and watched with it (`replicas=True`, the default when the
 world size is above 1). The three are three copies of the model (same initial weights), each
 wrapped in its own DDP (its own reducer and communication hook) and watched from start to end
-like a real run (flushing at the recorder's default interval); blocks of steps of the three alternate, the order rotating every block triple,
-so drift in machine load hits all of them. Every rank runs the same schedule, so their
-all-reduces pair up. Two figures:
+like a real run, flushing at the recorder's default interval. Their steps alternate one by one,
+the order rotating every round, so drift in machine load hits all three alike; a watched step is
+timed until its writer thread is idle again, so the writing it was given counts too. Every rank
+runs the same schedule, so their all-reduces pair up. Two figures:
 
-1. side by side: per block triple, (time with the evidence - time without it) / plain step
-   time, the evidence's share of the step (median over triples, with its spread); wall-clock on
-   rank 0 (the ranks wait for each other at every all-reduce) and process CPU of both ranks;
+1. side by side: (summed time with the evidence - summed time without it) / summed plain time,
+   the evidence's share of the step, with its spread over five parts of the run; wall-clock on
+   rank 0 (the ranks wait for each other at every all-reduce) and process CPU, the mean of the
+   ranks (on a shared machine wall time waits on others' load as much as on the step);
 2. direct: process-CPU time of each part of the evidence, timed over many calls on rank 0 of
    the same group, as a share of the plain step.
 
-Run: `python bench/replica_overhead.py [--steps N] [--triples N] [--threads T]` (also printed at
-the end of bench/overhead.py).
+Run: `python bench/replica_overhead.py [--steps N] [--threads T]` (also printed at the end of
+bench/overhead.py).
 """
 
 from __future__ import annotations
@@ -25,7 +27,6 @@ import argparse
 import json
 import os
 import socket
-import statistics
 import tempfile
 import time
 from collections.abc import Callable
@@ -59,21 +60,18 @@ def _case(seed: int, rank: int, batch: int) -> tuple[torch.nn.Module, torch.opti
     return model, opt, loss
 
 
-def _block(loss_fn: Callable[[], torch.Tensor], opt: torch.optim.Optimizer, steps: int,
-           rec: Any) -> tuple[float, float]:
-    """Wall and process-CPU seconds per step over `steps` steps (with a recorder: until its
-    writer thread is idle again, so the writing it was given counts too)."""
+def _step(loss_fn: Callable[[], torch.Tensor], opt: torch.optim.Optimizer, rec: Any) -> tuple[float, float]:
+    """Wall and process-CPU seconds of one training step (with a recorder: until its writer
+    thread is idle again, so the writing it was given counts too)."""
     t0, c0 = time.perf_counter(), time.process_time()
-    for _ in range(steps):
-        loss = loss_fn()
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        if rec is not None:
-            rec.log(loss=loss)
+    loss = loss_fn()
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
     if rec is not None:
+        rec.log(loss=loss)
         rec.writer.ready()
-    return (time.perf_counter() - t0) / steps, (time.process_time() - c0) / steps
+    return time.perf_counter() - t0, time.process_time() - c0
 
 
 def _cpu_per_call(fn: Callable[[], object], n: int = 100) -> float:
@@ -104,25 +102,38 @@ def _direct(model: torch.nn.Module, rec: Any) -> dict[str, float]:
             "local gradient norms": _cpu_per_call(local_norms)}
 
 
+def _allreduce_hook(group, bucket):  # type: ignore[no-untyped-def]  # noqa: ANN001, ANN201
+    """What the recorder's communication hook does besides reading the local gradients (no
+    annotations: DDP checks them, and a postponed one fails its check)."""
+    buffer = bucket.buffer()
+    buffer.mul_(1.0 / dist.get_world_size())
+    work = dist.all_reduce(buffer, async_op=True)
+    return work.get_future().then(lambda fut: fut.value()[0])
+
+
 def _rank(rank: int, port: int, args: dict[str, Any], out: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(args["threads"])
     dist.init_process_group("gloo", rank=rank, world_size=WORLD)
     try:
-        cases = {arm: _case(0, rank, args["batch"]) for arm in ARMS}
+        cases = {arm: _case(0, rank, args["batch"]) for arm in ARMS + ("hook",) * args["hook_arm"]}
         with tempfile.TemporaryDirectory() as tmp:
             recs = {"plain": None}
             for arm, replicas in (("without", False), ("with", True)):
                 model, opt, _ = cases[arm]
                 recs[arm] = watch(model, opt, f"{tmp}/{arm}", rank=rank, world_size=WORLD,
                                   replicas=replicas)
-            for arm in ARMS:  # warm-up: compiled passes, first segments, the hook's first steps
-                _block(cases[arm][2], cases[arm][1], 3, recs[arm])
+            if "hook" in cases:  # DDP's arithmetic in a Python communication hook, nothing else
+                cases["hook"][0].register_comm_hook(None, _allreduce_hook)
+                recs["hook"] = None
+            arms = list(cases)
+            for _ in range(3):  # warm-up: compiled passes, first segments, the hooks' first steps
+                for arm in arms:
+                    _step(cases[arm][2], cases[arm][1], recs[arm])
             times: list[dict[str, tuple[float, float]]] = []
-            for i in range(args["triples"]):
-                order = ARMS[i % 3:] + ARMS[:i % 3]
-                times.append({arm: _block(cases[arm][2], cases[arm][1], args["steps"], recs[arm])
-                              for arm in order})
+            for i in range(args["steps"]):
+                order = arms[i % len(arms):] + arms[:i % len(arms)]
+                times.append({arm: _step(cases[arm][2], cases[arm][1], recs[arm]) for arm in order})
             dist.barrier()
             direct = _direct(cases["with"][0], recs["with"]) if rank == 0 else {}
             dist.barrier()
@@ -139,31 +150,38 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def report(steps: int = 20, triples: int = 6, batch: int = 8, threads: int = 1) -> None:
+def report(steps: int = 150, batch: int = 8, threads: int = 1, chunks: int = 5,
+           hook_arm: bool = False) -> None:
     """Spawn the two ranks, then print both figures."""
-    args = {"steps": steps, "triples": triples, "batch": batch, "threads": threads}
+    args = {"steps": steps, "batch": batch, "threads": threads, "hook_arm": hook_arm}
     with tempfile.TemporaryDirectory() as out:
         mp.spawn(_rank, args=(_free_port(), args, out), nprocs=WORLD, join=True)
         ranks = [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(WORLD)]
     load = os.getloadavg()[0]
     wall = [{a: t[a][0] for a in ARMS} for t in ranks[0]["times"]]
-    cpu = [{a: sum(r["times"][i][a][1] for r in ranks) / WORLD for a in ARMS}
-           for i in range(triples)]
+    cpu = [{a: sum(r["times"][i][a][1] for r in ranks) / WORLD for a in ARMS} for i in range(steps)]
     print(f"per-rank evidence, TinyGPT 4x256 seq 128 batch {batch}, {WORLD} ranks of gloo DDP, "
-          f"{threads} thread(s) each, {triples} block triples of {steps} steps (load {load:.2f} "
-          "after the run):")
+          f"{threads} thread(s) each, {steps} steps each way, interleaved (load {load:.2f} after "
+          "the run):")
     for name, rows in (("wall, rank 0", wall), ("process CPU, mean of the ranks", cpu)):
-        share = [100 * (t["with"] - t["without"]) / t["plain"] for t in rows]
+        def share(part: list[dict[str, float]]) -> float:
+            total = {a: sum(t[a] for t in part) for a in ARMS}
+            return 100 * (total["with"] - total["without"]) / total["plain"]
+        size = max(1, len(rows) // chunks)
+        spread = [share(rows[k:k + size]) for k in range(0, size * chunks, size)]
         total = {a: sum(t[a] for t in rows) for a in ARMS}
-        plain = statistics.median(t["plain"] for t in rows)
-        print(f"  {name}: plain step {plain * 1e3:.0f} ms; evidence = (with - without) / plain: "
-              f"median {statistics.median(share):+.2f}% (min {min(share):+.2f}%, max "
-              f"{max(share):+.2f}%), of the summed times "
-              f"{100 * (total['with'] - total['without']) / total['plain']:+.2f}% (target <= 1%); "
-              f"whole recorder / plain, summed: without the evidence "
-              f"{total['without'] / total['plain']:.3f}, with it {total['with'] / total['plain']:.3f}")
+        print(f"  {name}: plain step {1e3 * total['plain'] / len(rows):.0f} ms; evidence = (with - "
+              f"without) / plain, of the summed times: {share(rows):+.2f}% (target <= 1%; over "
+              f"{chunks} parts {min(spread):+.2f}% .. {max(spread):+.2f}%); whole recorder / plain: "
+              f"without the evidence {total['without'] / total['plain']:.3f}, with it "
+              f"{total['with'] / total['plain']:.3f}")
+    if hook_arm:
+        for name, col in (("wall, rank 0", 0), ("process CPU, rank 0", 1)):
+            total = {a: sum(t[a][col] for t in ranks[0]["times"]) for a in (*ARMS, "hook")}
+            print(f"  {name}: plain DDP with a Python communication hook doing DDP's arithmetic, "
+                  f"against plain: {100 * (total['hook'] - total['plain']) / total['plain']:+.2f}%")
     parts = ranks[0]["direct"]
-    plain_cpu = statistics.median(t["plain"] for t in cpu)
+    plain_cpu = sum(t["plain"] for t in cpu) / len(cpu)
     cost = sum(parts.values())
     print(f"  direct, rank 0: {cost * 1e3:.2f} ms CPU per step = {100 * cost / plain_cpu:.2f}% of "
           "the plain step; by part: " + ", ".join(
@@ -172,16 +190,17 @@ def report(steps: int = 20, triples: int = 6, batch: int = 8, threads: int = 1) 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--steps", type=int, default=20, help="steps per timed block")
-    ap.add_argument("--triples", type=int, default=6,
-                    help="block triples (plain, without, with; order rotating)")
+    ap.add_argument("--steps", type=int, default=150, help="timed steps of each of the three")
+    ap.add_argument("--hook-arm", action="store_true",
+                    help="a fourth copy: plain DDP with a Python communication hook that only does "
+                         "DDP's arithmetic (what the hook alone costs)")
     ap.add_argument("--batch", type=int, default=8, help="sequences per rank and step")
     ap.add_argument("--threads", type=int, default=1,
                     help="torch threads per rank (default 1: two ranks on a loaded 2-core machine; "
                          "more threads than cores make every parallel reduction noise)")
     args = ap.parse_args()
     print(f"torch {torch.__version__}")
-    report(args.steps, args.triples, args.batch, args.threads)
+    report(args.steps, args.batch, args.threads, hook_arm=args.hook_arm)
 
 
 if __name__ == "__main__":

@@ -13,14 +13,17 @@ records, per parameter-owning component and step:
 - `weight_checksum_fwd`: the same checksum taken at the step's first forward; on one rank it
   differs from the previous step's `weight_checksum` exactly when something other than the
   optimizer wrote the weights in between (an exact weight drift; a low mantissa bit that no
-  norm sees counts). It names the rank whose weights were written when the replicas part, so it
-  is taken where a write may have happened, not everywhere: on a component one of whose
-  parameters PyTorch saw written since the last step's end (its version counter moved, or its
-  tensor was replaced: every in-place op on the parameter or a view of it, `load_state_dict`,
-  `copy_`), and on every component in turn, a share of them each step balanced by bytes, so
-  that every component is checked at least every `FWD_CHECK_EVERY` steps whatever the counters
-  say (writes into `.data`, and memory faults, move none). Null where not taken. Sharded
-  components, and every component at the first step, are always taken.
+  norm sees counts). Its use is to name the rank whose weights were written when replicas part,
+  and a full read of the weights at every forward would cost as much as the checksum after the
+  step, so it is taken where a write may have happened: on a component one of whose parameters
+  PyTorch saw written since the last step's end (a version counter moved: any in-place op on
+  the parameter or a view of it, `copy_`, `load_state_dict`; or a tensor put under it), exact at
+  that step; and on every component in turn, a byte-balanced share each step, so that every
+  component is checked at least every `FWD_CHECK_EVERY` steps whatever the counters say (writes
+  into `.data`, and memory faults, move none: the replicas still part at their step, found by
+  `weight_checksum`, and the rank is named by this check when it falls on that step, else by
+  the other evidence the engine weighs). Null where not taken. Sharded components, and every
+  component at a run's first step, are always taken.
 - `local_grad_norm_l2`: the L2 norm of the gradient this rank contributed *before* the
   all-reduce averaged it with the others (null on a step whose gradients were not all-reduced).
   Read in a DistributedDataParallel communication hook, which sees each bucket of local

@@ -82,24 +82,44 @@ def _cpu_per_call(fn: Callable[[], object], n: int = 100) -> float:
     return (time.process_time() - c0) / n
 
 
+class _Bucket:
+    """What the communication hook reads of a DDP bucket: the gradients are views of one flat buffer."""
+
+    def __init__(self, params: list[torch.nn.Parameter]) -> None:
+        self.params = params
+        self.flat = torch.randn(sum(p.numel() for p in params))
+        self.views = [v.view_as(p) for v, p in zip(self.flat.split([p.numel() for p in params]), params,
+                                                   strict=True)]
+
+    def gradients(self) -> list[torch.Tensor]:
+        return self.views
+
+    def parameters(self) -> list[torch.nn.Parameter]:
+        return self.params
+
+    def index(self) -> int:
+        return 0
+
+
 def _direct(model: torch.nn.Module, rec: Any) -> dict[str, float]:
-    """Process-CPU seconds per call of each part of the evidence, on the watched model's probe
-    as training left it (its gradients in place)."""
+    """Process-CPU seconds per call of each part of the evidence, on the watched model's probe."""
     probe = rec.replicas
-    params = list(model.parameters())
-    grads = [torch.randn_like(p) for p in params]  # training left none (zero_grad to None)
+    bucket = _Bucket(list(model.parameters()))  # the whole model as one bucket
     step = rec.step_count + 1
 
     def end() -> None:
         probe.end_step(step)
         probe.rows.pop(step, None)
 
-    def local_norms() -> None:  # what the comm hook adds per step, the bucket as one
-        probe.local_norms_of(0, grads, [id(p) for p in params])
+    def local_norms() -> None:  # the hook's reading of a bucket (scaling it by 1, as DDP would by 1/world)
+        probe._observe_bucket(bucket, bucket.flat, 1.0)
+        if not probe._scaled:
+            bucket.flat.mul_(1.0)
         probe._buckets.clear()
     return {"checksum after the step": _cpu_per_call(end),
             "checks at the forward": _cpu_per_call(probe.begin),
-            "local gradient norms": _cpu_per_call(local_norms)}
+            "local gradient norms, beyond DDP's own scaling of the bucket":
+                max(0.0, _cpu_per_call(local_norms) - _cpu_per_call(lambda: bucket.flat.mul_(1.0)))}
 
 
 def _allreduce_hook(group, bucket):  # type: ignore[no-untyped-def]  # noqa: ANN001, ANN201
@@ -119,7 +139,7 @@ def _rank(rank: int, port: int, args: dict[str, Any], out: str) -> None:
         cases = {arm: _case(0, rank, args["batch"]) for arm in ARMS + ("hook",) * args["hook_arm"]}
         with tempfile.TemporaryDirectory() as tmp:
             recs = {"plain": None}
-            for arm, replicas in (("without", False), ("with", True)):
+            for arm, replicas in (("without", False), ("with", not args["null"])):
                 model, opt, _ = cases[arm]
                 recs[arm] = watch(model, opt, f"{tmp}/{arm}", rank=rank, world_size=WORLD,
                                   replicas=replicas)
@@ -135,7 +155,7 @@ def _rank(rank: int, port: int, args: dict[str, Any], out: str) -> None:
                 order = arms[i % len(arms):] + arms[:i % len(arms)]
                 times.append({arm: _step(cases[arm][2], cases[arm][1], recs[arm]) for arm in order})
             dist.barrier()
-            direct = _direct(cases["with"][0], recs["with"]) if rank == 0 else {}
+            direct = _direct(cases["with"][0], recs["with"]) if rank == 0 and not args["null"] else {}
             dist.barrier()
             for arm in ("without", "with"):
                 recs[arm].close()
@@ -151,9 +171,9 @@ def _free_port() -> int:
 
 
 def report(steps: int = 150, batch: int = 8, threads: int = 1, chunks: int = 5,
-           hook_arm: bool = False) -> None:
+           hook_arm: bool = False, null: bool = False) -> None:
     """Spawn the two ranks, then print both figures."""
-    args = {"steps": steps, "batch": batch, "threads": threads, "hook_arm": hook_arm}
+    args = {"steps": steps, "batch": batch, "threads": threads, "hook_arm": hook_arm, "null": null}
     with tempfile.TemporaryDirectory() as out:
         mp.spawn(_rank, args=(_free_port(), args, out), nprocs=WORLD, join=True)
         ranks = [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(WORLD)]
@@ -181,6 +201,8 @@ def report(steps: int = 150, batch: int = 8, threads: int = 1, chunks: int = 5,
             print(f"  {name}: plain DDP with a Python communication hook doing DDP's arithmetic, "
                   f"against plain: {100 * (total['hook'] - total['plain']) / total['plain']:+.2f}%")
     parts = ranks[0]["direct"]
+    if not parts:
+        return
     plain_cpu = sum(t["plain"] for t in cpu) / len(cpu)
     cost = sum(parts.values())
     print(f"  direct, rank 0: {cost * 1e3:.2f} ms CPU per step = {100 * cost / plain_cpu:.2f}% of "
@@ -194,13 +216,16 @@ def main() -> None:
     ap.add_argument("--hook-arm", action="store_true",
                     help="a fourth copy: plain DDP with a Python communication hook that only does "
                          "DDP's arithmetic (what the hook alone costs)")
+    ap.add_argument("--null", action="store_true",
+                    help="an A/A run: the 'with' copy is watched without the evidence too, so the "
+                         "share printed is the copies' own difference (what the figure's noise is)")
     ap.add_argument("--batch", type=int, default=8, help="sequences per rank and step")
     ap.add_argument("--threads", type=int, default=1,
                     help="torch threads per rank (default 1: two ranks on a loaded 2-core machine; "
                          "more threads than cores make every parallel reduction noise)")
     args = ap.parse_args()
     print(f"torch {torch.__version__}")
-    report(args.steps, args.batch, args.threads, hook_arm=args.hook_arm)
+    report(args.steps, args.batch, args.threads, hook_arm=args.hook_arm, null=args.null)
 
 
 if __name__ == "__main__":

@@ -242,3 +242,55 @@ def word_sums(addrs: np.ndarray, words: np.ndarray, slots: np.ndarray, out: np.n
     wrapping (mod 2^32) sum of its words read as unsigned integers, added into `out[slots[i]]`
     (int64). The caller keeps the tensors alive and guarantees what the addresses point at."""
     _state["word_sums"](addrs, words, slots, out)
+
+
+def _build_scaled_norms() -> Any:
+    import numba
+
+    @numba.njit(nogil=True, fastmath={"reassoc", "contract"}, boundscheck=False)
+    def scaled_norms(buf: np.ndarray, offsets: np.ndarray, lens: np.ndarray, scale: np.float32,
+                     out: np.ndarray) -> None:
+        pos = 0
+        for i in range(offsets.shape[0]):
+            start = offsets[i]
+            for j in range(pos, start):  # between segments: scaled only
+                buf[j] = buf[j] * scale
+            acc = 0.0
+            for j in range(start, start + lens[i]):
+                x = buf[j]
+                acc += np.float64(x) * np.float64(x)
+                buf[j] = x * scale  # one float32 product: what `mul_` computes
+            out[i] = np.float32(np.sqrt(acc))
+            pos = start + lens[i]
+        for j in range(pos, buf.shape[0]):
+            buf[j] = buf[j] * scale
+
+    buf = np.array([3.0, 4.0, 7.0, 1.0, -2.0], np.float32)
+    out = np.zeros(2, np.float32)
+    scaled_norms(buf, np.array([0, 3]), np.array([2, 1]), np.float32(0.5), out)
+    if list(out) != [5.0, 1.0] or list(buf) != [1.5, 2.0, 3.5, 0.5, -1.0]:
+        raise RuntimeError("the compiled scaled-norm kernel gave a wrong value")
+    return scaled_norms
+
+
+def scaled_norms_available() -> bool:
+    """Whether `scaled_norms` can be used (compiled on first use)."""
+    if not available():
+        return False
+    with _lock:
+        if "scaled_norms_ok" not in _state:
+            try:
+                _state["scaled_norms"] = _build_scaled_norms()
+                _state["scaled_norms_ok"] = True
+            except Exception:  # numba cannot compile it here: the eager ops stay
+                _state["scaled_norms_ok"] = False
+        return bool(_state["scaled_norms_ok"])
+
+
+def scaled_norms(buf: np.ndarray, offsets: np.ndarray, lens: np.ndarray, scale: float,
+                 out: np.ndarray) -> None:
+    """One pass over a flat float32 buffer: the L2 norm of each segment `[offsets[i], offsets[i]
+    + lens[i])` (ascending, not overlapping) as it was, into `out` (float32, from a float64 sum
+    of squares), while every value of the buffer is multiplied by `scale` in float32, as
+    `torch.Tensor.mul_(scale)` does."""
+    _state["scaled_norms"](buf, offsets, lens, np.float32(scale), out)

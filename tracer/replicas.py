@@ -27,7 +27,8 @@ records, per parameter-owning component and step:
 - `local_grad_norm_l2`: the L2 norm of the gradient this rank contributed *before* the
   all-reduce averaged it with the others (null on a step whose gradients were not all-reduced).
   Read in a DistributedDataParallel communication hook, which sees each bucket of local
-  gradients once, just before it calls the same all-reduce DDP runs without a hook. Given the
+  gradients once, just before it calls the same all-reduce DDP runs without a hook (on the CPU,
+  in the one compiled pass that also scales the bucket by 1 / world size, as DDP does). Given the
   module inside a DDP, the hook goes on the DDP found running it at the first training forward.
 - `grad_allreduced`: whether DDP all-reduced this component's gradients in this step; false on
   every component means the step trained outside DDP (its gradients stayed local).
@@ -110,6 +111,9 @@ class ReplicaProbe:
         self._compiled = (bool(self.params) and self.device.type == "cpu" and not self.sharded.any()
                           and kernels.word_sums_available())
         self._refresh()
+        # the local norms read in the pass that scales DDP's bucket (`_observe_bucket`)
+        self._fused = self.device.type == "cpu" and kernels.scaled_norms_available()
+        self._scaled = False
         self.closed = False
         self.model = model
         ddp = isinstance(model, nn.parallel.DistributedDataParallel)
@@ -149,25 +153,63 @@ class ReplicaProbe:
 
     def _comm_hook(self, group: Any, bucket: Any) -> torch.futures.Future[torch.Tensor]:
         buffer = bucket.buffer()
+        # The same arithmetic as DDP without a hook (grad * (1 / world) into the bucket, then a
+        # summing all-reduce), so training is bit-identical with and without the recorder. On the
+        # CPU the local norms are read in the pass that scales the bucket (`_observe_bucket`)
+        size = group.size() if group is not None else torch.distributed.get_world_size()
+        self._scaled = False
         if not self.closed:
             try:
-                self._observe_bucket(bucket)
+                self._observe_bucket(bucket, buffer, 1.0 / size)
             except Exception:  # never break the all-reduce; the step's local norms stay null
                 self._buckets.pop(bucket.index(), None)
-        # The same arithmetic as DDP without a hook (grad * (1 / world) into the bucket, then a
-        # summing all-reduce), so training is bit-identical with and without the recorder.
-        size = group.size() if group is not None else torch.distributed.get_world_size()
-        buffer.mul_(1.0 / size)
+        if not self._scaled:
+            buffer.mul_(1.0 / size)
         work = torch.distributed.all_reduce(buffer, group=group, async_op=True)
         return work.get_future().then(lambda fut: fut.value()[0])
 
-    def _observe_bucket(self, bucket: Any) -> None:
-        """Per-component sum of squares of this bucket's local gradients (kept until the step ends)."""
-        self.local_norms_of(bucket.index(), bucket.gradients(), [id(p) for p in bucket.parameters()])
+    def _observe_bucket(self, bucket: Any, buffer: torch.Tensor, scale: float) -> None:
+        """Per-component sum of squares of this bucket's local gradients (kept until the step
+        ends). Where the bucket is a flat float32 CPU buffer holding the gradients in order, one
+        compiled pass takes their norms and scales the buffer by `scale` (`self._scaled`)."""
+        grads, index = bucket.gradients(), bucket.index()
+        param_ids = [id(p) for p in bucket.parameters()]
+        offsets = self._offsets(buffer, grads) if self._fused and grads else None
+        if offsets is None:
+            self.local_norms_of(index, grads, param_ids)
+            return
+        norms = np.empty(len(grads), dtype=np.float32)
+        kernels.scaled_norms(buffer.numpy(), offsets[0], offsets[1], scale, norms)
+        self._scaled = True
+        self._keep(index, param_ids, torch.from_numpy(norms))
+
+    @staticmethod
+    def _offsets(buffer: torch.Tensor, grads: list[torch.Tensor]) -> tuple[np.ndarray, np.ndarray] | None:
+        """(offsets, lengths) of `grads` in `buffer`, in elements, if the buffer is a flat float32
+        CPU tensor and the gradients contiguous float32 views laid out in it in order, apart;
+        else None."""
+        f32 = torch.float32
+        if not (type(buffer) is torch.Tensor and buffer.dtype is f32 and buffer.is_cpu
+                and buffer.layout is torch.strided and buffer.is_contiguous() and not buffer.requires_grad):
+            return None
+        base = buffer.data_ptr()
+        if any(g.dtype is not f32 or not g.is_contiguous() for g in grads):
+            return None
+        offsets = (np.array([g.data_ptr() for g in grads], dtype=np.int64) - base) // 4
+        lens = np.array([g.numel() for g in grads], dtype=np.int64)
+        ends = offsets + lens
+        if offsets[0] < 0 or ends[-1] > buffer.numel() or (offsets[1:] < ends[:-1]).any():
+            return None
+        return offsets, lens
 
     def local_norms_of(self, index: int, grads: list[torch.Tensor], param_ids: list[int]) -> None:
         """Per-component sums of squares of one bucket's local gradients `grads` (of the
         parameters `param_ids`), kept as bucket `index`'s until the step ends."""
+        if grads:
+            self._keep(index, param_ids, torch.stack(torch._foreach_norm(grads)).float())
+
+    def _keep(self, index: int, param_ids: list[int], norms: torch.Tensor) -> None:
+        """Keep bucket `index`'s per-parameter local norms as per-component squares."""
         key = tuple(param_ids)
         layout = self._layouts.get(key)
         if layout is None:
@@ -177,9 +219,6 @@ class ReplicaProbe:
             mask = np.zeros(self.n, dtype=bool)
             mask[[c for c in comps if c >= 0]] = True
             layout = self._layouts[key] = (torch.stack([idx, keep.long()]), mask)
-        if not grads:
-            return
-        norms = torch.stack(torch._foreach_norm(grads)).float()
         # a later call for the same bucket in the step (another synced micro-batch) replaces it
         self._buckets[index] = (layout[0][0], norms * norms * layout[0][1], layout[1])
 

@@ -250,20 +250,24 @@ def _build_scaled_norms() -> Any:
     @numba.njit(nogil=True, fastmath={"reassoc", "contract"}, boundscheck=False)
     def scaled_norms(buf: np.ndarray, offsets: np.ndarray, lens: np.ndarray, scale: np.float32,
                      out: np.ndarray) -> None:
+        # slices indexed from 0: an index numba cannot prove non-negative is checked for
+        # wrap-around on every access, which keeps the loop from vectorising
         pos = 0
         for i in range(offsets.shape[0]):
-            start = offsets[i]
-            for j in range(pos, start):  # between segments: scaled only
-                buf[j] = buf[j] * scale
+            gap = buf[pos:offsets[i]]  # between segments: scaled only
+            for j in range(gap.shape[0]):
+                gap[j] = gap[j] * scale
+            seg = buf[offsets[i]:offsets[i] + lens[i]]
             acc = 0.0
-            for j in range(start, start + lens[i]):
-                x = buf[j]
+            for j in range(seg.shape[0]):
+                x = seg[j]
                 acc += np.float64(x) * np.float64(x)
-                buf[j] = x * scale  # one float32 product: what `mul_` computes
+                seg[j] = x * scale  # one float32 product: what `mul_` computes
             out[i] = np.float32(np.sqrt(acc))
-            pos = start + lens[i]
-        for j in range(pos, buf.shape[0]):
-            buf[j] = buf[j] * scale
+            pos = offsets[i] + lens[i]
+        rest = buf[pos:]
+        for j in range(rest.shape[0]):
+            rest[j] = rest[j] * scale
 
     buf = np.array([3.0, 4.0, 7.0, 1.0, -2.0], np.float32)
     out = np.zeros(2, np.float32)

@@ -58,7 +58,11 @@ _NOTES = """\
   `watch(..., hooks_under_compile="eager")` runs them outside the graph instead (full
   statistics, one graph break per component). Gradient and weight metrics work either way.
 - **Ranks.** With a world size above 1 every rank writes the `replicas` table: exact weight
-  checksums (compare ranks: bit-identical replicas have equal checksums) and, when the watched
+  checksums of every component after every step (compare ranks: bit-identical replicas have
+  equal checksums, so replicas that part are found at the step they part), the same checksum at
+  the forward (which rank's weights were written outside the optimizer: on every component
+  whose parameters PyTorch saw written, and on every component at least every 8 steps, for the
+  writes it does not see) and, when the watched
   model is the `DistributedDataParallel` wrapper, the local gradient norm each rank contributed
   before the all-reduce (read in a DDP communication hook that then performs DDP's own
   arithmetic, so training stays bit-identical; if the model already has a communication hook,

@@ -14,7 +14,7 @@ from warninglight.forensics.explaining.ranks import findings
 from warninglight.lab import zoo
 from warninglight.tracer import schema, watch
 from warninglight.tracer.components import discover
-from warninglight.tracer.replicas import ReplicaProbe
+from warninglight.tracer.replicas import FWD_CHECK_EVERY, ReplicaProbe
 
 
 def _checksums(model: torch.nn.Module) -> dict[str, int]:
@@ -39,6 +39,21 @@ def test_checksum_is_equal_on_identical_weights_and_changes_with_one_flipped_bit
     assert abs(cb["2"] - ca["2"]) == 1  # the sum moved by exactly that bit
 
 
+def test_the_compiled_pass_and_the_eager_ops_give_the_same_checksums() -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(300, 70), torch.nn.Linear(70, 5).double())
+    probe = ReplicaProbe(discover(model), model, 2)
+    if probe._addrs is None:  # no numba here: the eager ops are the only path
+        return
+    compiled = probe.checksums()
+    half = np.array([True, False, False, True])  # one weight and one bias
+    compiled_half = probe.checksums(half)
+    probe._addrs = None  # the eager ops from here
+    assert probe.checksums().tolist() == compiled.tolist()
+    assert probe.checksums(half).tolist() == compiled_half.tolist()
+    assert 0 < compiled_half[0] < compiled[0] and compiled_half[1] < compiled[1]
+
+
 def test_the_norm_misses_a_low_bit_flip_the_checksum_catches() -> None:
     torch.manual_seed(0)
     w = torch.randn(64, 64)
@@ -48,8 +63,10 @@ def test_the_norm_misses_a_low_bit_flip_the_checksum_catches() -> None:
     assert w.view(torch.int32).sum(dtype=torch.int64) != v.view(torch.int32).sum(dtype=torch.int64)
 
 
-def _train(trace: Path, rank: int, flip_at: int | None, steps: int = 30) -> None:
-    """One rank of a pretend data-parallel run: same seed and data on every rank, no process group."""
+def _train(trace: Path, rank: int, flip_at: int | None, steps: int = 30, unseen: bool = False) -> None:
+    """One rank of a pretend data-parallel run: same seed and data on every rank, no process group.
+    At step `flip_at` a low mantissa bit of one weight of layer "4" flips before the forward,
+    through the parameter (its version counter moves) or, `unseen`, through `.data` (none does)."""
     torch.manual_seed(0)
     model = zoo.mlp()
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
@@ -61,7 +78,8 @@ def _train(trace: Path, rank: int, flip_at: int | None, steps: int = 30) -> None
                 ids, x, y = next(data)
                 if step == flip_at:
                     with torch.no_grad():
-                        model[4].weight.view(-1).view(torch.int32)[3] ^= 1 << 3  # a low mantissa bit
+                        w = model[4].weight.data if unseen else model[4].weight
+                        w.view(-1).view(torch.int32)[3] ^= 1 << 3  # a low mantissa bit
                 F.cross_entropy(model(x), y).backward()
                 opt.step()
                 opt.zero_grad()
@@ -112,3 +130,39 @@ def test_identical_replicas_are_healthy_and_a_flipped_bit_on_rank_1_is_named(tmp
     assert root["ranks_disagree"] is True and root["ranks"] == [1]
     assert d["rollback"]["checkpoint_step"] == 10
     assert any(a["metric"] == "weight_checksum" and a["rank"] == 1 for a in d["alarms"])
+    fwd = _fwd_checks(same)
+    # the forward checksum is taken on every component at least every FWD_CHECK_EVERY steps,
+    # on a share of them each step (not all at once), and equals the last step's checksum
+    for (rank, comp), rows in fwd.items():
+        taken = [s for s, f, _ in rows if f is not None]
+        assert taken[0] == 1 and np.diff([*taken, 31]).max() <= FWD_CHECK_EVERY, (rank, comp, taken)
+        assert all(f == prev for (s, f, _), (_, _, prev) in zip(rows[1:], rows, strict=False) if f is not None)
+    per_step = [sum(rows[i][1] is not None for rows in fwd.values()) for i in range(1, 30)]
+    assert 0 < max(per_step) < len(fwd)
+    # on the rank whose weight was written, at that step: taken (its version counter moved) and
+    # different from the checksum after the step before
+    _, f17, _ = _fwd_checks(flipped)[(1, "4")][16]
+    _, _, after16 = _fwd_checks(flipped)[(1, "4")][15]
+    assert f17 is not None and f17 != after16
+
+
+def _fwd_checks(trace: Path) -> dict[tuple[int, str], list[tuple[int, int | None, int]]]:
+    """{(rank, component): [(step, weight_checksum_fwd, weight_checksum)] in step order}."""
+    rows = duckdb.sql(f"""select rank, component, step, weight_checksum_fwd, weight_checksum
+        from read_parquet('{schema.segment_glob(trace, "replicas")}', hive_partitioning = true)
+        order by step""").fetchall()
+    out: dict[tuple[int, str], list[tuple[int, int | None, int]]] = {}
+    for rank, comp, step, fwd, after in rows:
+        out.setdefault((int(rank), comp), []).append((step, fwd, after))
+    return out
+
+
+def test_a_write_pytorch_does_not_see_is_found_at_its_step(tmp_path: Path) -> None:
+    """A write into `.data` moves no version counter, so the forward checksum is not taken at
+    that step (not the component's turn), but the replicas' checksums after it differ there."""
+    _train(tmp_path, 0, None, steps=20)
+    _train(tmp_path, 1, 13, steps=20, unseen=True)
+    step, fwd, _ = _fwd_checks(tmp_path)[(1, "4")][12]
+    assert (step, fwd) == (13, None)
+    root = analyze(tmp_path).to_dict()["root"]
+    assert (root["scope"], root["onset_step"]) == ("replicas", 13)

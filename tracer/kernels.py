@@ -95,3 +95,116 @@ def gather_sketch(addrs: np.ndarray, offsets: np.ndarray, strides: np.ndarray, k
     tensor at `addrs[i]`, one after the other into `out` (float32). The caller keeps the tensors
     alive and guarantees each holds at least `offsets[i] + (ks[i] - 1) * strides[i] + 1` values."""
     _state["gather_sketch"](addrs, offsets, strides, ks, out)
+
+
+def _build_word_sums() -> Any:
+    import numba
+    from numba import types
+    from numba.extending import intrinsic
+
+    @intrinsic
+    def u32_at(typingctx: Any, addr: Any) -> Any:  # an integer address as a uint32 pointer
+        sig = types.CPointer(types.uint32)(types.int64)
+
+        def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+            return builder.inttoptr(args[0], context.get_value_type(types.CPointer(types.uint32)))
+        return sig, codegen
+
+    @numba.njit(nogil=True, boundscheck=False)
+    def word_sums(addrs: np.ndarray, words: np.ndarray, slots: np.ndarray, out: np.ndarray) -> None:
+        for i in range(addrs.shape[0]):
+            n = words[i]
+            # numba widens integer arithmetic to 64 bits: the sum wraps mod 2^64, of which
+            # the low 32 bits are the sum mod 2^32 (the checksum's own arithmetic)
+            acc = np.uint64(0)
+            if n > 0:
+                a = numba.carray(u32_at(addrs[i]), (n,))
+                for j in range(n):
+                    acc += a[j]
+            out[slots[i]] += np.int64(acc & np.uint64(0xFFFFFFFF))
+
+    t = [np.array([1.0, -2.5, -1e30, -3e38], np.float32), np.array([3.0], np.float64)]
+    got = np.zeros(2, np.int64)
+    word_sums(np.array([a.ctypes.data for a in t]), np.array([4, 2]), np.array([1, 1]), got)
+    want = sum(int(a.view(np.uint32).astype(np.uint64).sum()) % 2**32 for a in t)
+    if list(got) != [0, want]:
+        raise RuntimeError("the compiled checksum kernel gave a wrong value")
+    return word_sums
+
+
+def word_sums_available() -> bool:
+    """Whether `word_sums` can be used (compiled on first use; False without numba, or with
+    `WARNINGLIGHT_EAGER=1`)."""
+    if not available():
+        return False
+    with _lock:
+        if "word_sums_ok" not in _state:
+            try:
+                _state["word_sums"] = _build_word_sums()
+                _state["word_sums_ok"] = True
+            except Exception:  # numba cannot compile it here: the eager ops stay
+                _state["word_sums_ok"] = False
+        return bool(_state["word_sums_ok"])
+
+
+def word_sums(addrs: np.ndarray, words: np.ndarray, slots: np.ndarray, out: np.ndarray) -> None:
+    """For each contiguous CPU tensor at `addrs[i]` (int64) holding `words[i]` 32-bit words: the
+    wrapping (mod 2^32) sum of its words read as unsigned integers, added into `out[slots[i]]`
+    (int64). The caller keeps the tensors alive and guarantees what the addresses point at."""
+    _state["word_sums"](addrs, words, slots, out)
+
+
+def _build_scaled_norms() -> Any:
+    import numba
+
+    @numba.njit(nogil=True, fastmath={"reassoc", "contract"}, boundscheck=False)
+    def scaled_norms(buf: np.ndarray, offsets: np.ndarray, lens: np.ndarray, scale: np.float32,
+                     out: np.ndarray) -> None:
+        # slices indexed from 0: an index numba cannot prove non-negative is checked for
+        # wrap-around on every access, which keeps the loop from vectorising
+        pos = 0
+        for i in range(offsets.shape[0]):
+            gap = buf[pos:offsets[i]]  # between segments: scaled only
+            for j in range(gap.shape[0]):
+                gap[j] = gap[j] * scale
+            seg = buf[offsets[i]:offsets[i] + lens[i]]
+            acc = 0.0
+            for j in range(seg.shape[0]):
+                x = seg[j]
+                acc += np.float64(x) * np.float64(x)
+                seg[j] = x * scale  # one float32 product: what `mul_` computes
+            out[i] = np.float32(np.sqrt(acc))
+            pos = offsets[i] + lens[i]
+        rest = buf[pos:]
+        for j in range(rest.shape[0]):
+            rest[j] = rest[j] * scale
+
+    buf = np.array([3.0, 4.0, 7.0, 1.0, -2.0], np.float32)
+    out = np.zeros(2, np.float32)
+    scaled_norms(buf, np.array([0, 3]), np.array([2, 1]), np.float32(0.5), out)
+    if list(out) != [5.0, 1.0] or list(buf) != [1.5, 2.0, 3.5, 0.5, -1.0]:
+        raise RuntimeError("the compiled scaled-norm kernel gave a wrong value")
+    return scaled_norms
+
+
+def scaled_norms_available() -> bool:
+    """Whether `scaled_norms` can be used (compiled on first use)."""
+    if not available():
+        return False
+    with _lock:
+        if "scaled_norms_ok" not in _state:
+            try:
+                _state["scaled_norms"] = _build_scaled_norms()
+                _state["scaled_norms_ok"] = True
+            except Exception:  # numba cannot compile it here: the eager ops stay
+                _state["scaled_norms_ok"] = False
+        return bool(_state["scaled_norms_ok"])
+
+
+def scaled_norms(buf: np.ndarray, offsets: np.ndarray, lens: np.ndarray, scale: float,
+                 out: np.ndarray) -> None:
+    """One pass over a flat float32 buffer: the L2 norm of each segment `[offsets[i], offsets[i]
+    + lens[i])` (ascending, not overlapping) as it was, into `out` (float32, from a float64 sum
+    of squares), while every value of the buffer is multiplied by `scale` in float32, as
+    `torch.Tensor.mul_(scale)` does."""
+    _state["scaled_norms"](buf, offsets, lens, np.float32(scale), out)

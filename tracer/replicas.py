@@ -7,20 +7,34 @@ records, per parameter-owning component and step:
   component's parameters after the step (each float viewed as 16- or 32-bit integer words).
   Integer addition mod 2^32 is exact and order-free, so bit-identical replicas give equal
   checksums on any device and thread count, and one flipped bit changes the sum by ±2^k mod
-  2^32, never 0. `weight_checksum_fwd` is the same taken at the step's first forward: on one
-  rank it differs from the previous step's `weight_checksum` exactly when something other than
-  the optimizer wrote the weights in between (an exact weight drift; a low mantissa bit that no
-  norm sees counts). Cost: two reads of the weights per step, one small op per parameter each,
-  no host sync.
+  2^32, never 0. Taken for every component after every step: replicas that part are found at
+  the step they part, whatever parted them. On the CPU one compiled pass over the weights
+  (tracer/kernels.py) takes every parameter's sum; elsewhere one small op per parameter.
+- `weight_checksum_fwd`: the same checksum taken at the step's first forward; on one rank it
+  differs from the previous step's `weight_checksum` exactly when something other than the
+  optimizer wrote the weights in between (an exact weight drift; a low mantissa bit that no
+  norm sees counts). Its use is to name the rank whose weights were written when replicas part,
+  and a full read of the weights at every forward would cost as much as the checksum after the
+  step, so it is taken where a write may have happened: on a component one of whose parameters
+  PyTorch saw written since the last step's end (a version counter moved: any in-place op on
+  the parameter or a view of it, `copy_`, `load_state_dict`; or a tensor put under it), exact at
+  that step; and on every component in turn, a byte-balanced share each step, so that every
+  component is checked at least every `FWD_CHECK_EVERY` steps whatever the counters say (writes
+  into `.data`, and memory faults, move none: the replicas still part at their step, found by
+  `weight_checksum`, and the rank is named by this check when it falls on that step, else by
+  the other evidence the engine weighs). Null where not taken. Sharded components, and every
+  component at a run's first step, are always taken.
 - `local_grad_norm_l2`: the L2 norm of the gradient this rank contributed *before* the
   all-reduce averaged it with the others (null on a step whose gradients were not all-reduced).
   Read in a DistributedDataParallel communication hook, which sees each bucket of local
-  gradients once, just before it calls the same all-reduce DDP runs without a hook. Given the
+  gradients once, just before it calls the same all-reduce DDP runs without a hook (on the CPU,
+  in the one compiled pass that also scales the bucket by 1 / world size, as DDP does). Given the
   module inside a DDP, the hook goes on the DDP found running it at the first training forward.
 - `grad_allreduced`: whether DDP all-reduced this component's gradients in this step; false on
   every component means the step trained outside DDP (its gradients stayed local).
 
-Values stay on the device until the segment is flushed, like the health stats.
+Values stay on the device until the segment is flushed, like the health stats; nothing in a
+step reads one back to the host.
 """
 
 from __future__ import annotations
@@ -31,9 +45,13 @@ import numpy as np
 import torch
 from torch import nn
 
+from . import kernels
 from .components import Component
 
 _INT_VIEW = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int32}  # element bytes -> words
+# steps within which every component's weights are checked at the first forward (the bound on
+# finding a write outside the optimizer that PyTorch does not see, on the rank that made it)
+FWD_CHECK_EVERY = 8
 
 
 def local_shard(p: torch.Tensor) -> torch.Tensor:
@@ -73,10 +91,29 @@ class ReplicaProbe:
         for c, p in owned:
             self.sharded[c] |= is_sharded(p)
         self.world_size = world_size
-        self.rows: dict[int, tuple[torch.Tensor, torch.Tensor, np.ndarray]] = {}
-        self._at_forward: torch.Tensor | None = None
+        # per step: (checksums after it and at its forward (2, C), local norms (C,), all-reduced
+        # components, components checked at the forward)
+        self.rows: dict[int, tuple[torch.Tensor, torch.Tensor, np.ndarray, np.ndarray]] = {}
+        self._at_forward: tuple[torch.Tensor, np.ndarray] | None = None
         self._buckets: dict[int, tuple[torch.Tensor, torch.Tensor, np.ndarray]] = {}
         self._layouts: dict[tuple[int, ...], tuple[torch.Tensor, np.ndarray]] = {}
+        self.param_comp_np = np.array([c for c, _ in owned], dtype=np.int64)
+        self._turns = self._rotation(owned)
+        # parameters whose version counters and addresses say whether PyTorch saw them written
+        self._watched = [i for i, (c, _) in enumerate(owned) if not self.sharded[c]]
+        self._at_end: tuple[list[int], list[int]] | None = None  # (versions, addresses) at the last end
+        self._next_step = 0
+        self._addrs: np.ndarray | None = None  # the compiled pass's addresses (None: eager ops)
+        self._ptrs: list[int] = []
+        self._words = np.zeros(0, dtype=np.int64)
+        self._zero: torch.Tensor | None = None  # a parameter not taken by the eager ops adds this
+        # sharded (DTensor) parameters take the eager ops, which read their local shards
+        self._compiled = (bool(self.params) and self.device.type == "cpu" and not self.sharded.any()
+                          and kernels.word_sums_available())
+        self._refresh()
+        # the local norms read in the pass that scales DDP's bucket (`_observe_bucket`)
+        self._fused = self.device.type == "cpu" and kernels.scaled_norms_available()
+        self._scaled = False
         self.closed = False
         self.model = model
         ddp = isinstance(model, nn.parallel.DistributedDataParallel)
@@ -116,53 +153,154 @@ class ReplicaProbe:
 
     def _comm_hook(self, group: Any, bucket: Any) -> torch.futures.Future[torch.Tensor]:
         buffer = bucket.buffer()
+        # The same arithmetic as DDP without a hook (grad * (1 / world) into the bucket, then a
+        # summing all-reduce), so training is bit-identical with and without the recorder. On the
+        # CPU the local norms are read in the pass that scales the bucket (`_observe_bucket`)
+        size = group.size() if group is not None else torch.distributed.get_world_size()
+        self._scaled = False
         if not self.closed:
             try:
-                self._observe_bucket(bucket)
+                self._observe_bucket(bucket, buffer, 1.0 / size)
             except Exception:  # never break the all-reduce; the step's local norms stay null
                 self._buckets.pop(bucket.index(), None)
-        # The same arithmetic as DDP without a hook (grad * (1 / world) into the bucket, then a
-        # summing all-reduce), so training is bit-identical with and without the recorder.
-        size = group.size() if group is not None else torch.distributed.get_world_size()
-        buffer.mul_(1.0 / size)
+        if not self._scaled:
+            buffer.mul_(1.0 / size)
         work = torch.distributed.all_reduce(buffer, group=group, async_op=True)
         return work.get_future().then(lambda fut: fut.value()[0])
 
-    def _observe_bucket(self, bucket: Any) -> None:
-        """Per-component sum of squares of this bucket's local gradients (kept until the step ends)."""
-        grads = bucket.gradients()
-        params = bucket.parameters()
-        key = tuple(id(p) for p in params)
+    def _observe_bucket(self, bucket: Any, buffer: torch.Tensor, scale: float) -> None:
+        """Per-component sum of squares of this bucket's local gradients (kept until the step
+        ends). Where the bucket is a flat float32 CPU buffer holding the gradients in order, one
+        compiled pass takes their norms and scales the buffer by `scale` (`self._scaled`)."""
+        grads, index = bucket.gradients(), bucket.index()
+        param_ids = [id(p) for p in bucket.parameters()]
+        offsets = self._offsets(buffer, grads) if self._fused and grads else None
+        if offsets is None:
+            self.local_norms_of(index, grads, param_ids)
+            return
+        norms = np.empty(len(grads), dtype=np.float32)
+        kernels.scaled_norms(buffer.numpy(), offsets[0], offsets[1], scale, norms)
+        self._scaled = True
+        self._keep(index, param_ids, torch.from_numpy(norms))
+
+    @staticmethod
+    def _offsets(buffer: torch.Tensor, grads: list[torch.Tensor]) -> tuple[np.ndarray, np.ndarray] | None:
+        """(offsets, lengths) of `grads` in `buffer`, in elements, if the buffer is a flat float32
+        CPU tensor and the gradients contiguous float32 views laid out in it in order, apart;
+        else None."""
+        f32 = torch.float32
+        if not (type(buffer) is torch.Tensor and buffer.dtype is f32 and buffer.is_cpu
+                and buffer.layout is torch.strided and buffer.is_contiguous() and not buffer.requires_grad):
+            return None
+        base = buffer.data_ptr()
+        if any(g.dtype is not f32 or not g.is_contiguous() for g in grads):
+            return None
+        offsets = (np.array([g.data_ptr() for g in grads], dtype=np.int64) - base) // 4
+        lens = np.array([g.numel() for g in grads], dtype=np.int64)
+        ends = offsets + lens
+        if offsets[0] < 0 or ends[-1] > buffer.numel() or (offsets[1:] < ends[:-1]).any():
+            return None
+        return offsets, lens
+
+    def local_norms_of(self, index: int, grads: list[torch.Tensor], param_ids: list[int]) -> None:
+        """Per-component sums of squares of one bucket's local gradients `grads` (of the
+        parameters `param_ids`), kept as bucket `index`'s until the step ends."""
+        if grads:
+            self._keep(index, param_ids, torch.stack(torch._foreach_norm(grads)).float())
+
+    def _keep(self, index: int, param_ids: list[int], norms: torch.Tensor) -> None:
+        """Keep bucket `index`'s per-parameter local norms as per-component squares."""
+        key = tuple(param_ids)
         layout = self._layouts.get(key)
         if layout is None:
-            comps = [self.comp_of.get(id(p), -1) for p in params]
+            comps = [self.comp_of.get(i, -1) for i in param_ids]
             keep = torch.tensor([c >= 0 for c in comps], dtype=torch.bool, device=self.device)
             idx = torch.tensor([max(c, 0) for c in comps], dtype=torch.long, device=self.device)
             mask = np.zeros(self.n, dtype=bool)
             mask[[c for c in comps if c >= 0]] = True
             layout = self._layouts[key] = (torch.stack([idx, keep.long()]), mask)
-        if not grads:
-            return
-        norms = torch.stack(torch._foreach_norm(grads)).float()
         # a later call for the same bucket in the step (another synced micro-batch) replaces it
-        self._buckets[bucket.index()] = (layout[0][0], norms * norms * layout[0][1], layout[1])
+        self._buckets[index] = (layout[0][0], norms * norms * layout[0][1], layout[1])
 
-    # --- per step -----------------------------------------------------------------------------
+    # --- weight checksums -------------------------------------------------------------------
 
-    def checksums(self) -> torch.Tensor:
-        """(C,) int64: per component, the sum of its parameters' wrapping int32 bit sums."""
+    def _rotation(self, owned: list[tuple[int, torch.Tensor]]) -> np.ndarray:
+        """(FWD_CHECK_EVERY, C) bool: the components checked at the forward on each turn, every
+        component on one turn, the turns' bytes balanced (largest component first)."""
+        size = np.zeros(self.n, dtype=np.int64)
+        for c, p in owned:
+            size[c] += local_shard(p).numel() * p.element_size()
+        turns = np.zeros((FWD_CHECK_EVERY, self.n), dtype=bool)
+        load = np.zeros(FWD_CHECK_EVERY, dtype=np.int64)
+        for c in sorted(np.flatnonzero(self.is_param), key=lambda c: -size[c]):
+            t = int(np.argmin(load))
+            turns[t, c], load[t] = True, load[t] + size[c]
+        return turns
+
+    def _refresh(self) -> None:
+        """Take the parameters' addresses again (in case `p.data` was replaced); the compiled
+        pass reads them while every parameter is a plain contiguous CPU tensor of 32- or 64-bit
+        elements whose storage holds it (else the eager ops read them)."""
+        self._addrs = None
+        if not self._compiled:
+            return
+        flat = [local_shard(p) for p in self.params]
+        self._ptrs = [p.data_ptr() for p in self.params]
+        usable = all(type(t) is torch.Tensor and t.data_ptr() == q != 0 and t.is_cpu and t.is_contiguous()
+                     and t.element_size() in (4, 8)
+                     and t.untyped_storage().nbytes() >= (t.storage_offset() + t.numel()) * t.element_size()
+                     for t, q in zip(flat, self._ptrs, strict=True))
+        if usable:
+            self._words = np.array([t.numel() * t.element_size() // 4 for t in flat], dtype=np.int64)
+            self._addrs = np.array(self._ptrs, dtype=np.int64)
+
+    def checksums(self, take: np.ndarray | None = None) -> torch.Tensor:
+        """(C,) int64: per component, the sum of its parameters' wrapping 32-bit bit sums
+        (unsigned); only over the parameters `take` marks (a (P,) bool mask), if given."""
+        if self._compiled and [p.data_ptr() for p in self.params] != self._ptrs:
+            self._refresh()
+        if self._addrs is not None:
+            out = np.zeros(self.n, dtype=np.int64)
+            if take is None:
+                kernels.word_sums(self._addrs, self._words, self.param_comp_np, out)
+            else:
+                kernels.word_sums(self._addrs[take], self._words[take], self.param_comp_np[take], out)
+            return torch.from_numpy(out)
+        if take is None:
+            take = np.ones(len(self.params), dtype=bool)
         # int32 accumulation: its wrap mod 2^32 is the checksum's own arithmetic, so no wider sum
-        # is needed, and the narrow one is the faster on CPU
-        sums = torch.stack([_words(local_shard(p)).sum(dtype=torch.int32) for p in self.params])
+        # is needed, and the narrow one is the faster on CPU. A parameter not taken adds 0, so the
+        # index stays the one on the device (no host-to-device copy in the step)
+        zero = self._zero if self._zero is not None else torch.zeros((), dtype=torch.int32, device=self.device)
+        self._zero = zero
+        sums = torch.stack([_words(local_shard(p)).sum(dtype=torch.int32) if t else zero
+                            for p, t in zip(self.params, take, strict=True)])
         return torch.zeros(self.n, dtype=torch.int64, device=self.device).index_add_(
             0, self.param_comp, sums.long() & 0xFFFFFFFF)  # unsigned: a checksum is never < 0
 
+    def _written(self) -> np.ndarray:
+        """(C,) bool: the components to check at this forward (`weight_checksum_fwd`)."""
+        if self._at_end is None:  # no step ended yet: all of them
+            return self.is_param.copy()
+        take = self._turns[self._next_step % FWD_CHECK_EVERY] | (self.sharded & self.is_param)
+        versions, ptrs = self._at_end
+        params = self.params
+        for j, i in enumerate(self._watched):
+            p = params[i]
+            if p._version != versions[j] or p.data_ptr() != ptrs[j]:
+                take[self.param_comp_np[i]] = True
+        return take
+
+    # --- per step -----------------------------------------------------------------------------
+
     def begin(self) -> str | None:
-        """First training forward of a step: the checksums of the weights as the step found them;
-        at the first one, for an inner module, a note when its local gradients cannot be had."""
+        """First training forward of a step: the checksums of the weights as the step found them,
+        where they may have been written (`_written`); at the first one, for an inner module, a
+        note when its local gradients cannot be had."""
         note = self._find_wrapper() if self._wrapper_unknown and not self.closed else None
         if self.params and not self.closed:
-            self._at_forward = self.checksums()
+            take = self._written()
+            self._at_forward = (self.checksums(take[self.param_comp_np]), take)
         return note
 
     def end_step(self, step: int) -> None:
@@ -170,7 +308,11 @@ class ReplicaProbe:
         if not self.params:
             return
         checksum = self.checksums()
-        fwd = self._at_forward if self._at_forward is not None else torch.full_like(checksum, -1)
+        params = self.params
+        self._at_end = ([params[i]._version for i in self._watched],
+                        [params[i].data_ptr() for i in self._watched])
+        self._next_step = step + 1
+        fwd, taken = self._at_forward or (torch.zeros_like(checksum), np.zeros(self.n, dtype=bool))
         self._at_forward = None
         local = torch.zeros(self.n, device=self.device)
         reduced = np.zeros(self.n, dtype=bool)
@@ -178,7 +320,7 @@ class ReplicaProbe:
             local.index_add_(0, idx, sq)
             reduced |= mask
         self._buckets.clear()
-        self.rows[step] = (torch.stack([checksum, fwd]), local.sqrt(), reduced)
+        self.rows[step] = (torch.stack([checksum, fwd]), local.sqrt(), reduced, taken)
 
     def take(self, steps: np.ndarray) -> dict[str, list[Any]]:
         """The `replicas` rows of `steps` (one per step and parameter-owning component), host side."""
@@ -190,13 +332,15 @@ class ReplicaProbe:
         checks = torch.stack([r[0] for _, r in recs]).cpu().numpy()[:, :, comps]  # one copy each
         local = torch.stack([r[1] for _, r in recs]).cpu().numpy()[:, comps]
         reduced = np.stack([r[2] for _, r in recs])[:, comps]
+        taken = np.stack([r[3] for _, r in recs])[:, comps]
         norms = [float(v) if ok else None  # NaN/Inf kept: a non-finite local gradient is evidence
                  for v, ok in zip(local.reshape(-1).tolist(), reduced.reshape(-1).tolist(), strict=True)]
         return {"step": np.repeat([s for s, _ in recs], len(comps)).tolist(),
                 "component": [self.names[c] for c in comps] * len(recs),
                 "weight_checksum": checks[:, 0].reshape(-1).tolist(),
-                # -1: no training forward ran in the step (no checksum taken; a real one is >= 0)
-                "weight_checksum_fwd": [None if v < 0 else v for v in checks[:, 1].reshape(-1).tolist()],
+                # null where not taken (`_written`), or no training forward ran in the step
+                "weight_checksum_fwd": [v if ok else None for v, ok in zip(
+                    checks[:, 1].reshape(-1).tolist(), taken.reshape(-1).tolist(), strict=True)],
                 "local_grad_norm_l2": norms,
                 "grad_allreduced": reduced.reshape(-1).tolist(),
                 "sharded": np.tile(self.sharded[comps], len(recs)).tolist()}

@@ -256,14 +256,16 @@ def test_a_later_process_loads_every_compiled_kernel_from_numbas_cache() -> None
     # seconds of set-up in every run. The first process may compile (a fresh checkout); the
     # second must find all of them, every signature, in the cache
     script = ("from warninglight.tracer import jit, kernels\n"
-              "assert kernels.available()\n"
-              "ks = (jit.forward_sums, jit.tensor_norms, jit.gather_sketch)\n"
+              "assert kernels.available() and kernels.word_sums_available()\n"
+              "assert kernels.scaled_norms_available()\n"
+              "ks = (jit.forward_sums, jit.tensor_norms, jit.gather_sketch, jit.word_sums, "
+              "jit.scaled_norms)\n"
               "print(sum(sum(k.stats.cache_misses.values()) for k in ks), "
               "sum(sum(k.stats.cache_hits.values()) for k in ks))")
     runs = [subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
             for _ in range(2)]
     misses, hits = map(int, runs[1].stdout.split())
-    assert (misses, hits) == (0, 4), runs[1].stdout  # forward_sums in two layouts, the others in one
+    assert (misses, hits) == (0, 6), runs[1].stdout  # forward_sums in two layouts, the others in one
 
 
 @pytest.mark.parametrize("blas_from", [params.BLAS_FROM, 60])

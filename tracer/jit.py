@@ -2,7 +2,7 @@
 
 They are defined at module level, every one with `cache=True`: a function that refers to an
 object made at run time (an intrinsic defined inside another function, say) gets a new cache key
-in every process and is compiled again each time; here a later process loads all three from
+in every process and is compiled again each time; here a later process loads every one from
 numba's cache instead of compiling them at `watch()`.
 """
 
@@ -102,3 +102,49 @@ def gather_sketch(addrs: np.ndarray, offsets: np.ndarray, strides: np.ndarray, k
         for j in range(k):
             out[o + j] = a[off + j * st]
         o += k
+
+
+@intrinsic
+def u32_at(typingctx: Any, addr: Any) -> Any:  # an integer address as a uint32 pointer
+    sig = types.CPointer(types.uint32)(types.int64)
+
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        return builder.inttoptr(args[0], context.get_value_type(types.CPointer(types.uint32)))
+    return sig, codegen
+
+
+@numba.njit(nogil=True, boundscheck=False, cache=True)
+def word_sums(addrs: np.ndarray, words: np.ndarray, slots: np.ndarray, out: np.ndarray) -> None:
+    for i in range(addrs.shape[0]):
+        n = words[i]
+        # numba widens integer arithmetic to 64 bits: the sum wraps mod 2^64, of which
+        # the low 32 bits are the sum mod 2^32 (the checksum's own arithmetic)
+        acc = np.uint64(0)
+        if n > 0:
+            a = numba.carray(u32_at(addrs[i]), (n,))
+            for j in range(n):
+                acc += a[j]
+        out[slots[i]] += np.int64(acc & np.uint64(0xFFFFFFFF))
+
+
+@numba.njit(nogil=True, fastmath={"reassoc", "contract"}, boundscheck=False, cache=True)
+def scaled_norms(buf: np.ndarray, offsets: np.ndarray, lens: np.ndarray, scale: np.float32,
+                 out: np.ndarray) -> None:
+    # slices indexed from 0: an index numba cannot prove non-negative is checked for
+    # wrap-around on every access, which keeps the loop from vectorising
+    pos = 0
+    for i in range(offsets.shape[0]):
+        gap = buf[pos:offsets[i]]  # between segments: scaled only
+        for j in range(gap.shape[0]):
+            gap[j] = gap[j] * scale
+        seg = buf[offsets[i]:offsets[i] + lens[i]]
+        acc = 0.0
+        for j in range(seg.shape[0]):
+            x = seg[j]
+            acc += np.float64(x) * np.float64(x)
+            seg[j] = x * scale  # one float32 product: what `mul_` computes
+        out[i] = np.float32(np.sqrt(acc))
+        pos = offsets[i] + lens[i]
+    rest = buf[pos:]
+    for j in range(rest.shape[0]):
+        rest[j] = rest[j] * scale

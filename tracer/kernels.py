@@ -98,30 +98,7 @@ def gather_sketch(addrs: np.ndarray, offsets: np.ndarray, strides: np.ndarray, k
 
 
 def _build_word_sums() -> Any:
-    import numba
-    from numba import types
-    from numba.extending import intrinsic
-
-    @intrinsic
-    def u32_at(typingctx: Any, addr: Any) -> Any:  # an integer address as a uint32 pointer
-        sig = types.CPointer(types.uint32)(types.int64)
-
-        def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
-            return builder.inttoptr(args[0], context.get_value_type(types.CPointer(types.uint32)))
-        return sig, codegen
-
-    @numba.njit(nogil=True, boundscheck=False)
-    def word_sums(addrs: np.ndarray, words: np.ndarray, slots: np.ndarray, out: np.ndarray) -> None:
-        for i in range(addrs.shape[0]):
-            n = words[i]
-            # numba widens integer arithmetic to 64 bits: the sum wraps mod 2^64, of which
-            # the low 32 bits are the sum mod 2^32 (the checksum's own arithmetic)
-            acc = np.uint64(0)
-            if n > 0:
-                a = numba.carray(u32_at(addrs[i]), (n,))
-                for j in range(n):
-                    acc += a[j]
-            out[slots[i]] += np.int64(acc & np.uint64(0xFFFFFFFF))
+    from .jit import word_sums
 
     t = [np.array([1.0, -2.5, -1e30, -3e38], np.float32), np.array([3.0], np.float64)]
     got = np.zeros(2, np.int64)
@@ -133,7 +110,7 @@ def _build_word_sums() -> Any:
 
 
 def word_sums_available() -> bool:
-    """Whether `word_sums` can be used (compiled on first use; False without numba, or with
+    """Whether `word_sums` can be used (compiled on first use or loaded from numba's cache; False without numba, or with
     `WARNINGLIGHT_EAGER=1`)."""
     if not available():
         return False
@@ -155,29 +132,7 @@ def word_sums(addrs: np.ndarray, words: np.ndarray, slots: np.ndarray, out: np.n
 
 
 def _build_scaled_norms() -> Any:
-    import numba
-
-    @numba.njit(nogil=True, fastmath={"reassoc", "contract"}, boundscheck=False)
-    def scaled_norms(buf: np.ndarray, offsets: np.ndarray, lens: np.ndarray, scale: np.float32,
-                     out: np.ndarray) -> None:
-        # slices indexed from 0: an index numba cannot prove non-negative is checked for
-        # wrap-around on every access, which keeps the loop from vectorising
-        pos = 0
-        for i in range(offsets.shape[0]):
-            gap = buf[pos:offsets[i]]  # between segments: scaled only
-            for j in range(gap.shape[0]):
-                gap[j] = gap[j] * scale
-            seg = buf[offsets[i]:offsets[i] + lens[i]]
-            acc = 0.0
-            for j in range(seg.shape[0]):
-                x = seg[j]
-                acc += np.float64(x) * np.float64(x)
-                seg[j] = x * scale  # one float32 product: what `mul_` computes
-            out[i] = np.float32(np.sqrt(acc))
-            pos = offsets[i] + lens[i]
-        rest = buf[pos:]
-        for j in range(rest.shape[0]):
-            rest[j] = rest[j] * scale
+    from .jit import scaled_norms
 
     buf = np.array([3.0, 4.0, 7.0, 1.0, -2.0], np.float32)
     out = np.zeros(2, np.float32)
@@ -188,7 +143,7 @@ def _build_scaled_norms() -> Any:
 
 
 def scaled_norms_available() -> bool:
-    """Whether `scaled_norms` can be used (compiled on first use)."""
+    """Whether `scaled_norms` can be used (compiled on first use or loaded from numba's cache)."""
     if not available():
         return False
     with _lock:

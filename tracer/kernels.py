@@ -109,19 +109,25 @@ def _build_word_sums() -> Any:
     return word_sums
 
 
-def word_sums_available() -> bool:
-    """Whether `word_sums` can be used (compiled on first use or loaded from numba's cache; False without numba, or with
-    `WARNINGLIGHT_EAGER=1`)."""
+def _extra_available(name: str, build: Any) -> bool:
+    """Whether the kernel `name` can be used: built by `build` on first use (compiled, or loaded
+    from numba's cache); False without numba, with `WARNINGLIGHT_EAGER=1`, or when it fails its
+    check, and then the eager ops stay."""
     if not available():
         return False
     with _lock:
-        if "word_sums_ok" not in _state:
+        if f"{name}_ok" not in _state:
             try:
-                _state["word_sums"] = _build_word_sums()
-                _state["word_sums_ok"] = True
+                _state[name] = build()
+                _state[f"{name}_ok"] = True
             except Exception:  # numba cannot compile it here: the eager ops stay
-                _state["word_sums_ok"] = False
-        return bool(_state["word_sums_ok"])
+                _state[f"{name}_ok"] = False
+        return bool(_state[f"{name}_ok"])
+
+
+def word_sums_available() -> bool:
+    """Whether `word_sums` can be used (see `_extra_available`)."""
+    return _extra_available("word_sums", _build_word_sums)
 
 
 def word_sums(addrs: np.ndarray, words: np.ndarray, slots: np.ndarray, out: np.ndarray) -> None:
@@ -143,17 +149,8 @@ def _build_scaled_norms() -> Any:
 
 
 def scaled_norms_available() -> bool:
-    """Whether `scaled_norms` can be used (compiled on first use or loaded from numba's cache)."""
-    if not available():
-        return False
-    with _lock:
-        if "scaled_norms_ok" not in _state:
-            try:
-                _state["scaled_norms"] = _build_scaled_norms()
-                _state["scaled_norms_ok"] = True
-            except Exception:  # numba cannot compile it here: the eager ops stay
-                _state["scaled_norms_ok"] = False
-        return bool(_state["scaled_norms_ok"])
+    """Whether `scaled_norms` can be used (see `_extra_available`)."""
+    return _extra_available("scaled_norms", _build_scaled_norms)
 
 
 def scaled_norms(buf: np.ndarray, offsets: np.ndarray, lens: np.ndarray, scale: float,

@@ -182,3 +182,19 @@ def test_analyze_json_findings_are_the_documented_object(tmp_path: Path) -> None
     assert set(d["findings"][0]) == documented["`findings[]`"]
     assert set(KINDS) == documented["`findings[].kind`"]
     assert d["root"]["scope"] == "setup" and d["root"]["finding"] == "grads_not_cleared"
+
+
+def test_a_fact_held_from_the_first_step_it_shows_is_the_root_of_an_earlier_onset() -> None:
+    # against a reference the optimizer-wide root can begin at step 1, while gradients left
+    # from a previous step can only show at the second step's backward
+    from warninglight.forensics.explaining.analysis import Root, with_findings
+    from warninglight.forensics.explaining.findings import Finding
+    root = Root(attributed_to="", observed_on="h.0", condition="exploding", onset_step=1, alarm_step=3,
+                magnitude=9.0, metric="grad_norm_l2", rank=0, ranks=[0], ranks_disagree=False,
+                evidence="gradients grew", scope="optimizer")
+    late = Finding("grads_not_cleared", FAULT, 2, 300, 299, ranks=[0], evidence="not cleared")
+    assert with_findings(root, [late], 1) is root  # seen only after the onset: the root stands
+    start = Finding("grads_not_cleared", FAULT, 2, 300, 299, ranks=[0], evidence="not cleared",
+                    from_start=True)
+    got = with_findings(root, [start], 1)
+    assert (got.scope, got.finding, got.onset_step) == ("setup", "grads_not_cleared", 2)

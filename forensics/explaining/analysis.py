@@ -324,10 +324,11 @@ def with_ranks(root: Root | None, found: list[rank_analysis.RankFinding]) -> Roo
 
 def with_findings(root: Root | None, found: list[Finding], ranks: int) -> Root | None:
     """The root once the set-up's findings are known: the earliest fault finding when it held at
-    or before the root's onset (a bug present from step one, whose symptom the classifier saw
-    later), else the root as it was."""
+    or before the root's onset, or from the first step it could be seen at all (a bug present
+    from step one, whose symptom the classifier saw later, or, against a reference, sooner than
+    the fact itself can show), else the root as it was."""
     setup = faults(found)
-    if not setup or (root is not None and setup[0].step > root.onset_step):
+    if not setup or (root is not None and setup[0].step > root.onset_step and not setup[0].from_start):
         return root
     f = setup[0]
     if root is not None and root.scope == "replicas" and f.step >= root.onset_step:

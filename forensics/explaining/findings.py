@@ -62,6 +62,7 @@ class Finding:
     components: list[str] = field(default_factory=list)
     ranks: list[int] = field(default_factory=list)
     evidence: str = ""
+    from_start: bool = False  # held from the first step the fact can be seen at all
 
     @property
     def column(self) -> str:
@@ -134,7 +135,10 @@ def _not_cleared(rows: pl.DataFrame, rank: int) -> list[Finding]:
     first, n = int(bad["step"][0]), len(bad)
     k, held = int(bad["grads_not_cleared"][0]), bad["params_with_grad"][0] if "params_with_grad" in bad.columns else None
     of = f" of the {held}" if held else ""
-    return [Finding("grads_not_cleared", FAULT, first, int(bad["step"][-1]), n, ranks=[rank], evidence=(
+    # a gradient left from the previous step shows at the second step's backward at the earliest
+    seen_from = int(rows["step"][min(1, len(rows) - 1)])
+    return [Finding("grads_not_cleared", FAULT, first, int(bad["step"][-1]), n, ranks=[rank],
+                    from_start=first <= seen_from, evidence=(
         f"at {_steps(n)} from step {first}, {k}{of} parameters the optimizer holds still had the "
         "previous step's gradient when their next backward pass began (never set to None or "
         "zeroed): gradients summed across steps, so each update applied every earlier gradient "

@@ -5,8 +5,10 @@ STEPS [--trace PATH] [--threads T]`): the body of `bench/overhead.py --whole-run
 --fresh-process`, which times such processes from start to exit. Without `--trace` the recorder
 is never imported, so a plain run costs what a training script without it costs. With
 `--trace PATH --setup` it prints what the recorder costs the process once, in process CPU
-seconds: importing it, importing numba, `watch()` (which loads the compiled kernels from numba's
-cache, or compiles them on a fresh install), the first step beyond a plain one, and `close()`.
+seconds: on the training thread importing it, `watch()`, the first step beyond a plain one and
+`close()`; and the whole process's beyond plain steps, which adds the background load of the
+compiled kernels (importing numba, loading them from its cache or compiling them on a fresh
+install) and the writer thread.
 """
 
 from __future__ import annotations
@@ -101,33 +103,37 @@ def main() -> None:
 
 def setup(step: Callable[[], torch.Tensor], model: torch.nn.Module, opt: torch.optim.Optimizer,
           trace: str, steps: int) -> None:
-    """Process CPU seconds of the recorder's one-off costs (see the module docstring)."""
-    clock = time.process_time
+    """The recorder's one-off costs to this process (see the module docstring): CPU seconds of
+    the training thread, and of the whole process (the kernels' background load included)."""
+    own, everyone = time.thread_time, time.process_time
     for _ in range(2):  # the plain step's own first-call costs
         step()
-    t = clock()
+    t, p = own(), everyone()
     step()
-    plain = clock() - t
-    t = clock()
-    from warninglight.tracer import watch
-    imported = clock() - t
-    t = clock()
-    import numba  # noqa: F401 (its import, apart from loading the kernels)
-    numba_s = clock() - t
-    t = clock()
+    plain, plain_p = own() - t, everyone() - p
+    p0 = everyone()
+    t = own()
+    from warninglight.tracer import kernels, watch
+    imported = own() - t
+    t = own()
     rec = watch(model, opt, trace)
-    watch_s = clock() - t
-    t = clock()
+    watch_s = own() - t
+    t = own()
     rec.log(loss=step())
-    first = clock() - t - plain
+    first = own() - t - plain
     for _ in range(max(0, steps - 1)):
         rec.log(loss=step())
-    t = clock()
+    t = own()
     rec.close()
-    close = clock() - t
-    print(f"process CPU s: import the recorder {imported:.3f}, import numba {numba_s:.3f}, watch() "
-          f"{watch_s:.3f}, first step beyond a plain one {first:.3f}, close() {close:.3f}; "
-          f"in all {imported + numba_s + watch_s + first + close:.3f} (a plain step: {plain:.3f})")
+    close = own() - t
+    loader = kernels._loading.get("")
+    if loader is not None:
+        loader.join()
+    rest = everyone() - p0 - steps * plain_p
+    print(f"training thread CPU s: import the recorder {imported:.3f}, watch() {watch_s:.3f}, first step "
+          f"beyond a plain one {first:.3f}, close() {close:.3f}; in all {imported + watch_s + first + close:.3f} "
+          f"(a plain step: {plain:.3f}). Process CPU s beyond {steps} plain steps, the kernels' "
+          f"background load and the writer thread included: {rest:.3f} (loaded: {kernels.ready()})")
 
 
 if __name__ == "__main__":

@@ -35,7 +35,7 @@ from collections.abc import Callable
 
 import torch
 from cases import CASES, Training, adamw_loop, mlp_case
-from warninglight.tracer import Recorder, probes, watch
+from warninglight.tracer import Recorder, kernels, probes, watch
 
 
 def run_block(step: Callable[[], torch.Tensor], steps: int, rec: Recorder | None) -> tuple[float, float]:
@@ -289,6 +289,9 @@ def main() -> None:
                     help="for comparison: the watched copy holds every forward output until the "
                          "optimizer step (as when the model's output is not judged at the forward's end)")
     args = ap.parse_args()
+    # the steady state: the compiled passes from the first watched step (a process loads them in
+    # the background at its first watch(); --fresh-process times that too)
+    kernels.available()
     if args.hold_outputs:
         probes.ForwardProbe.end_forward = lambda *_: None  # type: ignore[method-assign]
     if args.threads:

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from cases import CASES
 from overhead import run_block
-from warninglight.tracer import loopfacts, params, probes, recorder, watch
+from warninglight.tracer import kernels, loopfacts, params, probes, recorder, watch
 
 # (class, method, indent): what a step's recorder work is made of; indented = part of the line above
 PARTS = ((recorder.Recorder, "_root_pre_hook", 0), (params.ParamProbe, "begin", 1),
@@ -75,6 +75,9 @@ def main() -> None:
     ap.add_argument("--blas-from", type=int, default=None,
                     help="with --norms-ab: tensors of this many values or more through BLAS")
     args = ap.parse_args()
+    # the steady state: the compiled passes from the first watched step (a process loads them in
+    # the background at its first watch(); --fresh-process times that too)
+    kernels.available()
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.norms_ab:

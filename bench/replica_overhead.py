@@ -38,7 +38,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 from warninglight.lab import zoo
-from warninglight.tracer import watch
+from warninglight.tracer import kernels, watch
 
 WORLD = 2
 ARMS = ("plain", "without", "with")
@@ -137,6 +137,9 @@ def _rank(rank: int, port: int, args: dict[str, Any], out: str) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=WORLD)
     try:
         cases = {arm: _case(0, rank, args["batch"]) for arm in ARMS + ("hook",) * args["hook_arm"]}
+        # the steady state: the compiled passes from the first watched step (a process loads
+        # them in the background at its first watch())
+        kernels.available() and kernels.word_sums_available() and kernels.scaled_norms_available()
         with tempfile.TemporaryDirectory() as tmp:
             recs = {"plain": None}
             for arm, replicas in (("without", False), ("with", not args["null"])):

@@ -124,7 +124,7 @@ def test_a_non_finite_output_that_reaches_only_the_gradients_is_counted_or_null_
     from warninglight.tracer import kernels
 
     if not compiled:
-        monkeypatch.setattr(kernels, "available", lambda: False)
+        monkeypatch.setattr(kernels, "ready", lambda name="": False)
     torch.manual_seed(0)
     model = _MaskedOverflow()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
@@ -173,7 +173,7 @@ def test_micro_batches_let_go_uncounted_never_give_a_partial_count(
     counts = {}
     for compiled in (True, False):
         if not compiled:
-            monkeypatch.setattr(kernels, "available", lambda: False)
+            monkeypatch.setattr(kernels, "ready", lambda name="": False)
         torch.manual_seed(0)
         model = _MaskedOverflow()
         opt = torch.optim.SGD(model.parameters(), lr=0.01)

@@ -7,9 +7,11 @@ then to per-(step, component) sums. On the CPU that was an eager op per statisti
 over the whole staging buffer: the memory traffic, not the arithmetic, was the cost. Here it
 is one blocked, vectorised numba pass straight into the per-(step, component) sums.
 
-`available()` compiles on first use (or loads numba's cache); when numba cannot be imported or
-compile, it returns False and the recorder keeps its eager ops (equal to float32 rounding:
-tested).
+`available()` compiles on first use (or loads numba's cache) and waits for it; when numba cannot
+be imported or compile, it returns False and the recorder keeps its eager ops (equal to float32
+rounding: tested). The recorder asks `ready()` instead, which never waits: its first call starts
+the load on a thread of its own (importing numba and loading the kernels is most of what the
+recorder costs a process once), and the recorder takes its eager ops until the kernels are there.
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ import numpy as np
 
 _lock = threading.Lock()
 _state: dict[str, Any] = {}
+_loading: dict[str, threading.Thread] = {}  # what `ready` started loading, by kernel name
+_loading_lock = threading.Lock()  # not `_lock`, which a load holds for its whole length
 
 
 def _build() -> dict[str, Any]:
@@ -58,7 +62,7 @@ def available() -> bool:
     """Whether the compiled pass can be used (compiles it the first time, which takes seconds;
     later processes load numba's cache). `WARNINGLIGHT_EAGER=1` in the environment says no: the
     eager ops then run, e.g. to compare the two (`bench/overhead.py`, `bench/overhead_breakdown.py`)."""
-    if os.environ.get("WARNINGLIGHT_EAGER", "") not in ("", "0"):
+    if _eager_forced():
         return False
     with _lock:
         if "ok" not in _state:
@@ -68,6 +72,31 @@ def available() -> bool:
             except Exception:  # no numba, or it cannot compile here: the eager path stays
                 _state["ok"] = False
         return bool(_state["ok"])
+
+
+def _eager_forced() -> bool:
+    return os.environ.get("WARNINGLIGHT_EAGER", "") not in ("", "0")
+
+
+def ready(name: str = "") -> bool:
+    """Whether the kernels (`name`: also that extra one, "word_sums" or "scaled_norms") are
+    loaded and passed their checks, without waiting: the first call that finds them not loaded
+    starts loading them on a thread of its own and says False; later calls say True once they
+    are there. False for good without numba or with `WARNINGLIGHT_EAGER=1`."""
+    if _eager_forced():
+        return False
+    key = f"{name}_ok" if name else "ok"
+    if key in _state:  # a dict read: no lock, so a step never waits on a load in progress
+        return bool(_state[key])
+    with _loading_lock:
+        if name not in _loading:
+            build = _EXTRAS.get(name)
+            load = (lambda: _extra_available(name, build)) if build else available
+            # not a daemon: an interpreter that exits during the load waits for it rather than
+            # tearing numba down under it
+            _loading[name] = threading.Thread(target=load, name="warninglight-kernels")
+            _loading[name].start()
+    return False
 
 
 def forward_sums(m: np.ndarray, slots: np.ndarray, centre: np.ndarray, half: np.ndarray,
@@ -160,3 +189,6 @@ def scaled_norms(buf: np.ndarray, offsets: np.ndarray, lens: np.ndarray, scale: 
     of squares), while every value of the buffer is multiplied by `scale` in float32, as
     `torch.Tensor.mul_(scale)` does."""
     _state["scaled_norms"](buf, offsets, lens, np.float32(scale), out)
+
+
+_EXTRAS = {"word_sums": _build_word_sums, "scaled_norms": _build_scaled_norms}

@@ -148,8 +148,10 @@ class ParamProbe:
         self._row_views = self._views_of(self.rows)  # made once: a slice in every hook is dispatch
         # CPU float32 parameters: norms and sketches in compiled passes over the tensors' memory
         # (tracer/kernels.py), written through numpy views of the same rows
-        self._compiled = bool(self.params) and all(p.device.type == "cpu" for p in self.params) \
-            and kernels.available()
+        # (until the kernels are loaded, `kernels.ready`, the eager ops take every pass; the
+        # compiled passes take over at a step's end, `_take_compiled`)
+        self._may_compile = bool(self.params) and all(p.device.type == "cpu" for p in self.params)
+        self._compiled = self._may_compile and kernels.ready()
         self._numel = np.array(numels, dtype=np.int64)
         self._sketch_at = np.array([(0, 1, n) if spec is None else spec
                                     for spec, n in zip(self._sketch_spec, numels, strict=True)],
@@ -187,6 +189,7 @@ class ParamProbe:
         self._dot = {"weights": False, "grads": device.type == "cpu" and all(
             p.dtype == torch.float32 for p in self.params)}
         self._compiled_grads = self._compiled and self._dot["grads"]  # else never tried
+        self._may_compile = self._may_compile and not self._compiled
         self.has_grad: np.ndarray | None = None  # this step's components with a gradient
         self.param_has_grad: np.ndarray | None = None  # this step's parameters with a gradient
         self.grads_finite = True        # CPU only: the host verdict on the gradient norms
@@ -229,6 +232,16 @@ class ParamProbe:
                 idx = torch.arange(off, off + (k - 1) * stride + 1, stride, device=p.device)
                 self._views.append(p.reshape(-1)[idx])
                 self._gathered.append((i, idx))
+
+    def _take_compiled(self) -> None:
+        """The kernels are loaded: the compiled passes from now on. Called at a step's end,
+        before its weights are read: drift compares a step's first-forward weight norms with the
+        last step's end's, and those two then come from the same kind of pass."""
+        self._may_compile = False
+        self._compiled = True
+        self._np_views = self._views_of(self.rows.numpy())
+        self._compiled_grads = self._dot["grads"]
+        self.refresh()
 
     def _weight_memory(self) -> np.ndarray | None:
         """The weights' addresses for the compiled passes, if they still hold their memory
@@ -476,6 +489,8 @@ class ParamProbe:
             return np.zeros((self.n, len(PARAM_METRICS)), dtype=bool), False, False
         if not self.begun:
             self.begin()
+        if self._may_compile and kernels.ready():
+            self._take_compiled()
         addrs = self._weight_memory()
         self._sketch_into("end_sketch", addrs)
         self._norms_into("end_norms", self._flat, "weights", addrs)

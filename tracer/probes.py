@@ -282,7 +282,9 @@ class ForwardProbe:
         self._unverified: list[tuple[int, torch.Tensor, int]] = []  # copied in the hook, to check
         self._last_key: Key | None = None
         # CPU: the per-unit statistics in one compiled pass (tracer/kernels.py) when numba is there
-        self._compiled = device.type == "cpu" and kernels.available()
+        # (the eager ops until the kernels are loaded, `kernels.ready`; checked at each step's end)
+        self._compiled = device.type == "cpu" and kernels.ready()
+        self._may_compile = device.type == "cpu" and not self._compiled
 
     def observe(self, comp: Component, out: object) -> None:
         """Hook body: subsample the output once per step; count its non-finite values.
@@ -436,6 +438,9 @@ class ForwardProbe:
     def take(self, slot: int) -> None:
         """The step is finished: queue its observations for `compute` under buffer row `slot`."""
         self.copy_deferred()
+        if self._may_compile and kernels.ready():
+            # a staging plan made for the eager ops serves the compiled pass too (not the reverse)
+            self._compiled, self._may_compile = True, False
         step = _StepSamples(slot, self.samples, self.bad)
         k, plan = len(self.pending), self._plan
         if plan is not None and plan.holds(k, step.samples):

@@ -108,11 +108,14 @@ class ReplicaProbe:
         self._words = np.zeros(0, dtype=np.int64)
         self._zero: torch.Tensor | None = None  # a parameter not taken by the eager ops adds this
         # sharded (DTensor) parameters take the eager ops, which read their local shards
-        self._compiled = (bool(self.params) and self.device.type == "cpu" and not self.sharded.any()
-                          and kernels.word_sums_available())
+        # the compiled passes once their kernels are loaded (`kernels.ready`), the eager ops until
+        # then: the checksums are the same integers either way
+        self._may_compile = bool(self.params) and self.device.type == "cpu" and not self.sharded.any()
+        self._compiled = self._may_compile and kernels.ready("word_sums")
         self._refresh()
         # the local norms read in the pass that scales DDP's bucket (`_observe_bucket`)
-        self._fused = self.device.type == "cpu" and kernels.scaled_norms_available()
+        self._may_fuse = self.device.type == "cpu"
+        self._fused = self._may_fuse and kernels.ready("scaled_norms")
         self._scaled = False
         self.closed = False
         self.model = model
@@ -174,6 +177,8 @@ class ReplicaProbe:
         compiled pass takes their norms and scales the buffer by `scale` (`self._scaled`)."""
         grads, index = bucket.gradients(), bucket.index()
         param_ids = [id(p) for p in bucket.parameters()]
+        if not self._fused and self._may_fuse:
+            self._fused = kernels.ready("scaled_norms")
         offsets = self._offsets(buffer, grads) if self._fused and grads else None
         if offsets is None:
             self.local_norms_of(index, grads, param_ids)
@@ -257,7 +262,10 @@ class ReplicaProbe:
     def checksums(self, take: np.ndarray | None = None) -> torch.Tensor:
         """(C,) int64: per component, the sum of its parameters' wrapping 32-bit bit sums
         (unsigned); only over the parameters `take` marks (a (P,) bool mask), if given."""
-        if self._compiled and [p.data_ptr() for p in self.params] != self._ptrs:
+        if not self._compiled and self._may_compile and kernels.ready("word_sums"):
+            self._compiled = True
+            self._refresh()
+        elif self._compiled and [p.data_ptr() for p in self.params] != self._ptrs:
             self._refresh()
         if self._addrs is not None:
             out = np.zeros(self.n, dtype=np.int64)

@@ -22,12 +22,14 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
-import pyarrow as pa
-import pyarrow.parquet as pq
 
 from . import schema
+
+if TYPE_CHECKING:
+    import pyarrow as pa
 
 _INCARNATION_DIR = re.compile(r"^incarnation=(\d+)$")
 
@@ -83,6 +85,8 @@ def round_estimates(seg: Segment, bits: dict[str, int]) -> None:
 def rounded_table(table: pa.Table) -> pa.Table:
     """`health` rows already written (a Parquet table) with their estimate columns rounded as
     the recorder stores them by default (`schema.Column.bits`); nulls stay null."""
+    import pyarrow as pa
+
     for c in schema.HEALTH_COLUMNS:
         if c.bits is not None and c.name in table.column_names:
             col = table[c.name]
@@ -94,6 +98,8 @@ def rounded_table(table: pa.Table) -> pa.Table:
 
 def health_table(seg: Segment) -> pa.Table:
     """The `health` rows of a segment: one per (step, component), metrics null where not valid."""
+    import pyarrow as pa
+
     n_steps, n_comp, _ = seg.stats.shape
     cols: dict[str, pa.Array] = {
         "step": pa.array(np.repeat(seg.steps, n_comp), pa.int64()),
@@ -112,6 +118,8 @@ def health_table(seg: Segment) -> pa.Table:
 def _table(name: str, cols: dict[str, list[object]]) -> pa.Table:
     """One table of a segment; a column the rows do not carry is written as nulls, not an error
     (a schema column added later must not cost the steps of a caller that predates it)."""
+    import pyarrow as pa
+
     rows = len(next(iter(cols.values()), []))
     full = {f.name: cols.get(f.name, [None] * rows) for f in schema.SCHEMAS[name]}
     return pa.Table.from_pydict(full, schema=schema.SCHEMAS[name])
@@ -259,6 +267,10 @@ class TraceWriter:
         self._guard(self._write_manifest, 0)
 
     def _run(self) -> None:
+        # pyarrow is imported here, not by `watch()` on the training thread; a failure to
+        # import it fails the first segment's write, counted like any write failure
+        with contextlib.suppress(ImportError):
+            import pyarrow.parquet  # noqa: F401
         while (seg := self._queue.get()) is not None:
             self._guard(self._write_segment, len(seg.steps), seg)
             self._finished += 1
@@ -316,6 +328,8 @@ class TraceWriter:
         path = schema.segment_path(self.root, table, self.rank, self.incarnation, seq, span)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(path.name + schema.TMP_SUFFIX)
+        import pyarrow.parquet as pq
+
         try:
             pq.write_table(data, tmp, **schema.PARQUET_WRITE_OPTIONS)
         except BaseException:

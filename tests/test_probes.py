@@ -662,14 +662,16 @@ def test_gradient_norms_are_those_the_optimizer_receives(tmp_path: Path, set_to_
 
 def test_the_kernels_load_in_the_background_and_take_over_at_a_step_end(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    # a process that has not loaded the kernels: watch() does not wait for them, the eager ops
-    # take the first steps, the compiled passes the later ones. Across the change the values are
+    # a process that has not loaded the kernels (and starts loading them at once, not after
+    # LOAD_AFTER_S seconds): watch() does not wait for them, the eager ops take the first
+    # steps, the compiled passes the later ones. Across the change the values are
     # the eager ones to float32 rounding, and weight drift stays exactly zero in a loop that
     # writes the weights only through the optimizer (the norms it compares come from one kind
     # of pass), while an outside write after the change is still seen at its step
     assert kernels.available()
     monkeypatch.setattr(kernels, "_state", {})
     monkeypatch.setattr(kernels, "_loading", {})
+    monkeypatch.setattr(kernels, "LOAD_AFTER_S", 0.0)
 
     def train(trace: Path, hold: bool) -> tuple[list[bool], list[bool]]:
         torch.manual_seed(0)
@@ -709,3 +711,17 @@ def test_the_kernels_load_in_the_background_and_take_over_at_a_step_end(
         assert got.keys() == want.keys()
         keys = sorted(k for k, v in want.items() if v is not None)
         assert [got[k] for k in keys] == pytest.approx([want[k] for k in keys], rel=1e-5, abs=1e-7), metric
+
+
+def test_a_short_run_never_loads_the_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
+    # the load starts only once the process has been recording for LOAD_AFTER_S seconds
+    assert kernels.available()
+    monkeypatch.setattr(kernels, "_state", {})
+    monkeypatch.setattr(kernels, "_loading", {})
+    monkeypatch.setattr(kernels, "_first_asked", [])
+    assert not kernels.ready() and not kernels.ready()
+    assert kernels._loading == {}  # nothing started yet
+    kernels._first_asked[0] -= kernels.LOAD_AFTER_S  # as if recording had gone on that long
+    assert not kernels.ready()  # started now, not waited for
+    kernels._loading[""].join()
+    assert kernels.ready() and "ok" in kernels._state

@@ -9,15 +9,19 @@ is one blocked, vectorised numba pass straight into the per-(step, component) su
 
 `available()` compiles on first use (or loads numba's cache) and waits for it; when numba cannot
 be imported or compile, it returns False and the recorder keeps its eager ops (equal to float32
-rounding: tested). The recorder asks `ready()` instead, which never waits: its first call starts
-the load on a thread of its own (importing numba and loading the kernels is most of what the
-recorder costs a process once), and the recorder takes its eager ops until the kernels are there.
+rounding: tested). The recorder asks `ready()` instead, which never waits: the eager ops take
+the passes until the kernels are there. Importing numba and loading the kernels is most of what
+the recorder costs a process once, and the compiled passes save a few percent of each step, so
+the load pays only in a run that lasts: `ready()` starts it, on a thread of its own, once the
+process has been recording for `LOAD_AFTER_S` seconds (a short run never pays it; a long one
+pays at most about twice what knowing its length in advance would have cost).
 """
 
 from __future__ import annotations
 
 import os
 import threading
+import time
 from typing import Any
 
 import numpy as np
@@ -26,6 +30,10 @@ _lock = threading.Lock()
 _state: dict[str, Any] = {}
 _loading: dict[str, threading.Thread] = {}  # what `ready` started loading, by kernel name
 _loading_lock = threading.Lock()  # not `_lock`, which a load holds for its whole length
+# seconds from the first `ready()` of a process to the start of the kernels' load: about their
+# load's CPU time over the share of a small model's step the compiled passes save
+LOAD_AFTER_S = 10.0
+_first_asked: list[float] = []  # when `ready()` was first called in this process
 
 
 def _build() -> dict[str, Any]:
@@ -80,14 +88,19 @@ def _eager_forced() -> bool:
 
 def ready(name: str = "") -> bool:
     """Whether the kernels (`name`: also that extra one, "word_sums" or "scaled_norms") are
-    loaded and passed their checks, without waiting: the first call that finds them not loaded
-    starts loading them on a thread of its own and says False; later calls say True once they
-    are there. False for good without numba or with `WARNINGLIGHT_EAGER=1`."""
+    loaded and passed their checks, without waiting. The first call `LOAD_AFTER_S` seconds or
+    more after the process's first call starts loading them on a thread of its own; calls say
+    True once they are there. False for good without numba or with `WARNINGLIGHT_EAGER=1`."""
     if _eager_forced():
         return False
     key = f"{name}_ok" if name else "ok"
     if key in _state:  # a dict read: no lock, so a step never waits on a load in progress
         return bool(_state[key])
+    now = time.monotonic()
+    if not _first_asked:
+        _first_asked.append(now)
+    if name in _loading or now - _first_asked[0] < LOAD_AFTER_S:
+        return False
     with _loading_lock:
         if name not in _loading:
             build = _EXTRAS.get(name)

@@ -111,12 +111,27 @@ def _direct(model: torch.nn.Module, rec: Any) -> dict[str, float]:
         probe.end_step(step)
         probe.rows.pop(step, None)
 
+    params, addrs = rec.params, rec.params._weight_memory()
+    fused = params._with_sums
+
+    def weight_pass(with_sums: bool) -> Callable[[], None]:
+        def run() -> None:  # the step end's pass over the weights, with or without the checksums
+            params._with_sums = with_sums
+            params._norms_into("end_norms", params._flat, "weights", addrs)
+            if with_sums:
+                probe.end_step(step, params._sums)
+                probe.rows.pop(step, None)
+        return run
+    # where the checksums are taken in the weight-norm pass: what they add to it
+    after = (_cpu_per_call(weight_pass(True)) - _cpu_per_call(weight_pass(False))) if fused else _cpu_per_call(end)
+    params._with_sums = fused
+
     def local_norms() -> None:  # the hook's reading of a bucket (scaling it by 1, as DDP would by 1/world)
         probe._observe_bucket(bucket, bucket.flat, 1.0)
         if not probe._scaled:
             bucket.flat.mul_(1.0)
         probe._buckets.clear()
-    return {"checksum after the step": _cpu_per_call(end),
+    return {"checksum after the step" + (", beyond the weight-norm pass that takes it" if fused else ""): after,
             "checks at the forward": _cpu_per_call(probe.begin),
             "local gradient norms, beyond DDP's own scaling of the bucket":
                 max(0.0, _cpu_per_call(local_norms) - _cpu_per_call(lambda: bucket.flat.mul_(1.0)))}
@@ -138,8 +153,9 @@ def _rank(rank: int, port: int, args: dict[str, Any], out: str) -> None:
     try:
         cases = {arm: _case(0, rank, args["batch"]) for arm in ARMS + ("hook",) * args["hook_arm"]}
         # the steady state: the compiled passes from the first watched step (a process loads
-        # them in the background at its first watch())
-        kernels.available() and kernels.word_sums_available() and kernels.scaled_norms_available()
+        # them in the background once it has recorded for a while: tracer/kernels.py)
+        (kernels.available() and kernels.word_sums_available() and kernels.scaled_norms_available()
+         and kernels.norms_word_sums_available())
         with tempfile.TemporaryDirectory() as tmp:
             recs = {"plain": None}
             for arm, replicas in (("without", False), ("with", not args["null"])):

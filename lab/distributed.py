@@ -248,11 +248,16 @@ def _identity(rank: int, root: Path, seed: int, tokens: torch.Tensor) -> None:
 
 
 def _rank_main(rank: int, world: int, port: int, names: list[str], root: str, seed: int,
-               identity: bool = False) -> None:
+               identity: bool = False, compiled: bool = True) -> None:
     import torch.distributed as dist
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)  # world_size processes share the cores
+    if compiled:  # loaded now, so every step of every scenario takes the compiled passes
+        from warninglight.tracer import kernels
+
+        (kernels.available() and kernels.word_sums_available() and kernels.scaled_norms_available()
+         and kernels.norms_word_sums_available())
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         tokens = zoo.char_corpus(max_bytes=50_000)
@@ -272,11 +277,13 @@ def _free_port() -> int:
 
 
 def run_group(names: Sequence[str], root: str | Path, seed: int = 0,
-              identity: bool = False) -> dict[str, dict[str, Any]]:
+              identity: bool = False, compiled: bool = True) -> dict[str, dict[str, Any]]:
     """Train the scenarios `names` (one world size) in one spawned process group; their truths.
 
     `identity`: afterwards also train a clean run with and without the recorder, and write
     `root/identity-rank<R>.json` saying whether the final weights were bit-identical.
+    `compiled`: the recorder's compiled kernels are loaded before the first step, as in a run
+    that has lasted (`tracer/kernels.py`); False: the eager ops a short run takes.
     """
     import torch.multiprocessing as mp
 
@@ -289,7 +296,7 @@ def run_group(names: Sequence[str], root: str | Path, seed: int = 0,
         raise DistributedScenarioError(why)
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
-    mp.spawn(_rank_main, args=(worlds.pop(), _free_port(), list(names), str(root), seed, identity),
+    mp.spawn(_rank_main, args=(worlds.pop(), _free_port(), list(names), str(root), seed, identity, compiled),
              nprocs=chosen[0].world_size, join=True)
     return {n: json.loads((root / n / TRUTH_FILE).read_text()) for n in names}
 

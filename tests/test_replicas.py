@@ -7,12 +7,13 @@ from pathlib import Path
 
 import duckdb
 import numpy as np
+import pytest
 import torch
 import torch.nn.functional as F
 from warninglight.forensics import analyze, open_trace
 from warninglight.forensics.explaining.ranks import findings
 from warninglight.lab import zoo
-from warninglight.tracer import schema, watch
+from warninglight.tracer import kernels, schema, watch
 from warninglight.tracer.components import discover
 from warninglight.tracer.replicas import FWD_CHECK_EVERY, ReplicaProbe
 
@@ -166,3 +167,33 @@ def test_a_write_pytorch_does_not_see_is_found_at_its_step(tmp_path: Path) -> No
     assert (step, fwd) == (13, None)
     root = analyze(tmp_path).to_dict()["root"]
     assert (root["scope"], root["onset_step"]) == ("replicas", 13)
+
+
+def test_checksums_taken_in_the_weight_norm_pass_equal_those_of_a_pass_of_their_own(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # with the kernels loaded, the checksum after the step comes from the pass that takes the
+    # weights' norms (one read of the weights); it must be the checksum a pass of its own takes,
+    # and the norms that weight drift compares must still agree where nothing else wrote them
+    assert kernels.available() and kernels.word_sums_available() and kernels.norms_word_sums_available()
+    calls = []
+    fused = kernels.norms_word_sums
+    monkeypatch.setattr(kernels, "norms_word_sums", lambda *a: calls.append(1) or fused(*a))
+    _train(tmp_path / "fused", 1, 17)
+    assert len(calls) >= 30  # every step's end at least
+    ready = kernels.ready
+    monkeypatch.setattr(kernels, "ready", lambda name="": name != "norms_word_sums" and ready(name))
+    _train(tmp_path / "own", 1, 17)
+    assert len(calls) < 60  # the second run took none
+    assert _fwd_checks(tmp_path / "fused") == _fwd_checks(tmp_path / "own")
+
+    def health(trace: Path) -> list[tuple[int, str, float, float]]:
+        return duckdb.sql(f"""select step, component, weight_norm_l2, weight_drift_l2 from read_parquet(
+            '{schema.segment_glob(trace, "health")}', hive_partitioning = true)
+            where weight_norm_l2 is not null order by step, component""").fetchall()
+
+    got, want = health(tmp_path / "fused"), health(tmp_path / "own")
+    assert [r[:2] for r in got] == [r[:2] for r in want]
+    assert [r[2] for r in got] == pytest.approx([r[2] for r in want], rel=1e-6)
+    # a low bit moves no norm (the checksums say it): no drift in either, none made up by the
+    # switch from one kernel to the other
+    assert {(s, c) for s, c, _, d in got if d} == {(s, c) for s, c, _, d in want if d} == set()

@@ -127,6 +127,34 @@ def word_sums(addrs: np.ndarray, words: np.ndarray, slots: np.ndarray, out: np.n
         out[slots[i]] += np.int64(acc & np.uint64(0xFFFFFFFF))
 
 
+# reassociation only, as `tensor_norms`; the words' sum is exact integer arithmetic
+@numba.njit(nogil=True, fastmath={"reassoc", "contract"}, boundscheck=False, cache=True)
+def norms_word_sums(addrs: np.ndarray, lens: np.ndarray, out: np.ndarray, sums: np.ndarray) -> bool:
+    all_finite = True
+    block = 2048  # a block's squares, then its words while it is in L1: one read from memory
+    for i in range(addrs.shape[0]):
+        n = lens[i]
+        acc = 0.0
+        s = np.uint64(0)
+        if n > 0:
+            a = numba.carray(f32_at(addrs[i]), (n,))
+            w = numba.carray(u32_at(addrs[i]), (n,))
+            for j0 in range(0, n, block):
+                x = a[j0:j0 + block]
+                for j in range(x.shape[0]):
+                    v = np.float64(x[j])
+                    acc += v * v
+                y = w[j0:j0 + block]
+                for j in range(y.shape[0]):
+                    s += y[j]
+        sums[i] = np.int64(s & np.uint64(0xFFFFFFFF))
+        v32 = np.float32(np.sqrt(acc))
+        out[i] = v32
+        if not np.isfinite(v32):
+            all_finite = False
+    return all_finite
+
+
 @numba.njit(nogil=True, fastmath={"reassoc", "contract"}, boundscheck=False, cache=True)
 def scaled_norms(buf: np.ndarray, offsets: np.ndarray, lens: np.ndarray, scale: np.float32,
                  out: np.ndarray) -> None:
@@ -139,10 +167,13 @@ def scaled_norms(buf: np.ndarray, offsets: np.ndarray, lens: np.ndarray, scale: 
             gap[j] = gap[j] * scale
         seg = buf[offsets[i]:offsets[i] + lens[i]]
         acc = 0.0
-        for j in range(seg.shape[0]):
-            x = seg[j]
-            acc += np.float64(x) * np.float64(x)
-            seg[j] = x * scale  # one float32 product: what `mul_` computes
+        for j0 in range(0, seg.shape[0], 2048):  # a block's squares, then its scaling from L1
+            blk = seg[j0:j0 + 2048]
+            for j in range(blk.shape[0]):
+                x = np.float64(blk[j])
+                acc += x * x
+            for j in range(blk.shape[0]):
+                blk[j] = blk[j] * scale  # one float32 product: what `mul_` computes
         out[i] = np.float32(np.sqrt(acc))
         pos = offsets[i] + lens[i]
     rest = buf[pos:]

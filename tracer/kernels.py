@@ -87,8 +87,8 @@ def _eager_forced() -> bool:
 
 
 def ready(name: str = "") -> bool:
-    """Whether the kernels (`name`: also that extra one, "word_sums" or "scaled_norms") are
-    loaded and passed their checks, without waiting. The first call `LOAD_AFTER_S` seconds or
+    """Whether the kernels (`name`: also that extra one, "word_sums", "scaled_norms" or
+    "norms_word_sums") are loaded and passed their checks, without waiting. The first call `LOAD_AFTER_S` seconds or
     more after the process's first call starts loading them on a thread of its own; calls say
     True once they are there. False for good without numba or with `WARNINGLIGHT_EAGER=1`."""
     if _eager_forced():
@@ -179,6 +179,33 @@ def word_sums(addrs: np.ndarray, words: np.ndarray, slots: np.ndarray, out: np.n
     _state["word_sums"](addrs, words, slots, out)
 
 
+def _build_norms_word_sums() -> Any:
+    from .jit import norms_word_sums
+
+    t = [np.array([3.0, -4.0], np.float32), np.array([np.inf, 1e-30], np.float32), np.zeros(0, np.float32)]
+    addrs, lens = np.array([a.ctypes.data for a in t]), np.array([a.size for a in t])
+    norms, sums = np.zeros(3, np.float32), np.zeros(3, np.int64)
+    finite = norms_word_sums(addrs, lens, norms, sums)
+    want = [int(a.view(np.uint32).astype(np.uint64).sum()) % 2**32 for a in t]
+    if finite or list(norms) != [5.0, np.inf, 0.0] or list(sums) != want:
+        raise RuntimeError("the compiled norm-and-checksum kernel gave a wrong value")
+    return norms_word_sums
+
+
+def norms_word_sums_available() -> bool:
+    """Whether `norms_word_sums` can be used (see `_extra_available`)."""
+    return _extra_available("norms_word_sums", _build_norms_word_sums)
+
+
+def norms_word_sums(addrs: np.ndarray, lens: np.ndarray, out: np.ndarray, sums: np.ndarray) -> bool:
+    """`tensor_norms` and `word_sums` in one read of each contiguous float32 CPU tensor at
+    `addrs[i]` holding `lens[i]` values: its L2 norm into `out[i]` (float32 from a float64 sum
+    of squares) and the wrapping (mod 2^32) sum of its 32-bit words into `sums[i]` (int64).
+    True if every norm is finite. The caller keeps the tensors alive and guarantees what the
+    addresses point at."""
+    return bool(_state["norms_word_sums"](addrs, lens, out, sums))
+
+
 def _build_scaled_norms() -> Any:
     from .jit import scaled_norms
 
@@ -204,4 +231,5 @@ def scaled_norms(buf: np.ndarray, offsets: np.ndarray, lens: np.ndarray, scale: 
     _state["scaled_norms"](buf, offsets, lens, np.float32(scale), out)
 
 
-_EXTRAS = {"word_sums": _build_word_sums, "scaled_norms": _build_scaled_norms}
+_EXTRAS = {"word_sums": _build_word_sums, "scaled_norms": _build_scaled_norms,
+           "norms_word_sums": _build_norms_word_sums}

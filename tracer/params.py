@@ -197,6 +197,14 @@ class ParamProbe:
         self._bad: torch.Tensor | None = None
         self.modified_after_backward = False  # the loop was seen to change gradients after backward
         self._at_backward: tuple[list[int], bool] | None = None  # versions, norms taken
+        # the weights' checksums (tracer/replicas.py) wanted after each step: taken in the pass
+        # that takes their norms once its kernel is loaded (`_take_checksums`), and then every
+        # weight-norm pass takes them, so that the norms drift compares come from one kernel
+        self.checksums_wanted = False
+        self._with_sums = False
+        self._sums = np.zeros(len(self.params), dtype=np.int64)
+        self._summed = False  # the last weight-norm pass took `_sums`
+        self.end_sums: np.ndarray | None = None  # this step's end's, per parameter, else None
         self.refresh()
 
     def refresh(self) -> None:
@@ -336,6 +344,10 @@ class ParamProbe:
         out = getattr(self._row_views[j], field)
         # the compiled pass: weights while their memory stays put, gradients each pass (one of
         # another layout takes the eager ops for that pass only)
+        if kind == "weights" and weight_addrs is not None and self._with_sums:
+            self._summed = True  # every weight (no BLAS share): one kernel for every weight pass
+            return kernels.norms_word_sums(weight_addrs, self._numel, getattr(self._np_views[j], field),
+                                           self._sums)
         if kind == "weights" and weight_addrs is not None:
             return self._compiled_norms(self._flat, weight_addrs, self._compiled_numel,
                                         getattr(self._np_views[j], field), out)
@@ -491,9 +503,14 @@ class ParamProbe:
             self.begin()
         if self._may_compile and kernels.ready():
             self._take_compiled()
+        if self.checksums_wanted and not self._with_sums and self._compiled and kernels.ready("norms_word_sums"):
+            self._with_sums = True  # here: the next forward's norms come from the same kernel
         addrs = self._weight_memory()
         self._sketch_into("end_sketch", addrs)
+        self._summed, self.end_sums = False, None
         self._norms_into("end_norms", self._flat, "weights", addrs)
+        if self._summed:
+            self.end_sums = self._sums
         self._end_versions = self._weight_versions()
         valid = self._valid[min(self._ends, 1)].copy()
         has_total = self.has_grad is not None

@@ -127,6 +127,7 @@ class Recorder:
         # per-rank evidence (tracer/replicas.py): by default only when there are replicas to compare
         on = self.world_size > 1 if cfg.replicas is None else cfg.replicas
         self.replicas = ReplicaProbe(self.components, model, self.world_size) if on else None
+        self.params.checksums_wanted = self.replicas is not None
         self.flush_every_steps, self.flush_every_s = cfg.flush_cadence()
         self.step_count = cfg.start_step
         self._first_step = cfg.start_step + 1
@@ -413,7 +414,7 @@ class Recorder:
                     "the forward ran in eval() mode or under no_grad")
             self._buffer_step(now)
             if self.replicas is not None:
-                self.replicas.end_step(self.step_count)
+                self.replicas.end_step(self.step_count, self.params.end_sums)
             if max(len(self.fwd.pending), len(self.params.pending)) >= FORWARD_BATCH_STEPS:
                 self._reduce_pending()
         except Exception as exc:

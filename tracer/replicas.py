@@ -9,7 +9,9 @@ records, per parameter-owning component and step:
   checksums on any device and thread count, and one flipped bit changes the sum by ±2^k mod
   2^32, never 0. Taken for every component after every step: replicas that part are found at
   the step they part, whatever parted them. On the CPU one compiled pass over the weights
-  (tracer/kernels.py) takes every parameter's sum; elsewhere one small op per parameter.
+  (tracer/kernels.py) takes every parameter's sum: with float32 weights the pass that takes
+  their norms after the step (`ParamProbe.end`, handed over as `end_step(step, sums)`), else a
+  pass of its own; elsewhere one small op per parameter.
 - `weight_checksum_fwd`: the same checksum taken at the step's first forward; on one rank it
   differs from the previous step's `weight_checksum` exactly when something other than the
   optimizer wrote the weights in between (an exact weight drift; a low mantissa bit that no
@@ -39,7 +41,7 @@ step reads one back to the host.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -74,6 +76,22 @@ def _words(t: torch.Tensor) -> torch.Tensor:
     return flat.view(_INT_VIEW[flat.element_size()])
 
 
+class _BucketLayout(NamedTuple):
+    """Where a DDP bucket's gradients go: for the eager ops, the component of each gradient
+    (`index`; 0 where `keep` is 0: a parameter of no component); for the compiled pass, the
+    components of those that have one (`comps`; `owned` marks them among the gradients) and
+    the gradients' offsets and lengths in the bucket's buffer (None: not a flat float32 CPU
+    buffer of them); the components it holds (`mask`)."""
+
+    index: torch.Tensor
+    keep: torch.Tensor
+    mask: np.ndarray
+    comps: np.ndarray
+    owned: np.ndarray
+    offsets: np.ndarray | None
+    lens: np.ndarray | None
+
+
 class ReplicaProbe:
     """Weight checksums and local gradient norms of the parameter-owning components, per step."""
 
@@ -95,8 +113,11 @@ class ReplicaProbe:
         # components, components checked at the forward)
         self.rows: dict[int, tuple[torch.Tensor, torch.Tensor, np.ndarray, np.ndarray]] = {}
         self._at_forward: tuple[torch.Tensor, np.ndarray] | None = None
-        self._buckets: dict[int, tuple[torch.Tensor, torch.Tensor, np.ndarray]] = {}
-        self._layouts: dict[tuple[int, ...], tuple[torch.Tensor, np.ndarray]] = {}
+        # per bucket of this step: its per-component squared local norms (a host array from the
+        # compiled pass; else a device tensor with the component of each value), and its components
+        self._buckets: dict[int, tuple[torch.Tensor | None, torch.Tensor | np.ndarray, np.ndarray]] = {}
+        # per bucket layout (its buffer's size, its parameters in order): where its gradients lie
+        self._layouts: dict[tuple[int, ...], _BucketLayout] = {}
         self.param_comp_np = np.array([c for c, _ in owned], dtype=np.int64)
         self._turns = self._rotation(owned)
         # parameters whose version counters and addresses say whether PyTorch saw them written
@@ -174,19 +195,44 @@ class ReplicaProbe:
     def _observe_bucket(self, bucket: Any, buffer: torch.Tensor, scale: float) -> None:
         """Per-component sum of squares of this bucket's local gradients (kept until the step
         ends). Where the bucket is a flat float32 CPU buffer holding the gradients in order, one
-        compiled pass takes their norms and scales the buffer by `scale` (`self._scaled`)."""
-        grads, index = bucket.gradients(), bucket.index()
-        param_ids = [id(p) for p in bucket.parameters()]
+        compiled pass takes their norms and scales the buffer by `scale` (`self._scaled`); the
+        gradients' places in it are found once per layout (the buffer's size and its parameters
+        in order: DDP lays their views out the same way each time)."""
+        params = bucket.parameters()
+        key = (buffer.numel(), *map(id, params))
+        layout = self._layouts.get(key)
+        grads = None
+        if layout is None:
+            grads = bucket.gradients()
+            layout = self._layouts[key] = self._layout(key[1:], buffer, grads)
         if not self._fused and self._may_fuse:
             self._fused = kernels.ready("scaled_norms")
-        offsets = self._offsets(buffer, grads) if self._fused and grads else None
-        if offsets is None:
-            self.local_norms_of(index, grads, param_ids)
+        if not (self._fused and layout.offsets is not None):
+            if grads is None:
+                grads = bucket.gradients()
+            if grads:  # a later micro-batch's replaces it
+                self._buckets[bucket.index()] = (layout.index, torch.stack(torch._foreach_norm(grads)).float()
+                                                 .square_().mul_(layout.keep), layout.mask)
             return
-        norms = np.empty(len(grads), dtype=np.float32)
-        kernels.scaled_norms(buffer.numpy(), offsets[0], offsets[1], scale, norms)
+        norms = np.empty(len(layout.offsets), dtype=np.float32)
+        kernels.scaled_norms(buffer.numpy(), layout.offsets, layout.lens, scale, norms)
         self._scaled = True
-        self._keep(index, param_ids, torch.from_numpy(norms))
+        sq = np.bincount(layout.comps, weights=np.square(norms[layout.owned], dtype=np.float64),
+                         minlength=self.n)
+        self._buckets[bucket.index()] = (None, sq, layout.mask)
+
+    def _layout(self, param_ids: tuple[int, ...], buffer: torch.Tensor,
+                grads: list[torch.Tensor]) -> _BucketLayout:
+        """A bucket's layout (`_BucketLayout`) from its parameters and one call's gradients."""
+        comps = np.array([self.comp_of.get(i, -1) for i in param_ids], dtype=np.int64)
+        owned = comps >= 0
+        mask = np.zeros(self.n, dtype=bool)
+        mask[comps[owned]] = True
+        found = self._offsets(buffer, grads) if grads else None
+        return _BucketLayout(
+            torch.tensor(np.maximum(comps, 0), dtype=torch.long, device=self.device),
+            torch.tensor(owned, dtype=torch.float32, device=self.device),
+            mask, comps[owned], owned, *(found or (None, None)))
 
     @staticmethod
     def _offsets(buffer: torch.Tensor, grads: list[torch.Tensor]) -> tuple[np.ndarray, np.ndarray] | None:
@@ -206,26 +252,6 @@ class ReplicaProbe:
         if offsets[0] < 0 or ends[-1] > buffer.numel() or (offsets[1:] < ends[:-1]).any():
             return None
         return offsets, lens
-
-    def local_norms_of(self, index: int, grads: list[torch.Tensor], param_ids: list[int]) -> None:
-        """Per-component sums of squares of one bucket's local gradients `grads` (of the
-        parameters `param_ids`), kept as bucket `index`'s until the step ends."""
-        if grads:
-            self._keep(index, param_ids, torch.stack(torch._foreach_norm(grads)).float())
-
-    def _keep(self, index: int, param_ids: list[int], norms: torch.Tensor) -> None:
-        """Keep bucket `index`'s per-parameter local norms as per-component squares."""
-        key = tuple(param_ids)
-        layout = self._layouts.get(key)
-        if layout is None:
-            comps = [self.comp_of.get(i, -1) for i in param_ids]
-            keep = torch.tensor([c >= 0 for c in comps], dtype=torch.bool, device=self.device)
-            idx = torch.tensor([max(c, 0) for c in comps], dtype=torch.long, device=self.device)
-            mask = np.zeros(self.n, dtype=bool)
-            mask[[c for c in comps if c >= 0]] = True
-            layout = self._layouts[key] = (torch.stack([idx, keep.long()]), mask)
-        # a later call for the same bucket in the step (another synced micro-batch) replaces it
-        self._buckets[index] = (layout[0][0], norms * norms * layout[0][1], layout[1])
 
     # --- weight checksums -------------------------------------------------------------------
 
@@ -311,24 +337,38 @@ class ReplicaProbe:
             self._at_forward = (self.checksums(take[self.param_comp_np]), take)
         return note
 
-    def end_step(self, step: int) -> None:
-        """After optimizer.step: the weights' checksums and this step's local gradient norms."""
+    def end_step(self, step: int, sums: np.ndarray | None = None) -> None:
+        """After optimizer.step: the weights' checksums and this step's local gradient norms.
+        `sums`: the per-parameter checksums of the weights as they are now, taken in another
+        pass over them (`ParamProbe.end`); else a pass of its own takes them."""
         if not self.params:
             return
-        checksum = self.checksums()
+        if sums is None:
+            checksum = self.checksums()
+        else:  # each below 2^32, a few per component: exact in float64
+            checksum = torch.from_numpy(np.bincount(self.param_comp_np, weights=sums, minlength=self.n)
+                                        .astype(np.int64)).to(self.device)
         params = self.params
         self._at_end = ([params[i]._version for i in self._watched],
                         [params[i].data_ptr() for i in self._watched])
         self._next_step = step + 1
         fwd, taken = self._at_forward or (torch.zeros_like(checksum), np.zeros(self.n, dtype=bool))
         self._at_forward = None
-        local = torch.zeros(self.n, device=self.device)
+        on_host = np.zeros(self.n)
+        local: torch.Tensor | None = None
         reduced = np.zeros(self.n, dtype=bool)
         for idx, sq, mask in self._buckets.values():
-            local.index_add_(0, idx, sq)
+            if idx is None:  # the compiled pass's: already per component, on the host
+                on_host += sq
+            else:
+                local = (torch.zeros(self.n, device=self.device) if local is None else local).index_add_(0, idx, sq)
             reduced |= mask
         self._buckets.clear()
-        self.rows[step] = (torch.stack([checksum, fwd]), local.sqrt(), reduced, taken)
+        if local is None:
+            norms = torch.from_numpy(np.sqrt(on_host).astype(np.float32)).to(self.device)
+        else:
+            norms = local.add_(torch.from_numpy(on_host.astype(np.float32)).to(self.device)).sqrt_()
+        self.rows[step] = (torch.stack([checksum, fwd]), norms, reduced, taken)
 
     def take(self, steps: np.ndarray) -> dict[str, list[Any]]:
         """The `replicas` rows of `steps` (one per step and parameter-owning component), host side."""

@@ -174,7 +174,9 @@ def test_on_alarm_runs_on_the_training_thread_at_a_step_boundary(live: dict[str,
 
 
 def test_a_hung_webhook_did_not_hold_training(live: dict[str, Any]) -> None:
-    assert live["during"] == [10]  # steps trained while the endpoint held its request
+    # steps trained while the endpoint held its request: the loop stops at 10 once past STEPS,
+    # more if the request was already held earlier than 10 steps before STEPS
+    assert len(live["during"]) == 1 and live["during"][0] >= 10
     assert live["rec"].step_count == len(live["steps_run"]) >= STEPS
     assert live["rec"].dropped_steps == 0
 

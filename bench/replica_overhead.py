@@ -44,14 +44,34 @@ WORLD = 2
 ARMS = ("plain", "without", "with")
 
 
-def _case(seed: int, rank: int, batch: int) -> tuple[torch.nn.Module, torch.optim.Optimizer,
-                                                       Callable[[], torch.Tensor]]:
-    """A DDP-wrapped bench GPT (the same weights on every rank and arm), its optimizer, and a
-    closure computing one of this rank's batches' loss."""
-    cfg = zoo.GPTConfig(n_layer=4, n_embd=256, n_head=4, block_size=128)
+MODELS = {"bench": "TinyGPT 4x256 seq 128", "nanogpt": "nanoGPT layout 4x128 seq 64, clipped, tied head"}
+
+
+def _case(seed: int, rank: int, batch: int, model_name: str = "bench"
+          ) -> tuple[torch.nn.Module, torch.optim.Optimizer, Callable[[], torch.Tensor]]:
+    """A DDP-wrapped model (the same weights on every rank and arm), its optimizer, and a
+    closure computing one of this rank's batches' loss (for the nanoGPT layout: its backward
+    and clipping done, as train.py does them before the optimizer step)."""
     torch.manual_seed(seed)
-    model = torch.nn.parallel.DistributedDataParallel(zoo.TinyGPT(cfg))
-    data = zoo.text_batches(zoo.char_corpus(200_000), batch, cfg.block_size, seed=rank)
+    if model_name == "nanogpt":
+        from nanogpt import NanoConfig, NanoGPT
+
+        cfg = NanoConfig(block_size=64, vocab_size=96, n_layer=4, n_head=4, n_embd=128)
+        inner = NanoGPT(cfg)
+        model = torch.nn.parallel.DistributedDataParallel(inner)
+        opt = inner.configure_optimizers(weight_decay=0.1, lr=1e-3)
+        batches = zoo.text_batches(zoo.char_corpus(200_000), batch, cfg.block_size, seed=rank)
+
+        def clipped() -> torch.Tensor:
+            _, x, y = next(batches)
+            _, loss = model(x, y)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            return loss.detach()
+        return model, opt, clipped
+    gpt = zoo.GPTConfig(n_layer=4, n_embd=256, n_head=4, block_size=128)
+    model = torch.nn.parallel.DistributedDataParallel(zoo.TinyGPT(gpt))
+    data = zoo.text_batches(zoo.char_corpus(200_000), batch, gpt.block_size, seed=rank)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
 
     def loss() -> torch.Tensor:
@@ -65,7 +85,8 @@ def _step(loss_fn: Callable[[], torch.Tensor], opt: torch.optim.Optimizer, rec: 
     thread is idle again, so the writing it was given counts too)."""
     t0, c0 = time.perf_counter(), time.process_time()
     loss = loss_fn()
-    loss.backward()
+    if loss.requires_grad:  # else the closure ran its backward itself
+        loss.backward()
     opt.step()
     opt.zero_grad(set_to_none=True)
     if rec is not None:
@@ -151,7 +172,7 @@ def _rank(rank: int, port: int, args: dict[str, Any], out: str) -> None:
     torch.set_num_threads(args["threads"])
     dist.init_process_group("gloo", rank=rank, world_size=WORLD)
     try:
-        cases = {arm: _case(0, rank, args["batch"]) for arm in ARMS + ("hook",) * args["hook_arm"]}
+        cases = {arm: _case(0, rank, args["batch"], args["model"]) for arm in ARMS + ("hook",) * args["hook_arm"]}
         # the steady state: the compiled passes from the first watched step (a process loads
         # them in the background once it has recorded for a while: tracer/kernels.py)
         (kernels.available() and kernels.word_sums_available() and kernels.scaled_norms_available()
@@ -190,16 +211,17 @@ def _free_port() -> int:
 
 
 def report(steps: int = 150, batch: int = 8, threads: int = 1, chunks: int = 5,
-           hook_arm: bool = False, null: bool = False) -> None:
+           hook_arm: bool = False, null: bool = False, model: str = "bench") -> None:
     """Spawn the two ranks, then print both figures."""
-    args = {"steps": steps, "batch": batch, "threads": threads, "hook_arm": hook_arm, "null": null}
+    args = {"steps": steps, "batch": batch, "threads": threads, "hook_arm": hook_arm, "null": null,
+            "model": model}
     with tempfile.TemporaryDirectory() as out:
         mp.spawn(_rank, args=(_free_port(), args, out), nprocs=WORLD, join=True)
         ranks = [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(WORLD)]
     load = os.getloadavg()[0]
     wall = [{a: t[a][0] for a in ARMS} for t in ranks[0]["times"]]
     cpu = [{a: sum(r["times"][i][a][1] for r in ranks) / WORLD for a in ARMS} for i in range(steps)]
-    print(f"per-rank evidence, TinyGPT 4x256 seq 128 batch {batch}, {WORLD} ranks of gloo DDP, "
+    print(f"per-rank evidence, {MODELS[model]} batch {batch}, {WORLD} ranks of gloo DDP, "
           f"{threads} thread(s) each, {steps} steps each way, interleaved (load {load:.2f} after "
           "the run):")
     for name, rows in (("wall, rank 0", wall), ("process CPU, mean of the ranks", cpu)):
@@ -239,12 +261,15 @@ def main() -> None:
                     help="an A/A run: the 'with' copy is watched without the evidence too, so the "
                          "share printed is the copies' own difference (what the figure's noise is)")
     ap.add_argument("--batch", type=int, default=8, help="sequences per rank and step")
+    ap.add_argument("--model", choices=sorted(MODELS), default="bench",
+                    help="bench: the bench GPT; nanogpt: nanoGPT's layout, clipping and optimizer "
+                         "groups (bench/nanogpt.py)")
     ap.add_argument("--threads", type=int, default=1,
                     help="torch threads per rank (default 1: two ranks on a loaded 2-core machine; "
                          "more threads than cores make every parallel reduction noise)")
     args = ap.parse_args()
     print(f"torch {torch.__version__}")
-    report(args.steps, args.batch, args.threads, hook_arm=args.hook_arm, null=args.null)
+    report(args.steps, args.batch, args.threads, hook_arm=args.hook_arm, null=args.null, model=args.model)
 
 
 if __name__ == "__main__":

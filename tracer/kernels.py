@@ -88,9 +88,10 @@ def _eager_forced() -> bool:
 
 def ready(name: str = "") -> bool:
     """Whether the kernels (`name`: also that extra one, "word_sums", "scaled_norms" or
-    "norms_word_sums") are loaded and passed their checks, without waiting. The first call `LOAD_AFTER_S` seconds or
-    more after the process's first call starts loading them on a thread of its own; calls say
-    True once they are there. False for good without numba or with `WARNINGLIGHT_EAGER=1`."""
+    "norms_word_sums") are loaded and passed their checks, without waiting. The first call
+    `LOAD_AFTER_S` seconds or more after the process's first call starts loading them on a
+    thread of its own; calls say True once they are there. False for good without numba or
+    with `WARNINGLIGHT_EAGER=1`."""
     if _eager_forced():
         return False
     key = f"{name}_ok" if name else "ok"

@@ -198,8 +198,9 @@ class ParamProbe:
         self.modified_after_backward = False  # the loop was seen to change gradients after backward
         self._at_backward: tuple[list[int], bool] | None = None  # versions, norms taken
         # the weights' checksums (tracer/replicas.py) wanted after each step: taken in the pass
-        # that takes their norms once its kernel is loaded (`_take_checksums`), and then every
-        # weight-norm pass takes them, so that the norms drift compares come from one kernel
+        # that takes their norms once its kernel is loaded (switched on at a step's `end`), and
+        # then every weight-norm pass takes them, so that the norms drift compares come from one
+        # kernel
         self.checksums_wanted = False
         self._with_sums = False
         self._sums = np.zeros(len(self.params), dtype=np.int64)

@@ -127,11 +127,15 @@ def word_sums(addrs: np.ndarray, words: np.ndarray, slots: np.ndarray, out: np.n
         out[slots[i]] += np.int64(acc & np.uint64(0xFFFFFFFF))
 
 
+# values of a tensor read twice while they are in L1: their squares, then their words (or their
+# scaling), so that each value comes from memory once
+L1_BLOCK = 2048
+
+
 # reassociation only, as `tensor_norms`; the words' sum is exact integer arithmetic
 @numba.njit(nogil=True, fastmath={"reassoc", "contract"}, boundscheck=False, cache=True)
 def norms_word_sums(addrs: np.ndarray, lens: np.ndarray, out: np.ndarray, sums: np.ndarray) -> bool:
     all_finite = True
-    block = 2048  # a block's squares, then its words while it is in L1: one read from memory
     for i in range(addrs.shape[0]):
         n = lens[i]
         acc = 0.0
@@ -139,12 +143,12 @@ def norms_word_sums(addrs: np.ndarray, lens: np.ndarray, out: np.ndarray, sums: 
         if n > 0:
             a = numba.carray(f32_at(addrs[i]), (n,))
             w = numba.carray(u32_at(addrs[i]), (n,))
-            for j0 in range(0, n, block):
-                x = a[j0:j0 + block]
+            for j0 in range(0, n, L1_BLOCK):
+                x = a[j0:j0 + L1_BLOCK]
                 for j in range(x.shape[0]):
                     v = np.float64(x[j])
                     acc += v * v
-                y = w[j0:j0 + block]
+                y = w[j0:j0 + L1_BLOCK]
                 for j in range(y.shape[0]):
                     s += y[j]
         sums[i] = np.int64(s & np.uint64(0xFFFFFFFF))
@@ -167,8 +171,8 @@ def scaled_norms(buf: np.ndarray, offsets: np.ndarray, lens: np.ndarray, scale: 
             gap[j] = gap[j] * scale
         seg = buf[offsets[i]:offsets[i] + lens[i]]
         acc = 0.0
-        for j0 in range(0, seg.shape[0], 2048):  # a block's squares, then its scaling from L1
-            blk = seg[j0:j0 + 2048]
+        for j0 in range(0, seg.shape[0], L1_BLOCK):  # a block's squares, then its scaling
+            blk = seg[j0:j0 + L1_BLOCK]
             for j in range(blk.shape[0]):
                 x = np.float64(blk[j])
                 acc += x * x

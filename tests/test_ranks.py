@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import duckdb
 import numpy as np
 import polars as pl
 import pytest
@@ -18,7 +19,8 @@ from warninglight.cli.main import app
 from warninglight.forensics import analyze, open_trace
 from warninglight.forensics.explaining.ranks import local_finding
 from warninglight.forensics.trace import checks
-from warninglight.lab.distributed import CHECKPOINT_EVERY, run_group
+from warninglight.lab.distributed import CHECKPOINT_EVERY, SCENARIOS, run_group
+from warninglight.tracer import schema
 
 TWO_RANKS = ["ddp_weight_scale", "ddp_grad_corrupt", "ddp_grad_corrupt_inner", "ddp_unwrapped_steps",
              "ddp_unwrapped_rank", "ddp_zeroed_grads", "ddp_zeroed_local", "ddp_layernorm_clip", "ddp_clean",
@@ -105,6 +107,34 @@ def test_steps_outside_ddp_are_visible_as_not_all_reduced(runs: Path) -> None:
 def test_the_clean_two_rank_twin_that_clips_is_healthy_with_no_alarm(runs: Path) -> None:
     d = analyze(runs / "ddp_clean").to_dict()
     assert (d["verdict"], d["root"], d["alarms"]) == ("healthy", None, [])
+
+
+def _preclip_by_rank(trace: Path) -> dict[int, list[tuple[int, float, float | None]]]:
+    rows = duckdb.sql(f"SELECT rank, step, grad_norm_total_l2, grad_norm_preclip_l2 FROM read_parquet("
+                      f"'{schema.segment_glob(trace, 'steps')}', hive_partitioning = true) "
+                      "ORDER BY rank, step").fetchall()
+    out: dict[int, list[tuple[int, float, float | None]]] = {}
+    for rank, step, total, pre in rows:
+        out.setdefault(int(rank), []).append((step, total, pre))
+    return out
+
+
+def test_the_pre_clip_norm_is_that_of_the_all_reduced_gradients(runs: Path) -> None:
+    """DDP copies the all-reduced gradients into `.grad` in a callback of its own at the end of
+    the backward pass; the pre-clip norm is read after it, so where nothing clips it is the total
+    norm on every rank, and where the loop clips it is the same on every rank."""
+    for unclipped in ("ddp_clean_4ranks", "fsdp_clean"):
+        ranks = _preclip_by_rank(runs / unclipped)
+        assert len(ranks) == (4 if unclipped == "ddp_clean_4ranks" else 2)
+        assert all(pre == total for steps in ranks.values() for _, total, pre in steps), unclipped
+    ranks = _preclip_by_rank(runs / "ddp_clean")  # clipped to CLIP from its step 25 on
+    start = SCENARIOS["ddp_clean"].step
+    for steps in ranks.values():
+        assert all(pre == total for step, total, pre in steps if step < start)
+        assert [pre for step, _, pre in steps if step == start] == [None]  # the loop is seen to clip
+        assert all(pre > total for step, total, pre in steps if step > start)
+    later = [[pre for step, _, pre in steps if step > start] for steps in ranks.values()]
+    assert len(later[0]) > 5 and later[0] == later[1]  # the all-reduced gradients are the same
 
 
 def test_a_clean_four_rank_run_is_healthy_with_no_alarm(runs: Path) -> None:

@@ -327,7 +327,17 @@ class Recorder:
                 self.loop.backward_begins(self.params.backward_versions)
             except Exception as exc:
                 self._probe_failed(exc)
+            torch.autograd.Variable._execution_engine.queue_callback(self._backward_ending)
+
+    def _backward_ending(self) -> None:
+        """The first callback at the end of a backward pass (queued at its start). A wrapper queues
+        its own during the pass, after this one: DDP copies the all-reduced gradients back into
+        `.grad` there, FSDP reduces its shards. The gradients as the backward pass leaves them
+        are those after every such callback, so `_after_backward` is queued behind them."""
+        try:
             torch.autograd.Variable._execution_engine.queue_callback(self._after_backward)
+        except Exception:  # no backward pass in progress on this thread to queue into
+            self._after_backward()
 
     def _after_backward(self) -> None:
         self._backward_queued = False

@@ -17,6 +17,13 @@ keeps its own values). Run: `python bench/overhead.py [--steps N] [--pairs N] [-
 with `--fresh-process`, each a new process timed from its start to its exit, as a user times a run
 (see `measure_whole_runs`). The models are bench/cases.py's; `--nanogpt` adds one in nanoGPT's
 layout and loop (bench/nanogpt.py) to the interleaved and whole-run measurements.
+
+`--without PART[,PART...]` leaves parts of the recorder's work out of the watched copy, so that
+the same bench prints what each part costs in the step (in this process only: not with
+`--fresh-process`): `preclip`, `grads` and `weights` replace that pass over the tensors with a
+constant written into the step's row; `forward` drops the forward statistics (the hooks still
+fire); `all` is the three passes and `forward`; `work` leaves only the hooks themselves (every
+entry point returns at once: what registering them costs).
 """
 
 from __future__ import annotations
@@ -262,6 +269,42 @@ def _print_ratios(label: str, ratios: list[float]) -> None:
           f"min {min(ratios):.3f}, max {max(ratios):.3f}, {len(ratios)} pairs)")
 
 
+# --without: a pass left out writes a constant where its norms go (a row of zeros would send the
+# later arithmetic down its rarer paths); the field names are ParamProbe's
+_PASSES = {"preclip": ("pre_norms",), "grads": ("grad_norms",), "weights": ("end_norms", "fwd_norms")}
+_PARTS = (*_PASSES, "forward", "all", "work")
+
+
+def leave_out(parts: set[str], patch: Callable[[object, str, object], None] = setattr) -> None:
+    """Patch the recorder so that the watched copy does without `parts` (see --without);
+    `patch(owner, name, value)` sets each attribute (a test passes one that undoes it)."""
+    from warninglight.tracer import params, recorder
+
+    if "all" in parts:
+        parts = parts | {*_PASSES, "forward"}
+    skipped = {f for p in parts for f in _PASSES.get(p, ())}
+    if skipped:
+        norms_into = params.ParamProbe._norms_into
+
+        def some_norms(self, field, tensors, kind, weight_addrs=None):  # type: ignore[no-untyped-def]
+            if field not in skipped:
+                return norms_into(self, field, tensors, kind, weight_addrs)
+            getattr(self._row_views[self._row_index()], field).fill_(1.0)
+            return True
+        patch(params.ParamProbe, "_norms_into", some_norms)
+    if "forward" in parts:
+        patch(probes.ForwardProbe, "observe", lambda *_: None)
+        patch(probes.ForwardProbe, "compute", lambda *_: [])
+    if "work" in parts:
+        rec = recorder.Recorder
+        for name in ("_root_pre_hook", "_root_hook", "_pre_step", "_post_step", "log", "_make_hook"):
+            if not hasattr(rec, name):  # renamed: the patch would leave that work in
+                raise AttributeError(f"--without work: the recorder has no {name}")
+        for name in ("_root_pre_hook", "_root_hook", "_pre_step", "_post_step", "log"):
+            patch(rec, name, lambda *_, **__: None)
+        patch(rec, "_make_hook", lambda self, comp: (lambda *_: None))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=100,
@@ -288,7 +331,17 @@ def main() -> None:
     ap.add_argument("--hold-outputs", action="store_true",
                     help="for comparison: the watched copy holds every forward output until the "
                          "optimizer step (as when the model's output is not judged at the forward's end)")
+    ap.add_argument("--without", default="", metavar="PART[,PART...]",
+                    help=f"leave these parts out of the watched copy, in this process: {', '.join(_PARTS)}")
     args = ap.parse_args()
+    without = {p for p in args.without.split(",") if p}
+    if without - set(_PARTS):
+        ap.error(f"--without takes {', '.join(_PARTS)}; got {', '.join(sorted(without - set(_PARTS)))}")
+    if without and args.fresh_process:
+        ap.error("--without patches this process: it cannot reach --fresh-process runs")
+    if without:
+        leave_out(without)
+        print(f"the watched copy without: {', '.join(sorted(without))}")
     # the steady state: the compiled passes from the first watched step (a process loads them in
     # the background at its first watch(); --fresh-process times that too)
     kernels.available()

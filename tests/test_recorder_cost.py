@@ -215,3 +215,44 @@ def test_pre_clip_gradient_norm_is_recorded_beside_the_clipped_one(tmp_path: Pat
     assert len(clipped) == 4
     for pre, total in clipped[1:]:  # what the optimizer got, and what backward left
         assert total == pytest.approx(0.01, rel=1e-4) and pre > 10 * total
+
+
+@pytest.mark.filterwarnings("ignore:warninglight. no forward hook fired")  # --without forward says so
+def test_the_overhead_bench_leaves_out_what_it_says(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`bench/overhead.py --without`: the parts it names are really gone from the watched run (a
+    bench that measured them anyway would print a cost nobody can remove)."""
+    import sys
+
+    import duckdb
+    from warninglight.tracer import schema
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "bench"))
+    monkeypatch.delitem(sys.modules, "overhead", raising=False)
+    from overhead import leave_out
+
+    def run(parts: set[str], trace: Path) -> list[tuple]:
+        with monkeypatch.context() as m:
+            leave_out(parts, m.setattr)
+            torch.manual_seed(0)
+            model = zoo.mlp()
+            opt = torch.optim.SGD(model.parameters(), lr=0.01)
+            data = zoo.batches(*zoo.teacher_classification(256), 32)
+            with watch(model, opt, trace):
+                for _ in range(4):
+                    _, x, y = next(data)
+                    F.cross_entropy(model(x), y).backward()
+                    opt.step()
+                    opt.zero_grad()
+        glob = schema.segment_glob(trace, "health")
+        return duckdb.sql(f"select grad_norm_l2, weight_norm_l2, out_rms from read_parquet('{glob}') "
+                          "where grad_norm_l2 is not null order by step, component").fetchall()
+
+    whole = run(set(), tmp_path / "whole")
+    # a Linear's weight and bias: each pass left out writes 1 per tensor, sqrt(2) per component
+    assert whole and all(g != pytest.approx(2 ** 0.5) and rms is not None for g, _, rms in whole)
+    without = run({"all"}, tmp_path / "all")
+    assert len(without) == len(whole)
+    assert all(g == pytest.approx(2 ** 0.5) and w == pytest.approx(2 ** 0.5) and rms is None
+               for g, w, rms in without)
+    assert run({"work"}, tmp_path / "work") == []  # hooks that do nothing record nothing
+    assert run(set(), tmp_path / "again") == whole  # the patches are undone

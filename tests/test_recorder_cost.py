@@ -187,23 +187,28 @@ def test_on_cuda_a_training_step_never_synchronises(tmp_path: Path) -> None:
     assert rec.step_count == 10 and rec.dropped_steps == 0
 
 
+def _train_mlp(trace: Path, clip: float | None = None) -> None:
+    """Four watched SGD steps of the zoo's MLP, its gradients clipped to `clip` if given."""
+    torch.manual_seed(0)
+    model = zoo.mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    data = zoo.batches(*zoo.teacher_classification(256), 32)
+    with watch(model, opt, trace):
+        for _ in range(4):
+            _, x, y = next(data)
+            F.cross_entropy(model(x), y).backward()
+            if clip is not None:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+            opt.step()
+            opt.zero_grad()
+
+
 def test_pre_clip_gradient_norm_is_recorded_beside_the_clipped_one(tmp_path: Path) -> None:
     import duckdb
     from warninglight.tracer import schema
 
     def run(clip: float | None, trace: Path) -> list[tuple]:
-        torch.manual_seed(0)
-        model = zoo.mlp()
-        opt = torch.optim.SGD(model.parameters(), lr=0.01)
-        data = zoo.batches(*zoo.teacher_classification(256), 32)
-        with watch(model, opt, trace):
-            for _ in range(4):
-                _, x, y = next(data)
-                F.cross_entropy(model(x), y).backward()
-                if clip is not None:
-                    torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-                opt.step()
-                opt.zero_grad()
+        _train_mlp(trace, clip)
         glob = schema.segment_glob(trace, "steps")
         return duckdb.sql(f"select grad_norm_preclip_l2, grad_norm_total_l2 from "
                           f"read_parquet('{glob}') order by step").fetchall()
@@ -233,16 +238,7 @@ def test_the_overhead_bench_leaves_out_what_it_says(tmp_path: Path, monkeypatch:
     def run(parts: set[str], trace: Path) -> list[tuple]:
         with monkeypatch.context() as m:
             leave_out(parts, m.setattr)
-            torch.manual_seed(0)
-            model = zoo.mlp()
-            opt = torch.optim.SGD(model.parameters(), lr=0.01)
-            data = zoo.batches(*zoo.teacher_classification(256), 32)
-            with watch(model, opt, trace):
-                for _ in range(4):
-                    _, x, y = next(data)
-                    F.cross_entropy(model(x), y).backward()
-                    opt.step()
-                    opt.zero_grad()
+            _train_mlp(trace)
         glob = schema.segment_glob(trace, "health")
         return duckdb.sql(f"select grad_norm_l2, weight_norm_l2, out_rms from read_parquet('{glob}') "
                           "where grad_norm_l2 is not null order by step, component").fetchall()

@@ -54,9 +54,12 @@ def _lost_storage(t: torch.Tensor) -> bool:
     """True if a plain CPU tensor's storage no longer holds its values (freed in place, as
     sharding wrappers do): reading it, by address or by an eager op, would read freed memory.
     (`ParamProbe._grad_addresses` inlines the contiguous case on the step's path.)"""
-    if type(t) is not torch.Tensor or not t.is_cpu or t.numel() == 0:
+    if type(t) is not torch.Tensor or not t.is_cpu or (n := t.numel()) == 0:
         return False
-    end = t.storage_offset() + 1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride(), strict=True))
+    if t.is_contiguous():  # the usual gradient: its values are the storage's next n elements
+        end = t.storage_offset() + n
+    else:
+        end = t.storage_offset() + 1 + sum((d - 1) * st for d, st in zip(t.shape, t.stride(), strict=True))
     return t.data_ptr() == 0 or t.untyped_storage().nbytes() < end * t.element_size()
 
 

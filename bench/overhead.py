@@ -296,11 +296,11 @@ def leave_out(parts: set[str], patch: Callable[[object, str, object], None] = se
         patch(probes.ForwardProbe, "observe", lambda *_: None)
         patch(probes.ForwardProbe, "compute", lambda *_: [])
     if "work" in parts:
-        rec = recorder.Recorder
-        for name in ("_root_pre_hook", "_root_hook", "_pre_step", "_post_step", "log", "_make_hook"):
+        rec, entries = recorder.Recorder, ("_root_pre_hook", "_root_hook", "_pre_step", "_post_step", "log")
+        for name in (*entries, "_make_hook"):
             if not hasattr(rec, name):  # renamed: the patch would leave that work in
                 raise AttributeError(f"--without work: the recorder has no {name}")
-        for name in ("_root_pre_hook", "_root_hook", "_pre_step", "_post_step", "log"):
+        for name in entries:
             patch(rec, name, lambda *_, **__: None)
         patch(rec, "_make_hook", lambda self, comp: (lambda *_: None))
 

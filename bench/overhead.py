@@ -275,6 +275,13 @@ _PASSES = {"preclip": ("pre_norms",), "grads": ("grad_norms",), "weights": ("end
 _PARTS = (*_PASSES, "forward", "all", "work")
 
 
+def _no_statistics(fwd: probes.ForwardProbe) -> list[tuple[int, torch.Tensor]]:
+    """`ForwardProbe.compute` without the statistics: the queued steps are let go as it lets
+    them go (else the recorder reduces again at every step, to empty the queue)."""
+    fwd.pending = []
+    return []
+
+
 def leave_out(parts: set[str], patch: Callable[[object, str, object], None] = setattr) -> None:
     """Patch the recorder so that the watched copy does without `parts` (see --without);
     `patch(owner, name, value)` sets each attribute (a test passes one that undoes it)."""
@@ -294,7 +301,7 @@ def leave_out(parts: set[str], patch: Callable[[object, str, object], None] = se
         patch(params.ParamProbe, "_norms_into", some_norms)
     if "forward" in parts:
         patch(probes.ForwardProbe, "observe", lambda *_: None)
-        patch(probes.ForwardProbe, "compute", lambda *_: [])
+        patch(probes.ForwardProbe, "compute", _no_statistics)
     if "work" in parts:
         rec, entries = recorder.Recorder, ("_root_pre_hook", "_root_hook", "_pre_step", "_post_step", "log")
         for name in (*entries, "_make_hook"):

@@ -187,14 +187,14 @@ def test_on_cuda_a_training_step_never_synchronises(tmp_path: Path) -> None:
     assert rec.step_count == 10 and rec.dropped_steps == 0
 
 
-def _train_mlp(trace: Path, clip: float | None = None) -> None:
-    """Four watched SGD steps of the zoo's MLP, its gradients clipped to `clip` if given."""
+def _train_mlp(trace: Path, clip: float | None = None, steps: int = 4) -> None:
+    """Watched SGD steps of the zoo's MLP, its gradients clipped to `clip` if given."""
     torch.manual_seed(0)
     model = zoo.mlp()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     data = zoo.batches(*zoo.teacher_classification(256), 32)
     with watch(model, opt, trace):
-        for _ in range(4):
+        for _ in range(steps):
             _, x, y = next(data)
             F.cross_entropy(model(x), y).backward()
             if clip is not None:
@@ -234,11 +234,22 @@ def test_the_overhead_bench_leaves_out_what_it_says(tmp_path: Path, monkeypatch:
     monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "bench"))
     monkeypatch.delitem(sys.modules, "overhead", raising=False)
     from overhead import leave_out
+    from warninglight.tracer import recorder
+
+    reductions = []
 
     def run(parts: set[str], trace: Path) -> list[tuple]:
         with monkeypatch.context() as m:
             leave_out(parts, m.setattr)
-            _train_mlp(trace)
+            reduce = recorder.Recorder._reduce_pending
+            calls = [0]
+
+            def counted(self: recorder.Recorder) -> None:
+                calls[0] += 1
+                reduce(self)
+            m.setattr(recorder.Recorder, "_reduce_pending", counted)
+            _train_mlp(trace, steps=20)
+        reductions.append(calls[0])
         glob = schema.segment_glob(trace, "health")
         return duckdb.sql(f"select grad_norm_l2, weight_norm_l2, out_rms from read_parquet('{glob}') "
                           "where grad_norm_l2 is not null order by step, component").fetchall()
@@ -252,3 +263,5 @@ def test_the_overhead_bench_leaves_out_what_it_says(tmp_path: Path, monkeypatch:
                for g, w, rms in without)
     assert run({"work"}, tmp_path / "work") == []  # hooks that do nothing record nothing
     assert run(set(), tmp_path / "again") == whole  # the patches are undone
+    # and the recorder reduces as often as the whole one does, not at every step
+    assert reductions[0] == reductions[1] == reductions[3] < 20

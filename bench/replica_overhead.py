@@ -147,15 +147,29 @@ def _direct(model: torch.nn.Module, rec: Any) -> dict[str, float]:
     after = (_cpu_per_call(weight_pass(True)) - _cpu_per_call(weight_pass(False))) if fused else _cpu_per_call(end)
     params._with_sums = fused
 
+    parts = {"checksum after the step" + (", beyond the weight-norm pass that takes it" if fused else ""): after,
+             "checks at the forward": _cpu_per_call(probe.begin)}
+    if probe._ddp is not None:  # read in `.grad` at the end of backward: a pass of its own
+        held = [p.grad for p in model.parameters()]
+        for p in model.parameters():
+            p.grad = torch.zeros_like(p) if p.grad is None else p.grad
+
+        def read() -> None:
+            probe.backward_ending()
+            probe.backward_ended()
+        parts["local gradient norms, read in .grad"] = _cpu_per_call(read)
+        for p, g in zip(model.parameters(), held, strict=True):
+            p.grad = g
+        return parts
+
     def local_norms() -> None:  # the hook's reading of a bucket (scaling it by 1, as DDP would by 1/world)
         probe._observe_bucket(bucket, bucket.flat, 1.0)
         if not probe._scaled:
             bucket.flat.mul_(1.0)
         probe._buckets.clear()
-    return {"checksum after the step" + (", beyond the weight-norm pass that takes it" if fused else ""): after,
-            "checks at the forward": _cpu_per_call(probe.begin),
-            "local gradient norms, beyond DDP's own scaling of the bucket":
-                max(0.0, _cpu_per_call(local_norms) - _cpu_per_call(lambda: bucket.flat.mul_(1.0)))}
+    parts["local gradient norms, beyond DDP's own scaling of the bucket"] = max(
+        0.0, _cpu_per_call(local_norms) - _cpu_per_call(lambda: bucket.flat.mul_(1.0)))
+    return parts
 
 
 def _allreduce_hook(group, bucket):  # type: ignore[no-untyped-def]  # noqa: ANN001, ANN201

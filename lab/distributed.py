@@ -70,6 +70,7 @@ class RankScenario:
     watched: str = "wrapper"  # wrapper | inner: what watch() is given, the DDP or the module in it
     condition: str = "unclassified"  # what the fault should be named
     clip: float | None = None  # max gradient norm clipped to from `step` on, every rank
+    bucket_view: bool = False  # DDP's gradient_as_bucket_view: local gradients then read in a hook
 
     def truth(self, seed: int) -> dict[str, Any]:
         """The answer key (same keys as a single-process rehearsal's truth.json, plus rank)."""
@@ -90,6 +91,8 @@ SCENARIOS: dict[str, RankScenario] = {sc.name: sc for sc in (
                  rank=1, factor=30.0, condition="exploding"),
     RankScenario("ddp_grad_corrupt_inner", fault="grad_corrupt", component="h.0.attn.c_attn",
                  rank=1, factor=30.0, condition="exploding", watched="inner"),
+    RankScenario("ddp_grad_corrupt_views", fault="grad_corrupt", component="h.0.attn.c_attn",
+                 rank=1, factor=30.0, condition="exploding", bucket_view=True),
     RankScenario("ddp_unwrapped_steps", fault="unwrapped_steps", component="", rank=None),
     RankScenario("ddp_unwrapped_rank", fault="unwrapped_steps", component="", rank=1),
     RankScenario("ddp_zeroed_grads", fault="zeroed_grads", component="", rank=1),
@@ -128,7 +131,7 @@ def _wrap(sc: RankScenario, model: nn.Module) -> nn.Module:
         for block in model.h:
             fully_shard(block)
         return fully_shard(model)
-    return nn.parallel.DistributedDataParallel(model)
+    return nn.parallel.DistributedDataParallel(model, gradient_as_bucket_view=sc.bucket_view)
 
 
 def _inner(wrapped: nn.Module) -> nn.Module:
@@ -219,12 +222,13 @@ def _full_norms(model: nn.Module) -> dict[str, float]:
     return out
 
 
-def _final_weights(rank: int, seed: int, tokens: torch.Tensor, trace: Path | None) -> list[torch.Tensor]:
+def _final_weights(rank: int, seed: int, tokens: torch.Tensor, trace: Path | None,
+                   bucket_view: bool = False) -> list[torch.Tensor]:
     """Train the clean set-up for 12 steps, recorded into `trace` (or not); the final weights."""
     from warninglight.tracer import watch
 
     torch.manual_seed(seed)
-    model = nn.parallel.DistributedDataParallel(zoo.TinyGPT(GPT))
+    model = nn.parallel.DistributedDataParallel(zoo.TinyGPT(GPT), gradient_as_bucket_view=bucket_view)
     opt = torch.optim.Adam(model.parameters(), lr=3e-3)
     data = zoo.text_batches(tokens, 8, GPT.block_size, seed=1000 * seed + rank)
     rec = watch(model, opt, str(trace)) if trace is not None else None
@@ -240,10 +244,15 @@ def _final_weights(rank: int, seed: int, tokens: torch.Tensor, trace: Path | Non
 
 
 def _identity(rank: int, root: Path, seed: int, tokens: torch.Tensor) -> None:
-    """Write whether training with and without the recorder left bit-identical weights on this rank."""
-    plain = _final_weights(rank, seed, tokens, None)
-    watched = _final_weights(rank, seed, tokens, root / "identity-trace")
-    same = all(torch.equal(a.view(torch.int32), b.view(torch.int32)) for a, b in zip(plain, watched, strict=True))
+    """Write whether training with and without the recorder left bit-identical weights on this
+    rank: with DDP's default (local gradients read in `.grad`) and with the gradients as bucket
+    views (read in the recorder's communication hook, which does DDP's arithmetic itself)."""
+    same = True
+    for view in (False, True):
+        plain = _final_weights(rank, seed, tokens, None, view)
+        watched = _final_weights(rank, seed, tokens, root / f"identity-trace-{int(view)}", view)
+        same = same and all(torch.equal(a.view(torch.int32), b.view(torch.int32))
+                            for a, b in zip(plain, watched, strict=True))
     (root / f"identity-rank{rank}.json").write_text(json.dumps({"rank": rank, "bit_identical": same}))
 
 

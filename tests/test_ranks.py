@@ -22,7 +22,8 @@ from warninglight.forensics.trace import checks
 from warninglight.lab.distributed import CHECKPOINT_EVERY, SCENARIOS, run_group
 from warninglight.tracer import schema
 
-TWO_RANKS = ["ddp_weight_scale", "ddp_grad_corrupt", "ddp_grad_corrupt_inner", "ddp_unwrapped_steps",
+TWO_RANKS = ["ddp_weight_scale", "ddp_grad_corrupt", "ddp_grad_corrupt_inner", "ddp_grad_corrupt_views",
+             "ddp_unwrapped_steps",
              "ddp_unwrapped_rank", "ddp_zeroed_grads", "ddp_zeroed_local", "ddp_layernorm_clip", "ddp_clean",
              "fsdp_clean"]
 
@@ -39,6 +40,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     ("ddp_weight_scale", "h.0.mlp.c_fc", 1, "replicas"),
     ("ddp_grad_corrupt", "h.0.attn.c_attn", 1, "component"),
     ("ddp_grad_corrupt_inner", "h.0.attn.c_attn", 1, "component"),  # watch() given the module in the DDP
+    ("ddp_grad_corrupt_views", "h.0.attn.c_attn", 1, "component"),  # gradients as bucket views: a hook
     ("ddp_unwrapped_steps", "", None, "replicas"),  # every rank, the whole model
     # no majority among two: each rank's own evidence names it
     ("ddp_unwrapped_rank", "", 1, "replicas"),  # it alone ran no all-reduce
@@ -77,7 +79,7 @@ def test_the_corrupted_rank_is_named_though_every_rank_applied_the_same_bad_aver
     assert analyze(runs / "ddp_grad_corrupt").to_dict()["root"]["condition"] == "exploding"
 
 
-@pytest.mark.parametrize("scenario", ["ddp_grad_corrupt", "ddp_grad_corrupt_inner"])
+@pytest.mark.parametrize("scenario", ["ddp_grad_corrupt", "ddp_grad_corrupt_inner", "ddp_grad_corrupt_views"])
 def test_the_wrapper_or_its_module_give_the_same_names_and_local_norms(runs: Path, scenario: str) -> None:
     trace = open_trace(runs / scenario)
     try:
@@ -90,6 +92,22 @@ def test_the_wrapper_or_its_module_give_the_same_names_and_local_norms(runs: Pat
     assert "lm_head" in names and not [n for n in names if n.startswith("module")]
     assert local == (2 * 40, True)  # every step of both ranks, read before the all-reduce
     assert warned == (0,)
+
+
+def _local_norms(trace: Path) -> list[tuple[int, int, str, float]]:
+    return duckdb.sql(f"SELECT rank, step, component, local_grad_norm_l2 FROM read_parquet("
+                      f"'{schema.segment_glob(trace, 'replicas')}', hive_partitioning = true) "
+                      "ORDER BY rank, step, component").fetchall()
+
+
+def test_local_norms_read_in_grad_equal_those_read_in_the_communication_hook(runs: Path) -> None:
+    """DDP's default copies the gradients into its buckets, and the recorder reads the local ones
+    in `.grad` before DDP copies the all-reduced ones back; with the gradients as views of the
+    buckets it reads them in a communication hook. The same run gives the same norms both ways."""
+    copied, views = _local_norms(runs / "ddp_grad_corrupt"), _local_norms(runs / "ddp_grad_corrupt_views")
+    assert len(copied) == len(views) > 0
+    assert [r[:3] for r in copied] == [r[:3] for r in views]
+    assert [r[3] for r in copied] == pytest.approx([r[3] for r in views], rel=1e-5)
 
 
 def test_steps_outside_ddp_are_visible_as_not_all_reduced(runs: Path) -> None:

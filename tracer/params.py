@@ -24,7 +24,7 @@ from . import kernels
 from .components import Component
 from .loopfacts import grad_versions
 from .probes import FORWARD_BATCH_STEPS, PARAM_METRICS, to_device
-from .replicas import local_shard
+from .replicas import grad_values, local_shard
 
 _PM = {m: i for i, m in enumerate(PARAM_METRICS)}
 # a CPU dot product's norm below this may have lost entries to float32 underflow: taken exactly
@@ -69,12 +69,6 @@ def _refuse_lost(grads: list[torch.Tensor]) -> None:
         if _lost_storage(g):
             raise RuntimeError(f"the gradient of parameter {i} has lost its storage (freed in place?): "
                                "its norms are not taken this step")
-
-
-def _values(g: torch.Tensor) -> torch.Tensor:
-    """A gradient's values: a sparse one (`nn.Embedding(sparse=True)`) as its coalesced values,
-    which have its norm and its non-finite count; a dense one as it is."""
-    return g.coalesce().values() if g.is_sparse else g
 
 
 class _Row(NamedTuple):
@@ -431,7 +425,7 @@ class ParamProbe:
         if self._compiled_grads and self._grad_addresses(everything := self._grads()):
             return self._compiled_norms(everything, self._grad_addrs, self._grad_lens, self._scratch,
                                         self._scratch_t)
-        grads = [_values(local_shard(p.grad)) for p in self.params if p.grad is not None]
+        grads = [grad_values(local_shard(p.grad)) for p in self.params if p.grad is not None]
         if self.device.type == "cpu":
             _refuse_lost(grads)
         return bool(torch.isfinite(torch.stack(torch._foreach_norm(grads)).sum()))
@@ -440,10 +434,10 @@ class ParamProbe:
         # a parameter without a gradient stands in as an empty tensor (norm 0): the list, and so
         # the per-tensor -> component index, is the same every step whatever has a gradient
         if self._sharded:
-            return [z if p.grad is None else _values(local_shard(p.grad))
+            return [z if p.grad is None else grad_values(local_shard(p.grad))
                     for p, z in zip(self.params, self._no_grad, strict=True)]
         # plain tensors are read as they are (no detach: this runs under no_grad)
-        return [z if (g := p.grad) is None else (_values(g) if g.is_sparse else g)
+        return [z if (g := p.grad) is None else (grad_values(g) if g.is_sparse else g)
                 for p, z in zip(self.params, self._no_grad, strict=True)]
 
     @property

@@ -334,6 +334,11 @@ class Recorder:
         its own during the pass, after this one: DDP copies the all-reduced gradients back into
         `.grad` there, FSDP reduces its shards. The gradients as the backward pass leaves them
         are those after every such callback, so `_after_backward` is queued behind them."""
+        if self.replicas is not None:
+            try:  # DDP's copy has not happened yet: `.grad` holds this rank's own gradients
+                self.replicas.backward_ending()
+            except Exception as exc:
+                self._probe_failed(exc)
         try:
             torch.autograd.Variable._execution_engine.queue_callback(self._after_backward)
         except Exception:  # no backward pass in progress on this thread to queue into
@@ -347,6 +352,11 @@ class Recorder:
             self.params.after_backward()
         except Exception as exc:
             self._probe_failed(exc)
+        if self.replicas is not None:
+            try:
+                self.replicas.backward_ended()
+            except Exception as exc:
+                self._probe_failed(exc)
 
     def _make_hook(self, comp: Any) -> Any:
         def hook(module: nn.Module, args: Any, out: Any) -> None:

@@ -28,12 +28,19 @@ records, per parameter-owning component and step:
   component at a run's first step, are always taken.
 - `local_grad_norm_l2`: the L2 norm of the gradient this rank contributed *before* the
   all-reduce averaged it with the others (null on a step whose gradients were not all-reduced).
-  Read in a DistributedDataParallel communication hook, which sees each bucket of local
-  gradients once, just before it calls the same all-reduce DDP runs without a hook (on the CPU,
-  in the one compiled pass that also scales the bucket by 1 / world size, as DDP does). Given the
-  module inside a DDP, the hook goes on the DDP found running it at the first training forward.
-- `grad_allreduced`: whether DDP all-reduced this component's gradients in this step; false on
-  every component means the step trained outside DDP (its gradients stayed local).
+  DistributedDataParallel all-reduces copies of the gradients in its buckets and copies the
+  result into `.grad` in a callback at the end of the backward pass, which runs after the
+  recorder's first one: there `.grad` still holds this rank's own gradients, and one pass over
+  them takes their norms (`backward_ending`), with no hook in DDP's path. Where the gradients
+  are views of the buckets (`gradient_as_bucket_view=True`) they are read in a communication
+  hook instead, which sees each bucket of local gradients once, just before it calls the same
+  all-reduce DDP runs without a hook (on the CPU, in the one compiled pass that also scales the
+  bucket by 1 / world size, as DDP does). Given the module inside a DDP, the DDP found running
+  it at the first training forward is the one read.
+- `grad_allreduced`: whether DDP all-reduced this component's gradients in this step (read in
+  `.grad`: DDP copied new values into one of its gradients after the backward pass; in the
+  hook: one of its buckets came through); false on every component means the step trained
+  outside DDP (its gradients stayed local).
 
 Values stay on the device until the segment is flushed, like the health stats; nothing in a
 step reads one back to the host.
@@ -54,6 +61,18 @@ _INT_VIEW = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int32}  # e
 # steps within which every component's weights are checked at the first forward (the bound on
 # finding a write outside the optimizer that PyTorch does not see, on the rank that made it)
 FWD_CHECK_EVERY = 8
+
+
+def _plain_f32(g: torch.Tensor) -> bool:
+    """A plain contiguous float32 CPU tensor whose storage holds its values: readable by address."""
+    return (type(g) is torch.Tensor and g.dtype is torch.float32 and g.is_cpu and g.is_contiguous()
+            and g.data_ptr() != 0 and g.untyped_storage().nbytes() >= (g.storage_offset() + g.numel()) * 4)
+
+
+def grad_values(g: torch.Tensor) -> torch.Tensor:
+    """A gradient's values: a sparse one (`nn.Embedding(sparse=True)`) as its coalesced values,
+    which have its norm and its non-finite count; a dense one as it is."""
+    return g.coalesce().values() if g.is_sparse else g
 
 
 def local_shard(p: torch.Tensor) -> torch.Tensor:
@@ -140,12 +159,72 @@ class ReplicaProbe:
         self._scaled = False
         self.closed = False
         self.model = model
+        # local gradients read in `.grad` at the end of backward (`backward_ending`), before DDP
+        # copies the all-reduced ones into it; None: in a communication hook, or not at all
+        self._ddp: nn.parallel.DistributedDataParallel | None = None
+        # at the end of the backward pass, before DDP's callback: (component of each parameter with
+        # a gradient, or None for a host array already per component; their squared local norms;
+        # each gradient's (tensor id, version))
+        self._at_backward: tuple[torch.Tensor | None, Any, list[tuple[int, int] | None]] | None = None
         ddp = isinstance(model, nn.parallel.DistributedDataParallel)
         # the inner module of a DDP: its wrapper is found at the first forward, which runs inside it
         self._wrapper_unknown = not ddp
-        self.hook_note = self._install_comm_hook(model) if ddp else None
+        self.hook_note = self._read_local_from(model) if ddp else None
 
-    # --- local gradients: a DDP communication hook ------------------------------------------
+    # --- local gradients: in `.grad` before DDP's copy, or in a communication hook ----------
+
+    def _read_local_from(self, model: nn.parallel.DistributedDataParallel) -> str | None:
+        """Where this rank's local gradients are read. DDP all-reduces copies of the gradients in
+        its buckets and copies the result into `.grad` only in a callback at the end of the
+        backward pass, queued after the recorder's first one: unless the gradients are views of
+        the buckets (`gradient_as_bucket_view=True`), `.grad` holds this rank's own gradients
+        there (`backward_ending`), whatever communication hook DDP runs. Else a communication hook
+        of ours reads them. A note when neither can."""
+        if not getattr(model, "gradient_as_bucket_view", True):
+            self._ddp = model
+            return None
+        return self._install_comm_hook(model)
+
+    def backward_ending(self) -> None:
+        """The first callback at the end of a backward pass, before DDP's (`_read_local_from`):
+        the per-component norms of the local gradients, kept until `backward_ended` says which
+        DDP all-reduced."""
+        self._at_backward = None
+        if self._ddp is None or self.closed or not self.params:
+            return
+        grads = [p.grad for p in self.params]
+        have = [i for i, g in enumerate(grads) if g is not None]
+        if not have:
+            return
+        seen = [None if g is None else (id(g), g._version) for g in grads]
+        gs = [grads[i] for i in have]
+        comps = self.param_comp_np[have]
+        if self.device.type == "cpu" and kernels.ready() and all(_plain_f32(g) for g in gs):
+            norms = np.empty(len(gs), dtype=np.float32)
+            kernels.tensor_norms(np.array([g.data_ptr() for g in gs], dtype=np.int64),
+                                 np.array([g.numel() for g in gs], dtype=np.int64), norms)
+            sq = np.bincount(comps, weights=np.square(norms, dtype=np.float64), minlength=self.n)
+            self._at_backward = (None, sq, seen)
+        else:
+            sq = torch.stack(torch._foreach_norm([grad_values(local_shard(g)) for g in gs])).float().square_()
+            self._at_backward = (torch.tensor(comps, dtype=torch.long, device=self.device), sq, seen)
+
+    def backward_ended(self) -> None:
+        """The last callback of the backward pass, after DDP's: the gradients it all-reduced are
+        those it copied into `.grad` (a version moved, or a new tensor). Their components' local
+        norms count for the step; with none all-reduced (no DDP forward, or `no_sync`) a later
+        backward pass of the step may still give them."""
+        taken, self._at_backward = self._at_backward, None
+        if taken is None or self.closed:
+            return
+        idx, sq, seen = taken
+        reduced = [b is not None and (g := p.grad) is not None and (id(g), g._version) != b
+                   for p, b in zip(self.params, seen, strict=True)]
+        if not any(reduced):
+            return
+        mask = np.zeros(self.n, dtype=bool)
+        mask[self.param_comp_np[np.flatnonzero(reduced)]] = True
+        self._buckets[-1] = (idx, sq, mask)
 
     def _find_wrapper(self) -> str | None:
         """At the first training forward of a watched inner module: hook the DDP running it, or
@@ -154,7 +233,7 @@ class ReplicaProbe:
         # DDP names itself while its forward runs (what torch.compile's DDP optimizer reads)
         active = nn.parallel.DistributedDataParallel._get_active_ddp_module()
         if active is not None and any(m is self.model for m in active.module.modules()):
-            return self._install_comm_hook(active)
+            return self._read_local_from(active)
         return ("local gradient norms (each rank's gradients before the all-reduce) not recorded: "
                 "the watched module's forward ran outside any DistributedDataParallel forward "
                 "(FSDP, gradients all-reduced by hand, or DDP's Python reducer); pass the DDP "

@@ -190,7 +190,10 @@ class ReplicaProbe:
         the per-component norms of the local gradients, kept until `backward_ended` says which
         DDP all-reduced."""
         self._at_backward = None
-        if self._ddp is None or self.closed or not self.params:
+        # a micro-batch under `no_sync()` (or `require_backward_grad_sync = False`, as nanoGPT
+        # sets it): DDP all-reduces nothing after this backward pass, so nothing to read yet
+        if (self._ddp is None or self.closed or not self.params
+                or not getattr(self._ddp, "require_backward_grad_sync", True)):
             return
         grads = [p.grad for p in self.params]
         have = [i for i, g in enumerate(grads) if g is not None]

@@ -71,6 +71,7 @@ class RankScenario:
     condition: str = "unclassified"  # what the fault should be named
     clip: float | None = None  # max gradient norm clipped to from `step` on, every rank
     bucket_view: bool = False  # DDP's gradient_as_bucket_view: local gradients then read in a hook
+    micro: int = 1  # micro-batches a step, DDP all-reducing after the last only (as nanoGPT does)
 
     def truth(self, seed: int) -> dict[str, Any]:
         """The answer key (same keys as a single-process rehearsal's truth.json, plus rank)."""
@@ -101,6 +102,8 @@ SCENARIOS: dict[str, RankScenario] = {sc.name: sc for sc in (
     RankScenario("ddp_layernorm_clip", fault="layernorm_clip", component="h.0.ln_1", rank=1, clip=CLIP),
     RankScenario("ddp_clean", clip=CLIP),
     RankScenario("ddp_clean_4ranks", world_size=4),
+    RankScenario("ddp_accumulated", micro=3, steps=12),
+    RankScenario("ddp_accumulated_views", micro=3, steps=12, bucket_view=True),
     RankScenario("fsdp_clean", wrapper="fsdp"),
 )}
 
@@ -187,10 +190,15 @@ def _train_one(sc: RankScenario, rank: int, root: Path, seed: int, tokens: torch
             unwrapped = (sc.fault == "unwrapped_steps" and faulty and step >= sc.step
                          and (step - sc.step) % 2 == 0)
             skipped += unwrapped
-            logits = (_inner(model) if unwrapped else model)(x)  # (B, T, vocab)
-            loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
             opt.zero_grad(set_to_none=True)
-            loss.backward()
+            for m in range(sc.micro):  # the step's earlier micro-batches: no all-reduce after them
+                if sc.micro > 1:
+                    model.require_backward_grad_sync = m == sc.micro - 1
+                    if m:
+                        ids, x, y = next(data)
+                logits = (_inner(model) if unwrapped else model)(x)  # (B, T, vocab)
+                loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+                (loss / sc.micro if sc.micro > 1 else loss).backward()
             if sc.fault == "zeroed_grads" and faulty and step >= sc.step:
                 opt.zero_grad(set_to_none=False)  # misplaced: after the all-reduce, before the step
             if sc.clip is not None and step >= sc.step:

@@ -25,7 +25,7 @@ from warninglight.tracer import schema
 TWO_RANKS = ["ddp_weight_scale", "ddp_grad_corrupt", "ddp_grad_corrupt_inner", "ddp_grad_corrupt_views",
              "ddp_unwrapped_steps",
              "ddp_unwrapped_rank", "ddp_zeroed_grads", "ddp_zeroed_local", "ddp_layernorm_clip", "ddp_clean",
-             "fsdp_clean"]
+             "ddp_accumulated", "ddp_accumulated_views", "fsdp_clean"]
 
 
 @pytest.fixture(scope="module")
@@ -106,6 +106,17 @@ def test_local_norms_read_in_grad_equal_those_read_in_the_communication_hook(run
     buckets it reads them in a communication hook. The same run gives the same norms both ways."""
     copied, views = _local_norms(runs / "ddp_grad_corrupt"), _local_norms(runs / "ddp_grad_corrupt_views")
     assert len(copied) == len(views) > 0
+    assert [r[:3] for r in copied] == [r[:3] for r in views]
+    assert [r[3] for r in copied] == pytest.approx([r[3] for r in views], rel=1e-5)
+
+
+def test_with_micro_batches_the_local_norms_are_those_of_the_all_reduced_step(runs: Path) -> None:
+    """Three micro-batches a step, DDP all-reducing after the last only: the local gradient read
+    is that step's accumulated one, once a step, the same read in `.grad` as in the hook."""
+    copied, views = _local_norms(runs / "ddp_accumulated"), _local_norms(runs / "ddp_accumulated_views")
+    steps = SCENARIOS["ddp_accumulated"].steps
+    assert {(r, s) for r, s, _, _ in copied} == {(r, s) for r in (0, 1) for s in range(1, steps + 1)}
+    assert all(v is not None for *_, v in copied)
     assert [r[:3] for r in copied] == [r[:3] for r in views]
     assert [r[3] for r in copied] == pytest.approx([r[3] for r in views], rel=1e-5)
 

@@ -31,12 +31,13 @@ records, per parameter-owning component and step:
   DistributedDataParallel all-reduces copies of the gradients in its buckets and copies the
   result into `.grad` in a callback at the end of the backward pass, which runs after the
   recorder's first one: there `.grad` still holds this rank's own gradients, and one pass over
-  them takes their norms (`backward_ending`), with no hook in DDP's path. Where the gradients
-  are views of the buckets (`gradient_as_bucket_view=True`) they are read in a communication
-  hook instead, which sees each bucket of local gradients once, just before it calls the same
-  all-reduce DDP runs without a hook (on the CPU, in the one compiled pass that also scales the
-  bucket by 1 / world size, as DDP does). Given the module inside a DDP, the DDP found running
-  it at the first training forward is the one read.
+  them takes their norms (`backward_ending`), with no hook in DDP's path; after a backward pass
+  DDP does not all-reduce (`no_sync`, an earlier micro-batch) nothing is read. Where the
+  gradients are views of the buckets (`gradient_as_bucket_view=True`) they are read in a
+  communication hook instead, which sees each bucket of local gradients once, just before it
+  calls the same all-reduce DDP runs without a hook (on the CPU, in the one compiled pass that
+  also scales the bucket by 1 / world size, as DDP does). Given the module inside a DDP, the DDP
+  found running it at the first training forward is the one read.
 - `grad_allreduced`: whether DDP all-reduced this component's gradients in this step (read in
   `.grad`: DDP copied new values into one of its gradients after the backward pass; in the
   hook: one of its buckets came through); false on every component means the step trained

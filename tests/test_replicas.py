@@ -197,3 +197,35 @@ def test_checksums_taken_in_the_weight_norm_pass_equal_those_of_a_pass_of_their_
     # a low bit moves no norm (the checksums say it): no drift in either, none made up by the
     # switch from one kernel to the other
     assert {(s, c) for s, c, _, d in got if d} == {(s, c) for s, c, _, d in want if d} == set()
+
+
+@pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "eager"])
+def test_local_norms_read_in_grad_refuse_a_gradient_freed_in_place(monkeypatch: pytest.MonkeyPatch,
+                                                                    compiled: bool) -> None:
+    # read in `.grad` before DDP's copy (tracer/replicas.py): the same norms as the gradients'
+    # own, and a gradient whose storage was freed is read by no pass, compiled or eager
+    from types import SimpleNamespace
+
+    if compiled:
+        assert kernels.available()  # loaded now: `kernels.ready` says so from here on
+    else:
+        monkeypatch.setattr(kernels, "ready", lambda name="": False)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Linear(5, 3))
+    probe = ReplicaProbe(discover(model), model, 2)
+    probe._ddp = SimpleNamespace(require_backward_grad_sync=True)  # what a DDP without bucket views sets
+    model(torch.randn(4, 6)).sum().backward()
+    probe.backward_ending()
+    model[1].weight.grad.add_(1.0)  # DDP's copy of the all-reduced gradient moves its version
+    probe.backward_ended()
+    _, sq, mask = probe._buckets[-1]
+    sq = sq if isinstance(sq, np.ndarray) else torch.zeros(probe.n).index_add_(0, probe._buckets[-1][0], sq).numpy()
+    want = (model[1].weight.grad - 1.0).square().sum() + model[1].bias.grad.square().sum()
+    comp = probe.param_comp_np[2]
+    assert mask.tolist() == [i == comp for i in range(probe.n)]  # only what DDP wrote counts
+    assert sq[comp] == pytest.approx(float(want), rel=1e-5)
+    probe._buckets.clear()
+    model[1].weight.grad.untyped_storage().resize_(0)
+    with pytest.raises(RuntimeError, match="lost its storage"):
+        probe.backward_ending()
+    assert probe._at_backward is None

@@ -24,7 +24,7 @@ from . import kernels
 from .components import Component
 from .loopfacts import grad_versions
 from .probes import FORWARD_BATCH_STEPS, PARAM_METRICS, to_device
-from .replicas import grad_values, local_shard
+from .replicas import grad_values, local_shard, lost_storage
 
 _PM = {m: i for i, m in enumerate(PARAM_METRICS)}
 # a CPU dot product's norm below this may have lost entries to float32 underflow: taken exactly
@@ -50,23 +50,10 @@ def _sketch_slice(p: torch.Tensor, k: int, gen: np.random.Generator) -> tuple[in
     return offset, stride
 
 
-def _lost_storage(t: torch.Tensor) -> bool:
-    """True if a plain CPU tensor's storage no longer holds its values (freed in place, as
-    sharding wrappers do): reading it, by address or by an eager op, would read freed memory.
-    (`ParamProbe._grad_addresses` inlines the contiguous case on the step's path.)"""
-    if type(t) is not torch.Tensor or not t.is_cpu or (n := t.numel()) == 0:
-        return False
-    if t.is_contiguous():  # the usual gradient: its values are the storage's next n elements
-        end = t.storage_offset() + n
-    else:
-        end = t.storage_offset() + 1 + sum((d - 1) * st for d, st in zip(t.shape, t.stride(), strict=True))
-    return t.data_ptr() == 0 or t.untyped_storage().nbytes() < end * t.element_size()
-
-
 def _refuse_lost(grads: list[torch.Tensor]) -> None:
     """Raise (a probe failure, caught by the recorder) if a gradient lost its storage."""
     for i, g in enumerate(grads):
-        if _lost_storage(g):
+        if lost_storage(g):
             raise RuntimeError(f"the gradient of parameter {i} has lost its storage (freed in place?): "
                                "its norms are not taken this step")
 
@@ -217,9 +204,9 @@ class ParamProbe:
         # (which then fail loudly, caught like any recorder fault). A weight whose storage is
         # freed is read by neither: the eager ops would read freed memory too
         self._weight_ptrs = [p.data_ptr() for p in self._flat]
-        self._lost_weights = [i for i, p in enumerate(self._flat) if _lost_storage(p)]
+        self._lost_weights = [i for i, p in enumerate(self._flat) if lost_storage(p)]
         usable = self._compiled and self._dot["weights"] and not self._sharded and all(
-            type(p) is torch.Tensor and p.numel() == n and n > 0 and not _lost_storage(p)
+            type(p) is torch.Tensor and p.numel() == n and n > 0 and not lost_storage(p)
             for p, n in zip(self._flat, self._numel, strict=True))
         self._weight_addrs = np.array(self._weight_ptrs, dtype=np.int64) if usable else None
 
@@ -263,7 +250,7 @@ class ParamProbe:
         """Raise (a probe failure, caught by the recorder) while a weight's storage is freed. Once
         it is back the eager ops read it (the views hold its storage), until the next `refresh`
         (at a flush) gives the compiled passes its address again."""
-        self._lost_weights = [i for i in self._lost_weights if _lost_storage(self._flat[i])]
+        self._lost_weights = [i for i in self._lost_weights if lost_storage(self._flat[i])]
         if self._lost_weights:
             raise RuntimeError(f"the weights of parameter {self._lost_weights[0]} have lost their "
                                "storage (freed in place?): their norms are not taken this step")
@@ -304,7 +291,7 @@ class ParamProbe:
         """Addresses and lengths of `grads` (one per parameter) into `_grad_addrs`/`_grad_lens`,
         the BLAS-sized ones' lengths 0 (not in the compiled pass); False if one of them is not a
         plain, contiguous float32 CPU tensor (then the eager ops take this pass). Raises if a
-        gradient's storage does not hold its values (`_lost_storage`, its contiguous case inlined)."""
+        gradient's storage does not hold its values (`lost_storage`, its contiguous case inlined)."""
         ptrs, ns = [], []
         f32, plain = torch.float32, torch.Tensor
         try:

@@ -64,10 +64,17 @@ _INT_VIEW = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int32}  # e
 FWD_CHECK_EVERY = 8
 
 
-def _plain_f32(g: torch.Tensor) -> bool:
-    """A plain contiguous float32 CPU tensor whose storage holds its values: readable by address."""
-    return (type(g) is torch.Tensor and g.dtype is torch.float32 and g.is_cpu and g.is_contiguous()
-            and g.data_ptr() != 0 and g.untyped_storage().nbytes() >= (g.storage_offset() + g.numel()) * 4)
+def lost_storage(t: torch.Tensor) -> bool:
+    """True if a plain CPU tensor's storage no longer holds its values (freed in place, as
+    sharding wrappers do): reading it, by address or by an eager op, would read freed memory.
+    (`ParamProbe._grad_addresses` inlines the contiguous case on the step's path.)"""
+    if type(t) is not torch.Tensor or not t.is_cpu or (n := t.numel()) == 0:
+        return False
+    if t.is_contiguous():  # the usual gradient: its values are the storage's next n elements
+        end = t.storage_offset() + n
+    else:
+        end = t.storage_offset() + 1 + sum((d - 1) * st for d, st in zip(t.shape, t.stride(), strict=True))
+    return t.data_ptr() == 0 or t.untyped_storage().nbytes() < end * t.element_size()
 
 
 def grad_values(g: torch.Tensor) -> torch.Tensor:
@@ -133,8 +140,9 @@ class ReplicaProbe:
         # components, components checked at the forward)
         self.rows: dict[int, tuple[torch.Tensor, torch.Tensor, np.ndarray, np.ndarray]] = {}
         self._at_forward: tuple[torch.Tensor, np.ndarray] | None = None
-        # per bucket of this step: its per-component squared local norms (a host array from the
-        # compiled pass; else a device tensor with the component of each value), and its components
+        # per bucket of this step (key -1: the gradients read in `.grad`, `backward_ended`): its
+        # per-component squared local norms (a host array from the compiled pass; else a device
+        # tensor with the component of each value), and its components
         self._buckets: dict[int, tuple[torch.Tensor | None, torch.Tensor | np.ndarray, np.ndarray]] = {}
         # per bucket layout (its buffer's size, its parameters in order): where its gradients lie
         self._layouts: dict[tuple[int, ...], _BucketLayout] = {}
@@ -203,7 +211,11 @@ class ReplicaProbe:
         seen = [None if g is None else (id(g), g._version) for g in grads]
         gs = [grads[i] for i in have]
         comps = self.param_comp_np[have]
-        if self.device.type == "cpu" and kernels.ready() and all(_plain_f32(g) for g in gs):
+        if any(lost_storage(g) for g in gs):  # read by no pass: eager ops would read freed memory too
+            raise RuntimeError("a gradient has lost its storage (freed in place?): this step's local "
+                               "gradient norms are not taken")
+        if self.device.type == "cpu" and kernels.ready() and all(
+                type(g) is torch.Tensor and g.dtype is torch.float32 and g.is_contiguous() for g in gs):
             norms = np.empty(len(gs), dtype=np.float32)
             kernels.tensor_norms(np.array([g.data_ptr() for g in gs], dtype=np.int64),
                                  np.array([g.numel() for g in gs], dtype=np.int64), norms)

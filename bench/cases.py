@@ -7,8 +7,8 @@ is never imported, so a plain run costs what a training script without it costs.
 `--trace PATH --setup` it prints what the recorder costs the process once, in process CPU
 seconds: on the training thread importing it, `watch()`, the first step beyond a plain one and
 `close()`; and the whole process's beyond plain steps, which adds the background load of the
-compiled kernels (importing numba, loading them from its cache or compiling them on a fresh
-install) and the writer thread.
+compiled kernels (importing llvmlite, mapping them from the cache or compiling them on a fresh
+machine) and the writer thread.
 """
 
 from __future__ import annotations
@@ -133,7 +133,9 @@ def setup(step: Callable[[], torch.Tensor], model: torch.nn.Module, opt: torch.o
     print(f"training thread CPU s: import the recorder {imported:.3f}, watch() {watch_s:.3f}, first step "
           f"beyond a plain one {first:.3f}, close() {close:.3f}; in all {imported + watch_s + first + close:.3f} "
           f"(a plain step: {plain:.3f}). Process CPU s beyond {steps} plain steps, the kernels' "
-          f"background load and the writer thread included: {rest:.3f} (loaded: {kernels.ready()})")
+          f"background load and the writer thread included: {rest:.3f}; the kernels' load "
+          f"{kernels._state.get('load_cpu_s', 0.0):.3f} of it (loaded: {kernels.ready()}, from the cache: "
+          f"{kernels._state.get('cached')})")
 
 
 if __name__ == "__main__":

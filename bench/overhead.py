@@ -223,7 +223,7 @@ def _whole_run(make: Callable[[], Training], steps: int, path: str | None) -> fl
 def _fresh_process_run(case: str, steps: int, path: str | None, threads: int) -> float:
     """Wall seconds of `python bench/cases.py CASE STEPS` from its start to its exit: a
     training run as a user times `python train.py`, the process's imports (torch's, and with
-    `path` the recorder's and numba's) and the recorder's set-up included."""
+    `path` the recorder's and llvmlite's) and the recorder's set-up included."""
     cmd = [sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)), "cases.py"), case,
            str(steps), "--threads", str(threads)] + ([] if path is None else ["--trace", path])
     t0 = time.perf_counter()
@@ -236,7 +236,7 @@ def measure_whole_runs(name: str, case: str, pairs: int, steps: int, fresh: bool
     user sees timing a training run both ways, the recorder's fixed costs (set-up, the first
     step, the last flush and close) included; print the median ratio and its spread.
 
-    In one process (the default) the process's imports and numba's first compilation are paid
+    In one process (the default) the process's imports and the kernels' first compilation are paid
     by warm-up runs before the timed ones; with `fresh` every run is a new Python process, timed
     from its start to its exit, so each watched run pays for importing the recorder and loading
     its compiled kernels, as `time python train.py` does."""
@@ -244,7 +244,7 @@ def measure_whole_runs(name: str, case: str, pairs: int, steps: int, fresh: bool
     with tempfile.TemporaryDirectory() as tmp:
         if fresh:
             run = functools.partial(_fresh_process_run, case, steps, threads=threads)
-            run(f"{tmp}/warm")  # a fresh install's first run compiles the kernels into numba's cache
+            run(f"{tmp}/warm")  # a fresh machine's first run compiles the kernels into the cache
         else:
             _whole_run(make, 3, None)  # warm-up: allocator, thread pools, the recorder's kernels
             _whole_run(make, 3, f"{tmp}/warm")

@@ -150,7 +150,7 @@ def norms_ab(model: torch.nn.Module, opt: torch.optim.Optimizer, train: Callable
     with tempfile.TemporaryDirectory() as tmp:
         rec = watch(model, opt, tmp)
         probe = rec.params
-        assert probe._compiled, "no compiled passes here (numba missing, or WARNINGLIGHT_EAGER set)"
+        assert probe._compiled, "no compiled passes here (the kernels cannot load here, or WARNINGLIGHT_EAGER set)"
         run_block(train, 11, rec)
         totals.clear()
         for step in range(2 * steps):

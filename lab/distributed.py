@@ -273,8 +273,7 @@ def _rank_main(rank: int, world: int, port: int, names: list[str], root: str, se
     if compiled:  # loaded now, so every step of every scenario takes the compiled passes
         from warninglight.tracer import kernels
 
-        (kernels.available() and kernels.word_sums_available() and kernels.scaled_norms_available()
-         and kernels.norms_word_sums_available())
+        kernels.available()
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         tokens = zoo.char_corpus(max_bytes=50_000)
@@ -299,8 +298,9 @@ def run_group(names: Sequence[str], root: str | Path, seed: int = 0,
 
     `identity`: afterwards also train a clean run with and without the recorder, and write
     `root/identity-rank<R>.json` saying whether the final weights were bit-identical.
-    `compiled`: the recorder's compiled kernels are loaded before the first step, as in a run
-    that has lasted (`tracer/kernels.py`); False: the eager ops a short run takes.
+    `compiled`: the recorder's compiled kernels are loaded before the first step (a run loads
+    them in the background during its first steps: `tracer/kernels.py`); False: the eager ops,
+    as where they cannot be loaded.
     """
     import torch.multiprocessing as mp
 

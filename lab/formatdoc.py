@@ -92,7 +92,7 @@ _NOTES = """\
   finite while a forward pass of the step let its outputs go (a NaN that starts in the loss or
   the backward pass, or an overflow masked out of the output whose backward makes NaN), the
   step's `out_nonfinite_count` is **null** in every component — unknown, never a false or
-  partial count. Without numba, or for an output that is not a contiguous float32 tensor, the
+  partial count. Without the compiled kernels, or for an output that is not a contiguous float32 tensor, the
   outputs are held to the step.
 - **Gradients** are read in `optimizer.step()`'s pre-hook, after `GradScaler.step` unscaled
   them, and summed over micro-batches as PyTorch accumulates them.

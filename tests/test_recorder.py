@@ -120,11 +120,11 @@ def test_a_non_finite_output_that_reaches_only_the_gradients_is_counted_or_null_
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, compiled: bool) -> None:
     # on the CPU the outputs of a forward pass whose own output is finite are let go at its end
     # (compiled check): a NaN/inf inside that reaches only the gradients then has no count, and
-    # the step says so (null) instead of claiming zero; without numba they are held to the step
+    # the step says so (null) instead of claiming zero; without the compiled kernels they are held to the step
     from warninglight.tracer import kernels
 
     if not compiled:
-        monkeypatch.setattr(kernels, "ready", lambda name="": False)
+        monkeypatch.setattr(kernels, "ready", lambda: False)
     torch.manual_seed(0)
     model = _MaskedOverflow()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
@@ -146,7 +146,7 @@ def test_a_non_finite_output_that_reaches_only_the_gradients_is_counted_or_null_
     rows = dict(((s, c), (o, g)) for s, c, o, g in read(
         tmp_path, "health", "select step, component, out_nonfinite_count, grad_nonfinite_count from t"))
     assert rows[(2, "lin")][1] == 5 and rows[(2, "head")][1] == 0  # NaN reached lin's gradients only
-    # without numba: lin's 8 infinities counted; compiled: unknown, in every component of the step
+    # without the compiled kernels: lin's 8 infinities counted; compiled: unknown, in every component of the step
     assert [rows[(2, c)][0] for c in ("lin", "head")] == ([None, None] if compiled else [8, 0])
     # steps whose forward and gradients are finite: zeros both ways
     assert [rows[(s, c)][0] for s in (1, 3) for c in ("lin", "head")] == [0, 0, 0, 0]
@@ -173,7 +173,7 @@ def test_micro_batches_let_go_uncounted_never_give_a_partial_count(
     counts = {}
     for compiled in (True, False):
         if not compiled:
-            monkeypatch.setattr(kernels, "ready", lambda name="": False)
+            monkeypatch.setattr(kernels, "ready", lambda: False)
         torch.manual_seed(0)
         model = _MaskedOverflow()
         opt = torch.optim.SGD(model.parameters(), lr=0.01)

@@ -72,14 +72,14 @@ def _forward_reductions(trace: Path) -> int:
 @pytest.mark.parametrize("mode", ["compiled", "compiled-blas", "eager"])
 def test_on_cpu_the_step_reads_what_is_documented(host_reads: dict[str, int], tmp_path: Path,
                                                   monkeypatch: pytest.MonkeyPatch, mode: str) -> None:
-    # docs/overhead.md. With numba (compiled): the norm passes over weights and gradients are
+    # docs/overhead.md. With the compiled kernels (compiled): the norm passes over weights and gradients are
     # compiled and give their finite verdict to Python directly, so no tensor is read, except
     # that where tensors are large enough for BLAS (`params.BLAS_FROM`; lowered here so that
     # this small GPT has some), each pass reads one verdict on their float32 sums; the
     # parameter rows get one zero-copy numpy view when the recorder is made, and each reduction
     # of a batch of steps' sampled outputs (the GPT's samples all have 16 rows: one group)
     # takes one zero-copy numpy view of CPU memory; the model's output is judged finite by a
-    # compiled check, which reads no tensor. Without numba: one read per step (is the
+    # compiled check, which reads no tensor. Without the compiled kernels: one read per step (is the
     # total gradient norm finite?), one per extra micro-batch (are the gradients so far finite?),
     # one per pass of norms over the weights or gradients (is any float32 sum of squares out of
     # range?) and one per reduction (is the sample finite?)

@@ -1,185 +1,586 @@
-"""The recorder's numba kernels (see tracer/kernels.py, which imports this module on first use).
+"""The recorder's compiled CPU kernels: LLVM IR, optimised and compiled by llvmlite into this
+process, their object code cached on disk (see tracer/kernels.py, which loads this module on
+first use and holds the only references to what it returns).
 
-They are defined at module level, every one with `cache=True`: a function that refers to an
-object made at run time (an intrinsic defined inside another function, say) gets a new cache key
-in every process and is compiled again each time; here a later process loads every one from
-numba's cache instead of compiling them at `watch()`.
+Why IR and not numba: numba's typing machinery costs a process its import and its CPU target
+every time, cached kernels or not; llvmlite alone parses, optimises and compiles these six
+functions, and a later process maps the cached object code without compiling anything. The
+functions take raw addresses and element counts (C ABI), are called through ctypes (which lets
+the GIL go for the call), and are checked against known answers before any is used
+(`kernels._checked`).
+
+The cache: one object file per IR text, llvmlite and LLVM version, host CPU and its features, in
+`$WARNINGLIGHT_CACHE_DIR`, else `$XDG_CACHE_HOME/warninglight`, else `~/.cache/warninglight`;
+each file carries the SHA-256 of its code, checked before it is mapped, and is written to a
+temporary name and renamed into place (ranks that compile at once leave one whole file). A cache
+that cannot be read or written only means compiling again.
 """
 
 from __future__ import annotations
 
+import ctypes
+import hashlib
+import os
+import tempfile
+from pathlib import Path
 from typing import Any
 
-import numba
-import numpy as np
-from numba import types
-from numba.extending import intrinsic
+_MAGIC = b"warninglight-kernels-1\n"
+
+IR = r"""
+declare double @llvm.sqrt.f64(double)
+declare float @llvm.fabs.f32(float)
+
+; the L2 norm of each float32 tensor at addrs[i] holding lens[i] values, from a float64 sum of
+; squares (reassociated, so that the sum vectorises); returns 1 if every norm is finite
+define i32 @tensor_norms(ptr noalias nocapture readonly %addrs, ptr noalias nocapture readonly %lens, ptr noalias nocapture %out, i64 %count) nounwind {
+entry:
+  br label %head
+head:
+  %i = phi i64 [0, %entry], [%i1, %tail]
+  %ok = phi i32 [1, %entry], [%ok1, %tail]
+  %more = icmp slt i64 %i, %count
+  br i1 %more, label %body, label %exit
+body:
+  %ap = getelementptr i64, ptr %addrs, i64 %i
+  %addr = load i64, ptr %ap
+  %lp = getelementptr i64, ptr %lens, i64 %i
+  %n = load i64, ptr %lp
+  %p = inttoptr i64 %addr to ptr
+  %has = icmp sgt i64 %n, 0
+  br i1 %has, label %loop, label %tail
+loop:
+  %j = phi i64 [0, %body], [%j1, %loop]
+  %acc = phi double [0.0, %body], [%acc1, %loop]
+  %xp = getelementptr float, ptr %p, i64 %j
+  %x = load float, ptr %xp
+  %xd = fpext float %x to double
+  %sq = fmul reassoc contract double %xd, %xd
+  %acc1 = fadd reassoc contract double %acc, %sq
+  %j1 = add nuw nsw i64 %j, 1
+  %c = icmp slt i64 %j1, %n
+  br i1 %c, label %loop, label %tail
+tail:
+  %s = phi double [0.0, %body], [%acc1, %loop]
+  %r = call double @llvm.sqrt.f64(double %s)
+  %v = fptrunc double %r to float
+  %op = getelementptr float, ptr %out, i64 %i
+  store float %v, ptr %op
+  %d = fsub float %v, %v
+  %fin = fcmp oeq float %d, 0.0
+  %fin32 = zext i1 %fin to i32
+  %ok1 = and i32 %ok, %fin32
+  %i1 = add nuw nsw i64 %i, 1
+  br label %head
+exit:
+  ret i32 %ok
+}
+
+; values offsets[i] + j * strides[i], j < ks[i], of each float32 tensor at addrs[i], one tensor
+; after the other into out
+define void @gather_sketch(ptr noalias nocapture readonly %addrs, ptr noalias nocapture readonly %offsets, ptr noalias nocapture readonly %strides, ptr noalias nocapture readonly %ks, ptr noalias nocapture %out, i64 %count) nounwind {
+entry:
+  br label %head
+head:
+  %i = phi i64 [0, %entry], [%i1, %tail]
+  %o = phi i64 [0, %entry], [%o1, %tail]
+  %more = icmp slt i64 %i, %count
+  br i1 %more, label %body, label %exit
+body:
+  %ap = getelementptr i64, ptr %addrs, i64 %i
+  %addr = load i64, ptr %ap
+  %p = inttoptr i64 %addr to ptr
+  %offp = getelementptr i64, ptr %offsets, i64 %i
+  %off = load i64, ptr %offp
+  %stp = getelementptr i64, ptr %strides, i64 %i
+  %st = load i64, ptr %stp
+  %kp = getelementptr i64, ptr %ks, i64 %i
+  %k = load i64, ptr %kp
+  %has = icmp sgt i64 %k, 0
+  br i1 %has, label %loop, label %tail
+loop:
+  %j = phi i64 [0, %body], [%j1, %loop]
+  %js = mul i64 %j, %st
+  %src = add i64 %off, %js
+  %xp = getelementptr float, ptr %p, i64 %src
+  %x = load float, ptr %xp
+  %dst = add i64 %o, %j
+  %yp = getelementptr float, ptr %out, i64 %dst
+  store float %x, ptr %yp
+  %j1 = add nuw nsw i64 %j, 1
+  %c = icmp slt i64 %j1, %k
+  br i1 %c, label %loop, label %tail
+tail:
+  %kk = select i1 %has, i64 %k, i64 0
+  %o1 = add i64 %o, %kk
+  %i1 = add nuw nsw i64 %i, 1
+  br label %head
+exit:
+  ret void
+}
+
+; the wrapping sum of the 32-bit words of the tensor at addrs[i] (words[i] of them), as unsigned
+; integers, mod 2^32, added into out[slots[i]]
+define void @word_sums(ptr noalias nocapture readonly %addrs, ptr noalias nocapture readonly %words, ptr noalias nocapture readonly %slots, ptr noalias nocapture %out, i64 %count) nounwind {
+entry:
+  br label %head
+head:
+  %i = phi i64 [0, %entry], [%i1, %tail]
+  %more = icmp slt i64 %i, %count
+  br i1 %more, label %body, label %exit
+body:
+  %ap = getelementptr i64, ptr %addrs, i64 %i
+  %addr = load i64, ptr %ap
+  %p = inttoptr i64 %addr to ptr
+  %np = getelementptr i64, ptr %words, i64 %i
+  %n = load i64, ptr %np
+  %has = icmp sgt i64 %n, 0
+  br i1 %has, label %loop, label %tail
+loop:
+  %j = phi i64 [0, %body], [%j1, %loop]
+  %acc = phi i32 [0, %body], [%acc1, %loop]
+  %wp = getelementptr i32, ptr %p, i64 %j
+  %w = load i32, ptr %wp
+  %acc1 = add i32 %acc, %w
+  %j1 = add nuw nsw i64 %j, 1
+  %c = icmp slt i64 %j1, %n
+  br i1 %c, label %loop, label %tail
+tail:
+  %s = phi i32 [0, %body], [%acc1, %loop]
+  %s64 = zext i32 %s to i64
+  %slp = getelementptr i64, ptr %slots, i64 %i
+  %slot = load i64, ptr %slp
+  %dp = getelementptr i64, ptr %out, i64 %slot
+  %d = load i64, ptr %dp
+  %d1 = add i64 %d, %s64
+  store i64 %d1, ptr %dp
+  %i1 = add nuw nsw i64 %i, 1
+  br label %head
+exit:
+  ret void
+}
+
+; tensor_norms and the words' sum of each tensor (into sums[i], mod 2^32) in one read: each
+; block of 2048 values is summed as squares, then as words, while it is in L1
+define i32 @norms_word_sums(ptr noalias nocapture readonly %addrs, ptr noalias nocapture readonly %lens, ptr noalias nocapture %out, ptr noalias nocapture %sums, i64 %count) nounwind {
+entry:
+  br label %head
+head:
+  %i = phi i64 [0, %entry], [%i1, %tail]
+  %ok = phi i32 [1, %entry], [%ok1, %tail]
+  %more = icmp slt i64 %i, %count
+  br i1 %more, label %body, label %exit
+body:
+  %ap = getelementptr i64, ptr %addrs, i64 %i
+  %addr = load i64, ptr %ap
+  %lp = getelementptr i64, ptr %lens, i64 %i
+  %n = load i64, ptr %lp
+  %p = inttoptr i64 %addr to ptr
+  %has = icmp sgt i64 %n, 0
+  br i1 %has, label %block, label %tail
+block:
+  %b0 = phi i64 [0, %body], [%b1, %words_end]
+  %acc_b = phi double [0.0, %body], [%acc_w, %words_end]
+  %sum_b = phi i32 [0, %body], [%sum_w, %words_end]
+  %bend0 = add i64 %b0, 2048
+  %short = icmp slt i64 %n, %bend0
+  %bend = select i1 %short, i64 %n, i64 %bend0
+  br label %squares
+squares:
+  %j = phi i64 [%b0, %block], [%j1, %squares]
+  %acc = phi double [%acc_b, %block], [%acc1, %squares]
+  %xp = getelementptr float, ptr %p, i64 %j
+  %x = load float, ptr %xp
+  %xd = fpext float %x to double
+  %sq = fmul reassoc contract double %xd, %xd
+  %acc1 = fadd reassoc contract double %acc, %sq
+  %j1 = add nuw nsw i64 %j, 1
+  %c = icmp slt i64 %j1, %bend
+  br i1 %c, label %squares, label %words
+words:
+  %k = phi i64 [%b0, %squares], [%k1, %words]
+  %sum = phi i32 [%sum_b, %squares], [%sum1, %words]
+  %wp = getelementptr i32, ptr %p, i64 %k
+  %w = load i32, ptr %wp
+  %sum1 = add i32 %sum, %w
+  %k1 = add nuw nsw i64 %k, 1
+  %ck = icmp slt i64 %k1, %bend
+  br i1 %ck, label %words, label %words_end
+words_end:
+  %acc_w = phi double [%acc1, %words]
+  %sum_w = phi i32 [%sum1, %words]
+  %b1 = phi i64 [%bend, %words]
+  %cb = icmp slt i64 %b1, %n
+  br i1 %cb, label %block, label %tail
+tail:
+  %s = phi double [0.0, %body], [%acc_w, %words_end]
+  %ws = phi i32 [0, %body], [%sum_w, %words_end]
+  %ws64 = zext i32 %ws to i64
+  %sp = getelementptr i64, ptr %sums, i64 %i
+  store i64 %ws64, ptr %sp
+  %r = call double @llvm.sqrt.f64(double %s)
+  %v = fptrunc double %r to float
+  %op = getelementptr float, ptr %out, i64 %i
+  store float %v, ptr %op
+  %d = fsub float %v, %v
+  %fin = fcmp oeq float %d, 0.0
+  %fin32 = zext i1 %fin to i32
+  %ok1 = and i32 %ok, %fin32
+  %i1 = add nuw nsw i64 %i, 1
+  br label %head
+exit:
+  ret i32 %ok
+}
+
+; every value of buf[0, total) multiplied by scale (one float32 product, as mul_), and the L2
+; norm of each segment [offsets[i], offsets[i] + lens[i]) as it was before, into out[i]
+; (segments ascending, not overlapping)
+define void @scaled_norms(ptr noalias nocapture %buf, i64 %total, ptr noalias nocapture readonly %offsets, ptr noalias nocapture readonly %lens, i64 %count, float %scale, ptr noalias nocapture %out) nounwind {
+entry:
+  br label %head
+head:
+  %i = phi i64 [0, %entry], [%i1, %tail]
+  %pos = phi i64 [0, %entry], [%pos1, %tail]
+  %more = icmp slt i64 %i, %count
+  br i1 %more, label %body, label %rest
+body:
+  %offp = getelementptr i64, ptr %offsets, i64 %i
+  %off = load i64, ptr %offp
+  %lp = getelementptr i64, ptr %lens, i64 %i
+  %n = load i64, ptr %lp
+  %end = add i64 %off, %n
+  %gap = icmp slt i64 %pos, %off
+  br i1 %gap, label %gaploop, label %seg
+gaploop:
+  %g = phi i64 [%pos, %body], [%g1, %gaploop]
+  %gp = getelementptr float, ptr %buf, i64 %g
+  %gx = load float, ptr %gp
+  %gy = fmul float %gx, %scale
+  store float %gy, ptr %gp
+  %g1 = add nuw nsw i64 %g, 1
+  %cg = icmp slt i64 %g1, %off
+  br i1 %cg, label %gaploop, label %seg
+seg:
+  %has = icmp sgt i64 %n, 0
+  br i1 %has, label %block, label %tail
+block:
+  %b0 = phi i64 [%off, %seg], [%bend, %scaled]
+  %acc_b = phi double [0.0, %seg], [%acc1, %scaled]
+  %bend0 = add i64 %b0, 2048
+  %short = icmp slt i64 %end, %bend0
+  %bend = select i1 %short, i64 %end, i64 %bend0
+  br label %squares
+squares:
+  %j = phi i64 [%b0, %block], [%j1, %squares]
+  %acc = phi double [%acc_b, %block], [%acc1, %squares]
+  %xp = getelementptr float, ptr %buf, i64 %j
+  %x = load float, ptr %xp
+  %xd = fpext float %x to double
+  %sq = fmul reassoc contract double %xd, %xd
+  %acc1 = fadd reassoc contract double %acc, %sq
+  %j1 = add nuw nsw i64 %j, 1
+  %c = icmp slt i64 %j1, %bend
+  br i1 %c, label %squares, label %scaling
+scaling:
+  %k = phi i64 [%b0, %squares], [%k1, %scaling]
+  %yp = getelementptr float, ptr %buf, i64 %k
+  %y = load float, ptr %yp
+  %y1 = fmul float %y, %scale
+  store float %y1, ptr %yp
+  %k1 = add nuw nsw i64 %k, 1
+  %ck = icmp slt i64 %k1, %bend
+  br i1 %ck, label %scaling, label %scaled
+scaled:
+  %cb = icmp slt i64 %bend, %end
+  br i1 %cb, label %block, label %tail
+tail:
+  %s = phi double [0.0, %seg], [%acc1, %scaled]
+  %r = call double @llvm.sqrt.f64(double %s)
+  %v = fptrunc double %r to float
+  %op = getelementptr float, ptr %out, i64 %i
+  store float %v, ptr %op
+  %pos1 = select i1 %has, i64 %end, i64 %off
+  %i1 = add nuw nsw i64 %i, 1
+  br label %head
+rest:
+  %more_r = icmp slt i64 %pos, %total
+  br i1 %more_r, label %restloop, label %exit
+restloop:
+  %q = phi i64 [%pos, %rest], [%q1, %restloop]
+  %qp = getelementptr float, ptr %buf, i64 %q
+  %qx = load float, ptr %qp
+  %qy = fmul float %qx, %scale
+  store float %qy, ptr %qp
+  %q1 = add nuw nsw i64 %q, 1
+  %cq = icmp slt i64 %q1, %total
+  br i1 %cq, label %restloop, label %exit
+exit:
+  ret void
+}
+
+declare void @llvm.memset.p0.i64(ptr, i8, i64, i1)
+
+; per unit (column) of a float32 sample matrix m (r rows of w values, rows rs apart): its finite
+; count, sum, square sum, zeros, saturated count (|x - centre| >= half, when bounded) and whether
+; it is dead (max |x| <= dead_eps), added into column slots[unit] of sums (rows 0-3, 5, 6 of a
+; row-major (7, S) float64 array), and its max |x| into absmax[slots[unit]]; a non-finite value
+; counts as 0 in all but the finite count. Blocks of 512 columns keep float32 running sums in L1
+; while the rows stream past; each column's sums add its rows in order.
+define void @forward_sums(ptr noalias nocapture readonly %m, i64 %r, i64 %w, i64 %rs, ptr noalias nocapture readonly %slots, ptr noalias nocapture readonly %centre, ptr noalias nocapture readonly %half, i32 %bounded, double %dead_eps, ptr noalias nocapture %sums, i64 %S, ptr noalias nocapture %absmax) nounwind {
+entry:
+  %nfin = alloca [512 x float], align 64
+  %total = alloca [512 x float], align 64
+  %sq = alloca [512 x float], align 64
+  %nz = alloca [512 x float], align 64
+  %sat = alloca [512 x float], align 64
+  %mx = alloca [512 x float], align 64
+  %bd = icmp ne i32 %bounded, 0
+  %S2 = mul i64 %S, 2
+  %S3 = mul i64 %S, 3
+  %S5 = mul i64 %S, 5
+  %S6 = mul i64 %S, 6
+  br label %chead
+chead:
+  %j0 = phi i64 [0, %entry], [%j0n, %fdone]
+  %cm = icmp slt i64 %j0, %w
+  br i1 %cm, label %cbody, label %exit
+cbody:
+  %rem = sub i64 %w, %j0
+  %lt = icmp slt i64 %rem, 512
+  %b = select i1 %lt, i64 %rem, i64 512
+  %bytes = shl i64 %b, 2
+  call void @llvm.memset.p0.i64(ptr %nfin, i8 0, i64 %bytes, i1 false)
+  call void @llvm.memset.p0.i64(ptr %total, i8 0, i64 %bytes, i1 false)
+  call void @llvm.memset.p0.i64(ptr %sq, i8 0, i64 %bytes, i1 false)
+  call void @llvm.memset.p0.i64(ptr %nz, i8 0, i64 %bytes, i1 false)
+  call void @llvm.memset.p0.i64(ptr %sat, i8 0, i64 %bytes, i1 false)
+  call void @llvm.memset.p0.i64(ptr %mx, i8 0, i64 %bytes, i1 false)
+  %cp = getelementptr float, ptr %centre, i64 %j0
+  %hp = getelementptr float, ptr %half, i64 %j0
+  br label %rhead
+rhead:
+  %ri = phi i64 [0, %cbody], [%ri1, %rnext]
+  %rm = icmp slt i64 %ri, %r
+  br i1 %rm, label %rbody, label %fin
+rbody:
+  %rowoff = mul i64 %ri, %rs
+  %rowoff2 = add i64 %rowoff, %j0
+  %row = getelementptr float, ptr %m, i64 %rowoff2
+  br label %jloop
+jloop:
+  %jj = phi i64 [0, %rbody], [%jj1, %jloop]
+  %xp = getelementptr float, ptr %row, i64 %jj
+  %x0 = load float, ptr %xp
+  %dx = fsub float %x0, %x0
+  %finite = fcmp oeq float %dx, 0.0
+  %x = select i1 %finite, float %x0, float 0.0
+  %one = select i1 %finite, float 1.0, float 0.0
+  %p1 = getelementptr float, ptr %nfin, i64 %jj
+  %v1 = load float, ptr %p1
+  %v1n = fadd float %v1, %one
+  store float %v1n, ptr %p1
+  %p2 = getelementptr float, ptr %total, i64 %jj
+  %v2 = load float, ptr %p2
+  %v2n = fadd float %v2, %x
+  store float %v2n, ptr %p2
+  %xx = fmul float %x, %x
+  %p3 = getelementptr float, ptr %sq, i64 %jj
+  %v3 = load float, ptr %p3
+  %v3n = fadd float %v3, %xx
+  store float %v3n, ptr %p3
+  %nzb = fcmp une float %x, 0.0
+  %nzv = select i1 %nzb, float 1.0, float 0.0
+  %p4 = getelementptr float, ptr %nz, i64 %jj
+  %v4 = load float, ptr %p4
+  %v4n = fadd float %v4, %nzv
+  store float %v4n, ptr %p4
+  %ax = call float @llvm.fabs.f32(float %x)
+  %p6 = getelementptr float, ptr %mx, i64 %jj
+  %v6 = load float, ptr %p6
+  %gt = fcmp ogt float %ax, %v6
+  %v6n = select i1 %gt, float %ax, float %v6
+  store float %v6n, ptr %p6
+  %jj1 = add nuw nsw i64 %jj, 1
+  %cj = icmp slt i64 %jj1, %b
+  br i1 %cj, label %jloop, label %satq
+satq:
+  br i1 %bd, label %sloop, label %rnext
+sloop:
+  %sj = phi i64 [0, %satq], [%sj1, %sloop]
+  %sxp = getelementptr float, ptr %row, i64 %sj
+  %sx0 = load float, ptr %sxp
+  %sdx = fsub float %sx0, %sx0
+  %sfin = fcmp oeq float %sdx, 0.0
+  %sx = select i1 %sfin, float %sx0, float 0.0
+  %scp = getelementptr float, ptr %cp, i64 %sj
+  %sc = load float, ptr %scp
+  %shp = getelementptr float, ptr %hp, i64 %sj
+  %sh = load float, ptr %shp
+  %sd = fsub float %sx, %sc
+  %sad = call float @llvm.fabs.f32(float %sd)
+  %sge = fcmp oge float %sad, %sh
+  %sv = select i1 %sge, float 1.0, float 0.0
+  %p5 = getelementptr float, ptr %sat, i64 %sj
+  %v5 = load float, ptr %p5
+  %v5n = fadd float %v5, %sv
+  store float %v5n, ptr %p5
+  %sj1 = add nuw nsw i64 %sj, 1
+  %cs = icmp slt i64 %sj1, %b
+  br i1 %cs, label %sloop, label %rnext
+rnext:
+  %ri1 = add nuw nsw i64 %ri, 1
+  br label %rhead
+fin:
+  br label %floop
+floop:
+  %fj = phi i64 [0, %fin], [%fj1, %floop]
+  %col = add i64 %j0, %fj
+  %slp = getelementptr i64, ptr %slots, i64 %col
+  %s = load i64, ptr %slp
+  %q1 = getelementptr float, ptr %nfin, i64 %fj
+  %f1 = load float, ptr %q1
+  %q2 = getelementptr float, ptr %total, i64 %fj
+  %f2 = load float, ptr %q2
+  %q3 = getelementptr float, ptr %sq, i64 %fj
+  %f3 = load float, ptr %q3
+  %q4 = getelementptr float, ptr %nz, i64 %fj
+  %f4 = load float, ptr %q4
+  %q5 = getelementptr float, ptr %sat, i64 %fj
+  %f5 = load float, ptr %q5
+  %q6 = getelementptr float, ptr %mx, i64 %fj
+  %f6 = load float, ptr %q6
+  %a0p = getelementptr double, ptr %sums, i64 %s
+  %a0 = load double, ptr %a0p
+  %e1 = fpext float %f1 to double
+  %a0n = fadd double %a0, %e1
+  store double %a0n, ptr %a0p
+  %i1x = add i64 %S, %s
+  %a1p = getelementptr double, ptr %sums, i64 %i1x
+  %a1 = load double, ptr %a1p
+  %e2 = fpext float %f2 to double
+  %a1n = fadd double %a1, %e2
+  store double %a1n, ptr %a1p
+  %i2x = add i64 %S2, %s
+  %a2p = getelementptr double, ptr %sums, i64 %i2x
+  %a2 = load double, ptr %a2p
+  %e3 = fpext float %f3 to double
+  %a2n = fadd double %a2, %e3
+  store double %a2n, ptr %a2p
+  %i3x = add i64 %S3, %s
+  %a3p = getelementptr double, ptr %sums, i64 %i3x
+  %a3 = load double, ptr %a3p
+  %zz = fsub float %f1, %f4
+  %e4 = fpext float %zz to double
+  %a3n = fadd double %a3, %e4
+  store double %a3n, ptr %a3p
+  %i5x = add i64 %S5, %s
+  %a5p = getelementptr double, ptr %sums, i64 %i5x
+  %a5 = load double, ptr %a5p
+  %e5 = fpext float %f5 to double
+  %a5n = fadd double %a5, %e5
+  store double %a5n, ptr %a5p
+  %e6 = fpext float %f6 to double
+  %dead = fcmp ole double %e6, %dead_eps
+  %dv = select i1 %dead, double 1.0, double 0.0
+  %i6x = add i64 %S6, %s
+  %a6p = getelementptr double, ptr %sums, i64 %i6x
+  %a6 = load double, ptr %a6p
+  %a6n = fadd double %a6, %dv
+  %a6s = select i1 %dead, double %a6n, double %a6
+  store double %a6s, ptr %a6p
+  %amp = getelementptr float, ptr %absmax, i64 %s
+  %am = load float, ptr %amp
+  %agt = fcmp ogt float %f6, %am
+  %amn = select i1 %agt, float %f6, float %am
+  store float %amn, ptr %amp
+  %fj1 = add nuw nsw i64 %fj, 1
+  %cf = icmp slt i64 %fj1, %b
+  br i1 %cf, label %floop, label %fdone
+fdone:
+  %j0n = add i64 %j0, %b
+  br label %chead
+exit:
+  ret void
+}
+"""
+
+_I64, _PTR, _I32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int32
+# each function's C signature: (return type, argument types)
+SIGNATURES: dict[str, tuple[Any, tuple[Any, ...]]] = {
+    "tensor_norms": (_I32, (_PTR, _PTR, _PTR, _I64)),
+    "gather_sketch": (None, (_PTR, _PTR, _PTR, _PTR, _PTR, _I64)),
+    "word_sums": (None, (_PTR, _PTR, _PTR, _PTR, _I64)),
+    "norms_word_sums": (_I32, (_PTR, _PTR, _PTR, _PTR, _I64)),
+    "scaled_norms": (None, (_PTR, _I64, _PTR, _PTR, _I64, ctypes.c_float, _PTR)),
+    "forward_sums": (None, (_PTR, _I64, _I64, _I64, _PTR, _PTR, _PTR, _I32, ctypes.c_double, _PTR, _I64, _PTR)),
+}
 
 
-@numba.njit(nogil=True, cache=True, boundscheck=False)
-def forward_sums(m: np.ndarray, slots: np.ndarray, centre: np.ndarray, half: np.ndarray,
-                 bounded: bool, dead_eps: float, sums: np.ndarray, absmax: np.ndarray) -> None:
-    r, w = m.shape
-    block = 512  # columns whose running sums stay in L1 while the rows stream past
-    # float32 running sums, branch-free, so that the loop over columns is vectorised (a
-    # column has a few dozen rows: float32 sums lose nothing that matters there)
-    nfin = np.empty(block, np.float32)
-    nz = np.empty(block, np.float32)
-    sat = np.empty(block, np.float32)
-    total = np.empty(block, np.float32)
-    sq = np.empty(block, np.float32)
-    mx = np.empty(block, np.float32)
-    one, zero = np.float32(1.0), np.float32(0.0)
-    for j0 in range(0, w, block):
-        b = min(block, w - j0)
-        nfin[:] = 0.0
-        nz[:] = 0.0
-        sat[:] = 0.0
-        total[:] = 0.0
-        sq[:] = 0.0
-        mx[:] = 0.0
-        c, h = centre[j0:j0 + b], half[j0:j0 + b]
-        for i in range(r):
-            row = m[i, j0:j0 + b]
-            for jj in range(b):
-                x = row[jj]
-                finite = x - x == 0  # False for NaN and +-inf
-                x = x if finite else zero  # a non-finite value counts as 0 but for nfin
-                nfin[jj] += one if finite else zero
-                total[jj] += x
-                sq[jj] += x * x
-                nz[jj] += one if x != 0 else zero
-                mx[jj] = max(mx[jj], abs(x))
-            if bounded:
-                for jj in range(b):
-                    x = row[jj]
-                    x = x if x - x == 0 else zero
-                    sat[jj] += one if abs(x - c[jj]) >= h[jj] else zero
-        for jj in range(b):
-            s = slots[j0 + jj]
-            sums[0, s] += nfin[jj]
-            sums[1, s] += total[jj]
-            sums[2, s] += sq[jj]
-            sums[3, s] += nfin[jj] - nz[jj]
-            sums[5, s] += sat[jj]
-            if mx[jj] <= dead_eps:
-                sums[6, s] += 1.0
-            absmax[s] = max(absmax[s], mx[jj])
-
-@intrinsic
-def f32_at(typingctx: Any, addr: Any) -> Any:  # an integer address as a float32 pointer
-    sig = types.CPointer(types.float32)(types.int64)
-
-    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
-        return builder.inttoptr(args[0], context.get_value_type(types.CPointer(types.float32)))
-    return sig, codegen
-
-# reassociation only (the sum vectorises); no assumption that values are finite
-@numba.njit(nogil=True, fastmath={"reassoc", "contract"}, boundscheck=False, cache=True)
-def tensor_norms(addrs: np.ndarray, lens: np.ndarray, out: np.ndarray) -> bool:
-    all_finite = True
-    for i in range(addrs.shape[0]):
-        n = lens[i]
-        acc = 0.0
-        if n > 0:
-            a = numba.carray(f32_at(addrs[i]), (n,))
-            for j in range(n):
-                x = np.float64(a[j])
-                acc += x * x
-        v = np.float32(np.sqrt(acc))
-        out[i] = v
-        if not np.isfinite(v):
-            all_finite = False
-    return all_finite
-
-@numba.njit(nogil=True, boundscheck=False, cache=True)
-def gather_sketch(addrs: np.ndarray, offsets: np.ndarray, strides: np.ndarray, ks: np.ndarray,
-                  out: np.ndarray) -> None:
-    o = 0
-    for i in range(addrs.shape[0]):
-        k, off, st = ks[i], offsets[i], strides[i]
-        a = numba.carray(f32_at(addrs[i]), (off + (k - 1) * st + 1,))
-        for j in range(k):
-            out[o + j] = a[off + j * st]
-        o += k
+def cache_dir() -> Path:
+    """Where the compiled object code is kept between processes."""
+    if env := os.environ.get("WARNINGLIGHT_CACHE_DIR"):
+        return Path(env)
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "warninglight"
 
 
-@intrinsic
-def u32_at(typingctx: Any, addr: Any) -> Any:  # an integer address as a uint32 pointer
-    sig = types.CPointer(types.uint32)(types.int64)
+def load() -> tuple[dict[str, Any], bool]:
+    """The compiled functions by name, callable through ctypes, and whether their code came from
+    the cache. Raises when llvmlite is missing, older than 0.45, or cannot compile here."""
+    import llvmlite
+    import llvmlite.binding as llvm
 
-    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
-        return builder.inttoptr(args[0], context.get_value_type(types.CPointer(types.uint32)))
-    return sig, codegen
-
-
-@numba.njit(nogil=True, boundscheck=False, cache=True)
-def word_sums(addrs: np.ndarray, words: np.ndarray, slots: np.ndarray, out: np.ndarray) -> None:
-    for i in range(addrs.shape[0]):
-        n = words[i]
-        # numba widens integer arithmetic to 64 bits: the sum wraps mod 2^64, of which
-        # the low 32 bits are the sum mod 2^32 (the checksum's own arithmetic)
-        acc = np.uint64(0)
-        if n > 0:
-            a = numba.carray(u32_at(addrs[i]), (n,))
-            for j in range(n):
-                acc += a[j]
-        out[slots[i]] += np.int64(acc & np.uint64(0xFFFFFFFF))
-
-
-# values of a tensor read twice while they are in L1: their squares, then their words (or their
-# scaling), so that each value comes from memory once
-L1_BLOCK = 2048
-
-
-# reassociation only, as `tensor_norms`; the words' sum is exact integer arithmetic
-@numba.njit(nogil=True, fastmath={"reassoc", "contract"}, boundscheck=False, cache=True)
-def norms_word_sums(addrs: np.ndarray, lens: np.ndarray, out: np.ndarray, sums: np.ndarray) -> bool:
-    all_finite = True
-    for i in range(addrs.shape[0]):
-        n = lens[i]
-        acc = 0.0
-        s = np.uint64(0)
-        if n > 0:
-            a = numba.carray(f32_at(addrs[i]), (n,))
-            w = numba.carray(u32_at(addrs[i]), (n,))
-            for j0 in range(0, n, L1_BLOCK):
-                x = a[j0:j0 + L1_BLOCK]
-                for j in range(x.shape[0]):
-                    v = np.float64(x[j])
-                    acc += v * v
-                y = w[j0:j0 + L1_BLOCK]
-                for j in range(y.shape[0]):
-                    s += y[j]
-        sums[i] = np.int64(s & np.uint64(0xFFFFFFFF))
-        v32 = np.float32(np.sqrt(acc))
-        out[i] = v32
-        if not np.isfinite(v32):
-            all_finite = False
-    return all_finite
+    if tuple(int(v) for v in llvmlite.__version__.split(".")[:2]) < (0, 45):
+        # the IR is written with opaque pointers, which earlier versions do not parse
+        raise RuntimeError(f"llvmlite {llvmlite.__version__} is older than 0.45")
+    llvm.initialize_native_target()
+    llvm.initialize_native_asmprinter()
+    cpu, features = llvm.get_host_cpu_name(), llvm.get_host_cpu_features().flatten()
+    machine = llvm.Target.from_default_triple().create_target_machine(
+        cpu=cpu, features=features, opt=3, jit=True)
+    key = hashlib.sha256("\0".join(
+        (IR, llvmlite.__version__, ".".join(map(str, llvm.llvm_version_info)), cpu, features)).encode()).hexdigest()
+    path = cache_dir() / f"kernels-{key[:24]}.o"
+    obj, cached = _read(path), True
+    if obj is None:
+        cached = False
+        module = llvm.parse_assembly(IR)
+        module.verify()
+        tuning = llvm.create_pipeline_tuning_options(speed_level=3)
+        tuning.loop_vectorization = tuning.slp_vectorization = True
+        builder = llvm.create_pass_builder(machine, tuning)
+        builder.getModulePassManager().run(module, builder)
+        obj = machine.emit_object(module)
+        _write(path, obj)
+    engine = llvm.create_mcjit_compiler(llvm.parse_assembly(""), machine)
+    engine.add_object_file(llvm.ObjectFileRef.from_data(obj))
+    engine.finalize_object()
+    funcs: dict[str, Any] = {"_engine": engine}  # the engine owns the code: kept alive with them
+    for name, (ret, args) in SIGNATURES.items():
+        address = engine.get_function_address(name)
+        if not address:
+            raise RuntimeError(f"the compiled kernels lack {name}")
+        funcs[name] = ctypes.CFUNCTYPE(ret, *args)(address)
+    return funcs, cached
 
 
-@numba.njit(nogil=True, fastmath={"reassoc", "contract"}, boundscheck=False, cache=True)
-def scaled_norms(buf: np.ndarray, offsets: np.ndarray, lens: np.ndarray, scale: np.float32,
-                 out: np.ndarray) -> None:
-    # slices indexed from 0: an index numba cannot prove non-negative is checked for
-    # wrap-around on every access, which keeps the loop from vectorising
-    pos = 0
-    for i in range(offsets.shape[0]):
-        gap = buf[pos:offsets[i]]  # between segments: scaled only
-        for j in range(gap.shape[0]):
-            gap[j] = gap[j] * scale
-        seg = buf[offsets[i]:offsets[i] + lens[i]]
-        acc = 0.0
-        for j0 in range(0, seg.shape[0], L1_BLOCK):  # a block's squares, then its scaling
-            blk = seg[j0:j0 + L1_BLOCK]
-            for j in range(blk.shape[0]):
-                x = np.float64(blk[j])
-                acc += x * x
-            for j in range(blk.shape[0]):
-                blk[j] = blk[j] * scale  # one float32 product: what `mul_` computes
-        out[i] = np.float32(np.sqrt(acc))
-        pos = offsets[i] + lens[i]
-    rest = buf[pos:]
-    for j in range(rest.shape[0]):
-        rest[j] = rest[j] * scale
+def _read(path: Path) -> bytes | None:
+    try:
+        data = path.read_bytes()
+    except OSError:
+        return None
+    head, digest, code = data[:len(_MAGIC)], data[len(_MAGIC):len(_MAGIC) + 32], data[len(_MAGIC) + 32:]
+    if head != _MAGIC or hashlib.sha256(code).digest() != digest:
+        return None  # not ours, or cut short: compiled again and rewritten
+    return code
+
+
+def _write(path: Path, code: bytes) -> None:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".kernels-")
+        with os.fdopen(fd, "wb") as f:
+            f.write(_MAGIC + hashlib.sha256(code).digest() + code)
+        os.replace(tmp, path)
+    except OSError:
+        pass  # a read-only home: the next process compiles again

@@ -1,20 +1,22 @@
-"""A compiled CPU pass for the recorder's forward statistics: one pass where eager PyTorch
-takes one per statistic.
+"""Compiled CPU passes for the recorder: the forward statistics and the parameters' norms,
+sketches and checksums, each one pass where eager PyTorch takes one per statistic or per tensor.
 
 Every 8 steps the recorder reduces the 16-row subsamples of every component's output to
 per-unit statistics (finite count, sum, square sum, zeros, saturation, absmax, dead units) and
-then to per-(step, component) sums. On the CPU that was an eager op per statistic, each a pass
-over the whole staging buffer: the memory traffic, not the arithmetic, was the cost. Here it
-is one blocked, vectorised numba pass straight into the per-(step, component) sums.
+then to per-(step, component) sums; every step it takes the norms of the weights and gradients
+and a sketch of the weights. On the CPU those were an eager op per statistic or per tensor, each
+a pass over memory or a dispatch of its own: here each is one blocked, vectorised loop
+(tracer/jit.py: LLVM IR compiled by llvmlite, its object code cached on disk).
 
-`available()` compiles on first use (or loads numba's cache) and waits for it; when numba cannot
-be imported or compile, it returns False and the recorder keeps its eager ops (equal to float32
-rounding: tested). The recorder asks `ready()` instead, which never waits: the eager ops take
-the passes until the kernels are there. Importing numba and loading the kernels is most of what
-the recorder costs a process once, and the compiled passes save a few percent of each step, so
-the load pays only in a run that lasts: `ready()` starts it, on a thread of its own, once the
-process has been recording for `LOAD_AFTER_S` seconds (a short run never pays it; a long one
-pays at most about twice what knowing its length in advance would have cost).
+`available()` loads them (compiling them the first time on a machine) and waits for it; when
+llvmlite cannot be imported or compile, or a kernel fails its check against known answers, it
+returns False and the recorder keeps its eager ops (equal to float32 rounding: tested). The
+recorder asks `ready()` instead, which never waits: its first call starts the load on a thread of
+its own, and the eager ops take the passes until the kernels are there (a few steps: the load
+maps cached code, or compiles in a fraction of a second).
+
+The callers pass numpy arrays of the documented dtypes; each wrapper checks dtype and layout
+before it hands their addresses to compiled code.
 """
 
 from __future__ import annotations
@@ -28,32 +30,23 @@ import numpy as np
 
 _lock = threading.Lock()
 _state: dict[str, Any] = {}
-_loading: dict[str, threading.Thread] = {}  # what `ready` started loading, by kernel name
+_loading: dict[str, threading.Thread] = {}  # the load `ready` started, under ""
 _loading_lock = threading.Lock()  # not `_lock`, which a load holds for its whole length
-# seconds from the first `ready()` of a process to the start of the kernels' load: about their
-# load's CPU time over the share of a small model's step the compiled passes save
-LOAD_AFTER_S = 10.0
-_first_asked: list[float] = []  # when `ready()` was first called in this process
 
 
-def _build() -> dict[str, Any]:
-    from .jit import forward_sums, gather_sketch, tensor_norms
-
-    # both layouts a sample matrix comes in (a whole buffer; a slice of a staging buffer's
-    # columns), compiled now rather than in a training step
+def _checked(funcs: dict[str, Any]) -> None:
+    """Raise unless every kernel gives the known answers (a wrong compile must not record)."""
+    _state.update(funcs)  # the wrappers below read `_state`
     x = np.arange(3, dtype=np.float32)
     wide = np.zeros((2, 6), dtype=np.float32)
     wide[:, :3] = x
-    for m in (np.stack([x, x]), wide[:, :3]):
+    for m in (np.stack([x, x]), wide[:, :3]):  # a whole buffer; a slice of a buffer's columns
         sums, absmax = np.zeros((7, 1)), np.zeros(1, dtype=np.float32)
         forward_sums(m, np.zeros(3, dtype=np.int64), np.zeros(3, dtype=np.float32),
                      np.ones(3, dtype=np.float32), True, 1e-6, sums, absmax)
         if list(sums[:, 0]) != [6, 6, 10, 2, 0, 4, 1] or absmax[0] != 2:
             raise RuntimeError("the compiled forward kernel gave a wrong value")
-    if len(forward_sums.signatures) < 2:
-        raise RuntimeError("the compiled forward kernel has one layout only")
-    # the parameter passes, on tensors read through their addresses (checked against torch)
-    t = [np.array([3.0, 4.0], np.float32), np.array([np.inf, 1.0], np.float32), np.zeros(0, np.float32)]
+    t = [np.array([3.0, -4.0], np.float32), np.array([np.inf, 1e-30], np.float32), np.zeros(0, np.float32)]
     addrs, lens = np.array([a.ctypes.data for a in t]), np.array([a.size for a in t])
     norms = np.zeros(3, np.float32)
     if tensor_norms(addrs, lens, norms) or list(norms) != [5.0, np.inf, 0.0] \
@@ -61,24 +54,42 @@ def _build() -> dict[str, Any]:
         raise RuntimeError("the compiled norm kernel gave a wrong value")
     got = np.zeros(3, np.float32)
     gather_sketch(addrs[:2], np.array([1, 0]), np.array([1, 1]), np.array([1, 2]), got)
-    if list(got) != [4.0, np.inf, 1.0]:
+    if list(got) != [-4.0, np.inf, np.float32(1e-30)]:
         raise RuntimeError("the compiled sketch kernel gave a wrong value")
-    return {"forward_sums": forward_sums, "tensor_norms": tensor_norms, "gather_sketch": gather_sketch}
+    want = [int(a.view(np.uint32).astype(np.uint64).sum()) % 2**32 for a in t]
+    norms, words = np.zeros(3, np.float32), np.zeros(3, np.int64)
+    if norms_word_sums(addrs, lens, norms, words) or list(norms) != [5.0, np.inf, 0.0] or list(words) != want:
+        raise RuntimeError("the compiled norm-and-checksum kernel gave a wrong value")
+    words = np.zeros(2, np.int64)
+    word_sums(addrs, lens, np.array([1, 1, 0]), words)
+    if list(words) != [want[2], want[0] + want[1]]:
+        raise RuntimeError("the compiled checksum kernel gave a wrong value")
+    buf, out = np.array([3.0, 4.0, 7.0, 1.0, -2.0], np.float32), np.zeros(2, np.float32)
+    scaled_norms(buf, np.array([0, 3]), np.array([2, 1]), 0.5, out)
+    if list(out) != [5.0, 1.0] or list(buf) != [1.5, 2.0, 3.5, 0.5, -1.0]:
+        raise RuntimeError("the compiled scaled-norm kernel gave a wrong value")
 
 
 def available() -> bool:
-    """Whether the compiled pass can be used (compiles it the first time, which takes seconds;
-    later processes load numba's cache). `WARNINGLIGHT_EAGER=1` in the environment says no: the
-    eager ops then run, e.g. to compare the two (`bench/overhead.py`, `bench/overhead_breakdown.py`)."""
+    """Whether the compiled passes can be used (loads them, and waits). `WARNINGLIGHT_EAGER=1` in
+    the environment says no: the eager ops then run, e.g. to compare the two
+    (`bench/overhead.py`, `bench/overhead_breakdown.py`)."""
     if _eager_forced():
         return False
     with _lock:
         if "ok" not in _state:
+            start = time.thread_time()
             try:
-                _state.update(_build())
+                from .jit import load
+
+                funcs, _state["cached"] = load()
+                _checked(funcs)
                 _state["ok"] = True
-            except Exception:  # no numba, or it cannot compile here: the eager path stays
+            except Exception:  # no llvmlite, or it cannot compile here: the eager path stays
+                for name in [k for k in _state if k != "cached"]:
+                    del _state[name]
                 _state["ok"] = False
+            _state["load_cpu_s"] = time.thread_time() - start  # what the load cost (benches print it)
         return bool(_state["ok"])
 
 
@@ -86,116 +97,82 @@ def _eager_forced() -> bool:
     return os.environ.get("WARNINGLIGHT_EAGER", "") not in ("", "0")
 
 
-def ready(name: str = "") -> bool:
-    """Whether the kernels (`name`: also that extra one, "word_sums", "scaled_norms" or
-    "norms_word_sums") are loaded and passed their checks, without waiting. The first call
-    `LOAD_AFTER_S` seconds or more after the process's first call starts loading them on a
-    thread of its own; calls say True once they are there. False for good without numba or
-    with `WARNINGLIGHT_EAGER=1`."""
+def ready() -> bool:
+    """Whether the kernels are loaded and passed their checks, without waiting. The first call
+    starts loading them on a thread of its own; later calls say True once they are there. False
+    for good where they cannot be used, and with `WARNINGLIGHT_EAGER=1`."""
     if _eager_forced():
         return False
-    key = f"{name}_ok" if name else "ok"
-    if key in _state:  # a dict read: no lock, so a step never waits on a load in progress
-        return bool(_state[key])
-    now = time.monotonic()
-    if not _first_asked:
-        _first_asked.append(now)
-    if name in _loading or now - _first_asked[0] < LOAD_AFTER_S:
-        return False
+    ok = _state.get("ok")  # a dict read: no lock, so a step never waits on a load in progress
+    if ok is not None:
+        return bool(ok)
     with _loading_lock:
-        if name not in _loading:
-            build = _EXTRAS.get(name)
-            load = (lambda: _extra_available(name, build)) if build else available
+        if "" not in _loading:
             # not a daemon: an interpreter that exits during the load waits for it rather than
-            # tearing numba down under it
-            _loading[name] = threading.Thread(target=load, name="warninglight-kernels")
-            _loading[name].start()
+            # unmapping code under it
+            _loading[""] = threading.Thread(target=available, name="warninglight-kernels")
+            _loading[""].start()
     return False
+
+
+def _at(a: np.ndarray, dtype: type) -> int:
+    """The data address of a C-contiguous array of `dtype`: what a kernel may read or write."""
+    if a.dtype != dtype or not a.flags.c_contiguous:
+        raise TypeError(f"a kernel takes C-contiguous {np.dtype(dtype).name} arrays, not {a.dtype} {a.shape}")
+    return int(a.ctypes.data)
 
 
 def forward_sums(m: np.ndarray, slots: np.ndarray, centre: np.ndarray, half: np.ndarray,
                  bounded: bool, dead_eps: float, sums: np.ndarray, absmax: np.ndarray) -> None:
-    """One pass over a (rows, units) float32 sample matrix: per unit its finite count, sum and
-    sum of squares, zeros, saturated count (|x - centre| >= half, when `bounded`) and whether it
-    is dead (max |x| <= dead_eps), added into column `slots[unit]` of `sums` (7, S) float64 (row 4
-    unused), and its max |x| into `absmax` (S,) float32. A non-finite value counts as 0 in all
-    but the finite count."""
-    _state["forward_sums"](m, slots, centre, half, bounded, dead_eps, sums, absmax)
+    """One pass over a (rows, units) float32 sample matrix (its rows may lie apart: a slice of a
+    wider buffer's columns): per unit its finite count, sum and sum of squares, zeros, saturated
+    count (|x - centre| >= half, when `bounded`) and whether it is dead (max |x| <= dead_eps),
+    added into column `slots[unit]` (int64) of `sums` (7, S) float64 (row 4 unused), and its max
+    |x| into `absmax` (S,) float32. A non-finite value counts as 0 in all but the finite count."""
+    r, w = m.shape
+    if m.dtype != np.float32 or (r > 1 and m.strides[0] % 4) or (w > 1 and m.strides[1] != 4) \
+            or len(slots) != w or len(centre) < w or len(half) < w or sums.shape[0] != 7 or len(absmax) != sums.shape[1]:
+        raise TypeError(f"forward_sums: a matrix or its sums of the wrong layout, {m.dtype} {m.shape} {m.strides}")
+    if r == 0 or w == 0:
+        return
+    _state["forward_sums"](m.ctypes.data, r, w, m.strides[0] // 4, _at(slots, np.int64), _at(centre, np.float32),
+                           _at(half, np.float32), int(bounded), float(dead_eps), _at(sums, np.float64),
+                           sums.shape[1], _at(absmax, np.float32))
 
 
 def tensor_norms(addrs: np.ndarray, lens: np.ndarray, out: np.ndarray) -> bool:
     """The L2 norm of each of `len(addrs)` contiguous float32 CPU tensors, given as data
-    addresses (int64) and element counts, into `out` (float32, rounded from a float64 sum of
+    addresses and element counts (int64), into `out` (float32, rounded from a float64 sum of
     squares: no float32 overflow or underflow on the way). True if every norm is finite.
 
     The caller keeps the tensors alive and guarantees what the addresses point at."""
-    return bool(_state["tensor_norms"](addrs, lens, out))
+    n = len(addrs)
+    if len(lens) != n or len(out) < n:
+        raise TypeError("tensor_norms: addresses, counts and norms of different lengths")
+    return bool(_state["tensor_norms"](_at(addrs, np.int64), _at(lens, np.int64), _at(out, np.float32), n))
 
 
 def gather_sketch(addrs: np.ndarray, offsets: np.ndarray, strides: np.ndarray, ks: np.ndarray,
                   out: np.ndarray) -> None:
     """Coordinates `offsets[i] + j * strides[i]`, j < ks[i], of each contiguous float32 CPU
-    tensor at `addrs[i]`, one after the other into `out` (float32). The caller keeps the tensors
-    alive and guarantees each holds at least `offsets[i] + (ks[i] - 1) * strides[i] + 1` values."""
-    _state["gather_sketch"](addrs, offsets, strides, ks, out)
-
-
-def _build_word_sums() -> Any:
-    from .jit import word_sums
-
-    t = [np.array([1.0, -2.5, -1e30, -3e38], np.float32), np.array([3.0], np.float64)]
-    got = np.zeros(2, np.int64)
-    word_sums(np.array([a.ctypes.data for a in t]), np.array([4, 2]), np.array([1, 1]), got)
-    want = sum(int(a.view(np.uint32).astype(np.uint64).sum()) % 2**32 for a in t)
-    if list(got) != [0, want]:
-        raise RuntimeError("the compiled checksum kernel gave a wrong value")
-    return word_sums
-
-
-def _extra_available(name: str, build: Any) -> bool:
-    """Whether the kernel `name` can be used: built by `build` on first use (compiled, or loaded
-    from numba's cache); False without numba, with `WARNINGLIGHT_EAGER=1`, or when it fails its
-    check, and then the eager ops stay."""
-    if not available():
-        return False
-    with _lock:
-        if f"{name}_ok" not in _state:
-            try:
-                _state[name] = build()
-                _state[f"{name}_ok"] = True
-            except Exception:  # numba cannot compile it here: the eager ops stay
-                _state[f"{name}_ok"] = False
-        return bool(_state[f"{name}_ok"])
-
-
-def word_sums_available() -> bool:
-    """Whether `word_sums` can be used (see `_extra_available`)."""
-    return _extra_available("word_sums", _build_word_sums)
+    tensor at `addrs[i]`, one after the other into `out` (float32; the others int64). The caller
+    keeps the tensors alive and guarantees each holds at least `offsets[i] + (ks[i] - 1) *
+    strides[i] + 1` values."""
+    n = len(addrs)
+    if len(offsets) != n or len(strides) != n or len(ks) != n or len(out) < int(ks.sum()):
+        raise TypeError("gather_sketch: arrays of different lengths, or too short an output")
+    _state["gather_sketch"](_at(addrs, np.int64), _at(offsets, np.int64), _at(strides, np.int64),
+                            _at(ks, np.int64), _at(out, np.float32), n)
 
 
 def word_sums(addrs: np.ndarray, words: np.ndarray, slots: np.ndarray, out: np.ndarray) -> None:
-    """For each contiguous CPU tensor at `addrs[i]` (int64) holding `words[i]` 32-bit words: the
+    """For each contiguous CPU tensor at `addrs[i]` holding `words[i]` 32-bit words: the
     wrapping (mod 2^32) sum of its words read as unsigned integers, added into `out[slots[i]]`
-    (int64). The caller keeps the tensors alive and guarantees what the addresses point at."""
-    _state["word_sums"](addrs, words, slots, out)
-
-
-def _build_norms_word_sums() -> Any:
-    from .jit import norms_word_sums
-
-    t = [np.array([3.0, -4.0], np.float32), np.array([np.inf, 1e-30], np.float32), np.zeros(0, np.float32)]
-    addrs, lens = np.array([a.ctypes.data for a in t]), np.array([a.size for a in t])
-    norms, sums = np.zeros(3, np.float32), np.zeros(3, np.int64)
-    finite = norms_word_sums(addrs, lens, norms, sums)
-    want = [int(a.view(np.uint32).astype(np.uint64).sum()) % 2**32 for a in t]
-    if finite or list(norms) != [5.0, np.inf, 0.0] or list(sums) != want:
-        raise RuntimeError("the compiled norm-and-checksum kernel gave a wrong value")
-    return norms_word_sums
-
-
-def norms_word_sums_available() -> bool:
-    """Whether `norms_word_sums` can be used (see `_extra_available`)."""
-    return _extra_available("norms_word_sums", _build_norms_word_sums)
+    (all int64). The caller keeps the tensors alive and guarantees what the addresses point at."""
+    n = len(addrs)
+    if len(words) != n or len(slots) != n or (n and not 0 <= int(slots.min()) <= int(slots.max()) < len(out)):
+        raise TypeError("word_sums: arrays of different lengths, or a slot outside the output")
+    _state["word_sums"](_at(addrs, np.int64), _at(words, np.int64), _at(slots, np.int64), _at(out, np.int64), n)
 
 
 def norms_word_sums(addrs: np.ndarray, lens: np.ndarray, out: np.ndarray, sums: np.ndarray) -> bool:
@@ -204,33 +181,21 @@ def norms_word_sums(addrs: np.ndarray, lens: np.ndarray, out: np.ndarray, sums: 
     of squares) and the wrapping (mod 2^32) sum of its 32-bit words into `sums[i]` (int64).
     True if every norm is finite. The caller keeps the tensors alive and guarantees what the
     addresses point at."""
-    return bool(_state["norms_word_sums"](addrs, lens, out, sums))
-
-
-def _build_scaled_norms() -> Any:
-    from .jit import scaled_norms
-
-    buf = np.array([3.0, 4.0, 7.0, 1.0, -2.0], np.float32)
-    out = np.zeros(2, np.float32)
-    scaled_norms(buf, np.array([0, 3]), np.array([2, 1]), np.float32(0.5), out)
-    if list(out) != [5.0, 1.0] or list(buf) != [1.5, 2.0, 3.5, 0.5, -1.0]:
-        raise RuntimeError("the compiled scaled-norm kernel gave a wrong value")
-    return scaled_norms
-
-
-def scaled_norms_available() -> bool:
-    """Whether `scaled_norms` can be used (see `_extra_available`)."""
-    return _extra_available("scaled_norms", _build_scaled_norms)
+    n = len(addrs)
+    if len(lens) != n or len(out) < n or len(sums) < n:
+        raise TypeError("norms_word_sums: arrays of different lengths")
+    return bool(_state["norms_word_sums"](_at(addrs, np.int64), _at(lens, np.int64), _at(out, np.float32),
+                                          _at(sums, np.int64), n))
 
 
 def scaled_norms(buf: np.ndarray, offsets: np.ndarray, lens: np.ndarray, scale: float,
                  out: np.ndarray) -> None:
     """One pass over a flat float32 buffer: the L2 norm of each segment `[offsets[i], offsets[i]
-    + lens[i])` (ascending, not overlapping) as it was, into `out` (float32, from a float64 sum
-    of squares), while every value of the buffer is multiplied by `scale` in float32, as
+    + lens[i])` (int64; ascending, not overlapping) as it was, into `out` (float32, from a float64
+    sum of squares), while every value of the buffer is multiplied by `scale` in float32, as
     `torch.Tensor.mul_(scale)` does."""
-    _state["scaled_norms"](buf, offsets, lens, np.float32(scale), out)
-
-
-_EXTRAS = {"word_sums": _build_word_sums, "scaled_norms": _build_scaled_norms,
-           "norms_word_sums": _build_norms_word_sums}
+    n = len(offsets)
+    if len(lens) != n or len(out) < n or (n and (int(offsets.min()) < 0 or int((offsets + lens).max()) > len(buf))):
+        raise TypeError("scaled_norms: a segment outside the buffer, or arrays of different lengths")
+    _state["scaled_norms"](_at(buf, np.float32), len(buf), _at(offsets, np.int64), _at(lens, np.int64), n,
+                           float(scale), _at(out, np.float32))

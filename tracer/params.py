@@ -318,8 +318,8 @@ class ParamProbe:
         On an accelerator, one fused `torch._foreach_norm`. On the CPU, float32 tensors go
         through one compiled pass over all of them (float64 sums of squares: no float32 range
         to leave; the same value for the same memory every time, which weight drift relies on),
-        which also says whether every norm is finite (returned; None: not known). Without numba that pass is a
-        BLAS dot product per tensor (float32 sums of squares), and a tensor whose sum of squares
+        which also says whether every norm is finite (returned; None: not known). Without the
+        compiled kernels that pass is a BLAS dot product per tensor (float32 sums of squares), and a tensor whose sum of squares
         overflowed or underflowed float32 (an entry beyond ~1e19 or all entries below ~1e-19; an
         all-zero tensor looks the same) is taken again by the exact kernel: on the host, reading
         that verdict (one read per pass) costs nothing. Weights take one path for as long as
@@ -488,7 +488,7 @@ class ParamProbe:
             self.begin()
         if self._may_compile and kernels.ready():
             self._take_compiled()
-        if self.checksums_wanted and not self._with_sums and self._compiled and kernels.ready("norms_word_sums"):
+        if self.checksums_wanted and not self._with_sums and self._compiled:
             self._with_sums = True  # here: the next forward's norms come from the same kernel
         addrs = self._weight_memory()
         self._sketch_into("end_sketch", addrs)

@@ -281,8 +281,8 @@ class ForwardProbe:
         self._copy_later: set[int] = set()  # ... seen not written in place: their copy may wait
         self._unverified: list[tuple[int, torch.Tensor, int]] = []  # copied in the hook, to check
         self._last_key: Key | None = None
-        # CPU: the per-unit statistics in one compiled pass (tracer/kernels.py) when numba is there
-        # (the eager ops until the kernels are loaded, `kernels.ready`; checked at each step's end)
+        # CPU: the per-unit statistics in one compiled pass (tracer/kernels.py), the eager ops
+        # until the kernels are loaded (`kernels.ready`; checked at each step's end)
         self._compiled = device.type == "cpu" and kernels.ready()
         self._may_compile = device.type == "cpu" and not self._compiled
 

@@ -160,11 +160,11 @@ class ReplicaProbe:
         # the compiled passes once their kernels are loaded (`kernels.ready`), the eager ops until
         # then: the checksums are the same integers either way
         self._may_compile = bool(self.params) and self.device.type == "cpu" and not self.sharded.any()
-        self._compiled = self._may_compile and kernels.ready("word_sums")
+        self._compiled = self._may_compile and kernels.ready()
         self._refresh()
         # the local norms read in the pass that scales DDP's bucket (`_observe_bucket`)
         self._may_fuse = self.device.type == "cpu"
-        self._fused = self._may_fuse and kernels.ready("scaled_norms")
+        self._fused = self._may_fuse and kernels.ready()
         self._scaled = False
         self.closed = False
         self.model = model
@@ -301,7 +301,7 @@ class ReplicaProbe:
             grads = bucket.gradients()
             layout = self._layouts[key] = self._layout(key[1:], buffer, grads)
         if not self._fused and self._may_fuse:
-            self._fused = kernels.ready("scaled_norms")
+            self._fused = kernels.ready()
         if not (self._fused and layout.offsets is not None):
             if grads is None:
                 grads = bucket.gradients()
@@ -383,7 +383,7 @@ class ReplicaProbe:
     def checksums(self, take: np.ndarray | None = None) -> torch.Tensor:
         """(C,) int64: per component, the sum of its parameters' wrapping 32-bit bit sums
         (unsigned); only over the parameters `take` marks (a (P,) bool mask), if given."""
-        if not self._compiled and self._may_compile and kernels.ready("word_sums"):
+        if not self._compiled and self._may_compile and kernels.ready():
             self._compiled = True
             self._refresh()
         elif self._compiled and [p.data_ptr() for p in self.params] != self._ptrs:

@@ -1,0 +1,111 @@
+"""The recorder's compiled kernels (tracer/jit.py, called through tracer/kernels.py) against numpy,
+on sizes that take their vector loops and the remainders after them."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from warninglight.tracer import kernels
+
+SIZES = [0, 1, 5, 17, 2047, 2048, 2049, 4097, 131_073]
+
+
+@pytest.fixture(autouse=True)
+def _loaded() -> None:
+    assert kernels.available()
+
+
+def _tensors(rng: np.random.Generator) -> list[np.ndarray]:
+    ts = [(rng.standard_normal(n) * rng.uniform(1e-3, 1e3)).astype(np.float32) for n in SIZES]
+    ts[3][4] = np.nan
+    return ts
+
+
+def _addrs(ts: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    return np.array([t.ctypes.data for t in ts], np.int64), np.array([t.size for t in ts], np.int64)
+
+
+def _words(t: np.ndarray) -> int:
+    return int(t.view(np.uint32).astype(np.uint64).sum()) % 2**32
+
+
+def test_norms_and_word_sums_equal_numpy() -> None:
+    ts = _tensors(np.random.default_rng(0))
+    addrs, lens = _addrs(ts)
+    want = np.array([np.sqrt(np.sum(t.astype(np.float64) ** 2)) for t in ts]).astype(np.float32)
+    norms = np.zeros(len(ts), np.float32)
+    assert not kernels.tensor_norms(addrs, lens, norms)  # one NaN
+    np.testing.assert_allclose(norms, want, rtol=1e-6)
+    fused, sums = np.zeros(len(ts), np.float32), np.zeros(len(ts), np.int64)
+    assert not kernels.norms_word_sums(addrs, lens, fused, sums)
+    np.testing.assert_array_equal(fused, norms)
+    assert list(sums) == [_words(t) for t in ts]
+    finite = [i for i, t in enumerate(ts) if np.isfinite(t).all()]
+    assert kernels.tensor_norms(addrs[finite], lens[finite], norms)
+    slots, out = np.arange(len(ts)) % 3, np.full(3, 7, np.int64)
+    kernels.word_sums(addrs, lens, slots, out)
+    assert list(out) == [7 + sum(_words(t) for t, s in zip(ts, slots, strict=True) if s == k) for k in range(3)]
+
+
+def test_sketch_and_scaled_norms_equal_numpy() -> None:
+    rng = np.random.default_rng(1)
+    ts = [t for t in _tensors(rng) if t.size >= 5]
+    addrs, _ = _addrs(ts)
+    ks = np.array([min(t.size, 7) for t in ts], np.int64)
+    strides = np.array([max(t.size // 7, 1) for t in ts], np.int64)
+    offsets = np.array([t.size - 1 - (k - 1) * s for t, k, s in zip(ts, ks, strides, strict=True)], np.int64)
+    got = np.zeros(int(ks.sum()), np.float32)
+    kernels.gather_sketch(addrs, offsets, strides, ks, got)
+    want = np.concatenate([t[o::s][:k] for t, o, s, k in zip(ts, offsets, strides, ks, strict=True)])
+    np.testing.assert_array_equal(got, want)
+
+    buf = rng.standard_normal(20_000).astype(np.float32)
+    offs, lens = np.array([3, 100, 2500, 2500, 9000], np.int64), np.array([90, 2400, 0, 4099, 10_000], np.int64)
+    norms = np.zeros(5, np.float32)
+    before = buf.copy()
+    kernels.scaled_norms(buf, offs, lens, 0.37, norms)
+    np.testing.assert_array_equal(buf, before * np.float32(0.37))
+    want = [np.sqrt(np.sum(before[o:o + n].astype(np.float64) ** 2)) for o, n in zip(offs, lens, strict=True)]
+    np.testing.assert_allclose(norms, np.array(want, np.float32), rtol=1e-6)
+
+
+@pytest.mark.parametrize("bounded", [True, False])
+def test_forward_sums_equal_numpy_on_a_slice_of_a_wider_buffer(bounded: bool) -> None:
+    rng = np.random.default_rng(2)
+    rows, units, slots_n = 16, 1300, 9
+    wide = rng.standard_normal((rows, units + 77)).astype(np.float32)
+    wide[0, 1], wide[2, 2], wide[3, 5] = np.nan, -np.inf, np.inf
+    wide[:, 7] = 0.0
+    wide[:, 8] = 1e-7
+    m = wide[:, 30:30 + units]  # rows lie units + 77 apart
+    slots = rng.integers(0, slots_n, units)
+    centre = rng.standard_normal(units).astype(np.float32)
+    half = np.abs(rng.standard_normal(units)).astype(np.float32)
+    sums, absmax = np.zeros((7, slots_n)), np.zeros(slots_n, np.float32)
+    kernels.forward_sums(m, slots, centre, half, bounded, 1e-6, sums, absmax)
+
+    fin = np.isfinite(m)
+    x = np.where(fin, m, np.float32(0))
+    per_unit = [fin.sum(0), x.sum(0, dtype=np.float64), (x.astype(np.float64) ** 2).sum(0),
+                (fin & (x == 0)).sum(0), np.zeros(units),
+                (np.abs(x - centre) >= half).sum(0) if bounded else np.zeros(units),
+                (np.abs(x).max(0) <= 1e-6)]
+    for row, values in enumerate(per_unit):
+        want = np.bincount(slots, weights=np.asarray(values, np.float64), minlength=slots_n)
+        np.testing.assert_allclose(sums[row], want, rtol=1e-5, atol=1e-3, err_msg=f"row {row}")
+    want_max = np.zeros(slots_n, np.float32)
+    np.maximum.at(want_max, slots, np.abs(x).max(0))
+    np.testing.assert_array_equal(absmax, want_max)
+
+
+def test_a_kernel_refuses_arrays_of_the_wrong_dtype_or_layout() -> None:
+    t = np.ones(4, np.float32)
+    with pytest.raises(TypeError, match="int64"):
+        kernels.tensor_norms(np.array([t.ctypes.data], np.uint64), np.array([4]), np.zeros(1, np.float32))
+    with pytest.raises(TypeError, match="contiguous"):
+        kernels.tensor_norms(np.array([t.ctypes.data, 0] * 2)[::2], np.array([4, 4]), np.zeros(2, np.float32))
+    with pytest.raises(TypeError, match="layout"):
+        kernels.forward_sums(np.ones((3, 4), np.float32)[:, ::2], np.zeros(2, np.int64), np.zeros(2, np.float32),
+                             np.ones(2, np.float32), True, 0.0, np.zeros((7, 1)), np.zeros(1, np.float32))
+    with pytest.raises(TypeError, match="slot"):
+        kernels.word_sums(np.array([t.ctypes.data]), np.array([4]), np.array([3]), np.zeros(2, np.int64))

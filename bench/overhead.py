@@ -32,6 +32,7 @@ import argparse
 import functools
 import glob
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -220,15 +221,21 @@ def _whole_run(make: Callable[[], Training], steps: int, path: str | None) -> fl
     return time.perf_counter() - t0
 
 
-def _fresh_process_run(case: str, steps: int, path: str | None, threads: int) -> float:
+def _fresh_process_run(case: str, steps: int, path: str | None, threads: int,
+                       faults: list[int] | None = None) -> float:
     """Wall seconds of `python bench/cases.py CASE STEPS` from its start to its exit: a
     training run as a user times `python train.py`, the process's imports (torch's, and with
-    `path` the recorder's and llvmlite's) and the recorder's set-up included."""
+    `path` the recorder's and llvmlite's) and the recorder's set-up included. Appends the
+    process's minor page faults to `faults`."""
     cmd = [sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)), "cases.py"), case,
            str(steps), "--threads", str(threads)] + ([] if path is None else ["--trace", path])
+    before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_minflt
     t0 = time.perf_counter()
     subprocess.run(cmd, check=True)
-    return time.perf_counter() - t0
+    took = time.perf_counter() - t0
+    if faults is not None:
+        faults.append(resource.getrusage(resource.RUSAGE_CHILDREN).ru_minflt - before)
+    return took
 
 
 def measure_whole_runs(name: str, case: str, pairs: int, steps: int, fresh: bool, threads: int) -> None:
@@ -250,9 +257,10 @@ def measure_whole_runs(name: str, case: str, pairs: int, steps: int, fresh: bool
             _whole_run(make, 3, f"{tmp}/warm")
             run = functools.partial(_whole_run, make, steps)
         ratios, plain_s, watched_s = [], [], []
+        faults: dict[bool, list[int]] = {False: [], True: []}
         for i in range(pairs):
             order = (None, f"{tmp}/run{i}") if i % 2 == 0 else (f"{tmp}/run{i}", None)
-            times = {p is not None: run(p) for p in order}
+            times = {p is not None: run(p, faults=faults[p is not None]) if fresh else run(p) for p in order}
             plain_s.append(times[False])
             watched_s.append(times[True])
             ratios.append(times[True] / times[False])
@@ -260,6 +268,11 @@ def measure_whole_runs(name: str, case: str, pairs: int, steps: int, fresh: bool
     print(f"{name}: whole runs of {steps} steps ({how}), {statistics.median(plain_s):.2f} s without "
           f"the recorder, {statistics.median(watched_s):.2f} s with it (median of {pairs} alternated pairs)")
     _print_ratios("wall-clock ratio of whole runs with/without", ratios)
+    if fresh:
+        # a page fault costs microseconds here (zeroed pages, and a VM's second-level faults): a
+        # run whose allocator hands memory back and faults it in again is slower for that alone
+        print("  minor page faults per run, without / with: " + " / ".join(
+            ", ".join(f"{n // 1000}k" for n in faults[w]) for w in (False, True)))
     print(f"  load average after: {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
 
 

@@ -32,7 +32,9 @@ from warninglight.tracer import kernels, loopfacts, params, probes, recorder, wa
 # (class, method, indent): what a step's recorder work is made of; indented = part of the line above
 PARTS = ((recorder.Recorder, "_root_pre_hook", 0), (params.ParamProbe, "begin", 1),
          (loopfacts.LoopProbe, "forward", 1),
-         (probes.ForwardProbe, "observe", 0), (recorder.Recorder, "_on_output_grad", 0),
+         (probes.ForwardProbe, "observe", 0), (recorder.Recorder, "_root_hook", 0),
+         (probes.ForwardProbe, "copy_deferred", 1), (probes.ForwardProbe, "end_forward", 1),
+         (recorder.Recorder, "_on_output_grad", 0),
          (loopfacts.LoopProbe, "backward_begins", 1), (recorder.Recorder, "_after_backward", 0),
          (recorder.Recorder, "_pre_step", 0), (params.ParamProbe, "grads", 1),
          (loopfacts.LoopProbe, "step_facts", 1),

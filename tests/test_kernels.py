@@ -69,6 +69,21 @@ def test_sketch_and_scaled_norms_equal_numpy() -> None:
     np.testing.assert_allclose(norms, np.array(want, np.float32), rtol=1e-6)
 
 
+def test_the_row_copier_copies_strided_rows_into_a_buffers_columns() -> None:
+    rng = np.random.default_rng(3)
+    srcs = [rng.standard_normal((n, u)).astype(np.float32) for n, u in ((768, 128), (40, 3), (1, 4099))]
+    picks = [(16, 48), (3, 13), (1, 1)]  # (rows, every k-th row)
+    buf = np.zeros((16, 3 + 128 + 4099 + 5), np.float32)
+    cols = [3, 0, 131]
+    copy = kernels.row_copier()
+    for s, (r, k), c in zip(srcs, picks, cols, strict=True):
+        copy(s.ctypes.data, k * s.shape[1], buf[:, c:].ctypes.data, buf.shape[1], r, s.shape[1])
+    for s, (r, k), c in zip(srcs, picks, cols, strict=True):
+        np.testing.assert_array_equal(buf[:r, c:c + s.shape[1]], s[::k][:r])
+        assert not buf[r:, c:c + s.shape[1]].any()  # nothing beyond the rows
+    assert not buf[:, -5:].any()
+
+
 @pytest.mark.parametrize("bounded", [True, False])
 def test_forward_sums_equal_numpy_on_a_slice_of_a_wider_buffer(bounded: bool) -> None:
     rng = np.random.default_rng(2)

@@ -3,7 +3,7 @@ process, their object code cached on disk (see tracer/kernels.py, which loads th
 first use and holds the only references to what it returns).
 
 Why IR and not numba: numba's typing machinery costs a process its import and its CPU target
-every time, cached kernels or not; llvmlite alone parses, optimises and compiles these six
+every time, cached kernels or not; llvmlite alone parses, optimises and compiles these few
 functions, and a later process maps the cached object code without compiling anything. The
 functions take raw addresses and element counts (C ABI), are called through ctypes (which lets
 the GIL go for the call), and are checked against known answers before any is used
@@ -502,6 +502,31 @@ fdone:
 exit:
   ret void
 }
+
+; rows r of u float32 values from address sa, its rows ss values apart, to address da, its rows
+; ds apart: a forward hook's sample, copied while the output is in cache
+define void @copy_rows1(i64 %sa, i64 %ss, i64 %da, i64 %ds, i64 %r, i64 %u) nounwind {
+entry:
+  %s = inttoptr i64 %sa to ptr
+  %d = inttoptr i64 %da to ptr
+  %bytes = shl i64 %u, 2
+  %any = icmp sgt i64 %r, 0
+  br i1 %any, label %row, label %exit
+row:
+  %a = phi i64 [0, %entry], [%a1, %row]
+  %so = mul i64 %a, %ss
+  %src = getelementptr float, ptr %s, i64 %so
+  %do = mul i64 %a, %ds
+  %dst = getelementptr float, ptr %d, i64 %do
+  call void @llvm.memcpy.p0.p0.i64(ptr %dst, ptr %src, i64 %bytes, i1 false)
+  %a1 = add nuw nsw i64 %a, 1
+  %c = icmp slt i64 %a1, %r
+  br i1 %c, label %row, label %exit
+exit:
+  ret void
+}
+
+declare void @llvm.memcpy.p0.p0.i64(ptr, ptr, i64, i1)
 """
 
 _I64, _PTR, _I32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int32
@@ -513,6 +538,7 @@ SIGNATURES: dict[str, tuple[Any, tuple[Any, ...]]] = {
     "norms_word_sums": (_I32, (_PTR, _PTR, _PTR, _PTR, _I64)),
     "scaled_norms": (None, (_PTR, _I64, _PTR, _PTR, _I64, ctypes.c_float, _PTR)),
     "forward_sums": (None, (_PTR, _I64, _I64, _I64, _PTR, _PTR, _PTR, _I32, ctypes.c_double, _PTR, _I64, _PTR)),
+    "copy_rows1": (None, (_I64, _I64, _I64, _I64, _I64, _I64)),
 }
 
 

@@ -64,6 +64,10 @@ def _checked(funcs: dict[str, Any]) -> None:
     word_sums(addrs, lens, np.array([1, 1, 0]), words)
     if list(words) != [want[2], want[0] + want[1]]:
         raise RuntimeError("the compiled checksum kernel gave a wrong value")
+    src, dest = np.arange(12, dtype=np.float32), np.zeros(7, np.float32)
+    funcs["copy_rows1"](src.ctypes.data + 4, 5, dest.ctypes.data, 4, 2, 3)
+    if list(dest) != [1, 2, 3, 0, 6, 7, 8]:
+        raise RuntimeError("the compiled row copy gave a wrong value")
     buf, out = np.array([3.0, 4.0, 7.0, 1.0, -2.0], np.float32), np.zeros(2, np.float32)
     scaled_norms(buf, np.array([0, 3]), np.array([2, 1]), 0.5, out)
     if list(out) != [5.0, 1.0] or list(buf) != [1.5, 2.0, 3.5, 0.5, -1.0]:
@@ -199,3 +203,12 @@ def scaled_norms(buf: np.ndarray, offsets: np.ndarray, lens: np.ndarray, scale: 
         raise TypeError("scaled_norms: a segment outside the buffer, or arrays of different lengths")
     _state["scaled_norms"](_at(buf, np.float32), len(buf), _at(offsets, np.int64), _at(lens, np.int64), n,
                            float(scale), _at(out, np.float32))
+
+
+def row_copier() -> Any:
+    """The compiled row copy, called with six ints: source address, its row stride (float32
+    values), destination address, its row stride, rows, values a row. It copies the rows one
+    after the other. The ctypes function itself, for a forward hook that cannot afford building
+    arrays or checking them: the caller keeps both tensors alive and guarantees that they are
+    contiguous float32 rows that hold what the rows span and do not overlap."""
+    return _state["copy_rows1"]

@@ -161,6 +161,8 @@ class _Plan:
                  scratch: bool = True) -> None:
         self.key, self.steps = key, steps
         self.views: list[dict[int, torch.Tensor]] = [{} for _ in range(steps)]
+        # float32 slots as a compiled copy takes them: (view, its address, its row stride, its shape)
+        self.slots: list[dict[int, tuple[torch.Tensor, int, int, tuple[int, int]]]] = [{} for _ in range(steps)]
         self.buffers: list[tuple[torch.Tensor, int]] = []  # per row group: (buffer, units a step)
         by_rows: dict[int, list[int]] = {}
         for pos, (_, r, _) in enumerate(key):
@@ -172,7 +174,9 @@ class _Plan:
             for p in group:
                 c, _, u = key[p]
                 for k in range(steps):
-                    self.views[k][c] = buf[:, k * units + off:k * units + off + u]
+                    view = self.views[k][c] = buf[:, k * units + off:k * units + off + u]
+                    if dtype == torch.float32 and device.type == "cpu":
+                        self.slots[k][c] = (view, view.data_ptr(), view.stride(0), (r, u))
                 off += u
             self.buffers.append((buf, units))
         # room for the eager reduction's element-wise temporaries (float32, like the reduced
@@ -304,14 +308,25 @@ class ForwardProbe:
             if t.numel() == 0:
                 return
             known = self._views[idx] = (shape, rows_view(t, self.rows, comp.channel_first))
-        if t.is_cpu:
+        on_cpu = t.is_cpu
+        if on_cpu:
             self.held.append((idx, t))  # detached only if it is ever counted
         else:
             self._bad_counts()[idx].add_(torch.isfinite(t.detach()).logical_not_().sum().to(self.device))
         if self.sampled[idx]:
             return
         self.sampled[idx] = True
-        if known[1] is not None and t.is_contiguous() and idx in self._copy_later:
+        view = known[1]
+        if view is not None and self._compiled and on_cpu and t.dtype is torch.float32 and t.is_contiguous():
+            plan, k = self._plan, len(self.pending)
+            slot = plan.slots[k].get(idx) if plan is not None and k < plan.steps else None
+            if slot is not None and slot[3] == view[0]:
+                # compiled: the rows copied now, while the output is still in cache, by one call
+                # that is no tensor op (the staging slot is a row-major buffer's columns)
+                kernels.row_copier()(t.data_ptr(), view[1][0], slot[1], slot[2], *view[0])
+                self.samples.append((idx, slot[0]))
+                return
+        if view is not None and t.is_contiguous() and idx in self._copy_later:
             # the usual case: the copy waits for the end of the forward pass, where all of them
             # are one op (no tensor op in the hook); the version counter says if it was overwritten
             self._deferred.append((len(self.samples), t, t._version, known[1]))

@@ -268,6 +268,10 @@ def test_a_later_process_maps_the_compiled_kernels_from_the_cache(tmp_path: Path
     whole = obj.read_bytes()
     obj.write_bytes(whole[:len(whole) // 2])
     assert not cached() and obj.read_bytes() == whole and cached()
+    blocked = tmp_path / "a-file"
+    blocked.write_text("")
+    env["WARNINGLIGHT_CACHE_DIR"] = str(blocked / "cache")  # cannot be made: compiled, every time
+    assert not cached() and not cached()
 
 
 @pytest.mark.parametrize("blas_from", [params.BLAS_FROM, 60])

@@ -18,6 +18,7 @@ that cannot be read or written only means compiling again.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import hashlib
 import os
@@ -602,11 +603,14 @@ def _read(path: Path) -> bytes | None:
 
 
 def _write(path: Path, code: bytes) -> None:
+    tmp = None
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".kernels-")
         with os.fdopen(fd, "wb") as f:
             f.write(_MAGIC + hashlib.sha256(code).digest() + code)
         os.replace(tmp, path)
-    except OSError:
-        pass  # a read-only home: the next process compiles again
+    except OSError:  # a read-only home, a full disk: the next process compiles again
+        if tmp is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)

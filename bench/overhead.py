@@ -221,8 +221,14 @@ def _whole_run(make: Callable[[], Training], steps: int, path: str | None) -> fl
     return time.perf_counter() - t0
 
 
+# glibc's allocator, told to keep what it got: a run no longer hands memory back to the system and
+# faults it in again, which moves a whole run's time by more than the recorder costs
+STEADY_MALLOC = {"MALLOC_TOP_PAD_": str(256 << 20), "MALLOC_TRIM_THRESHOLD_": str(2**32 - 1),
+                 "MALLOC_MMAP_THRESHOLD_": str(256 << 20)}
+
+
 def _fresh_process_run(case: str, steps: int, path: str | None, threads: int,
-                       faults: list[int] | None = None) -> float:
+                       faults: list[int] | None = None, steady: bool = False) -> float:
     """Wall seconds of `python bench/cases.py CASE STEPS` from its start to its exit: a
     training run as a user times `python train.py`, the process's imports (torch's, and with
     `path` the recorder's and llvmlite's) and the recorder's set-up included. Appends the
@@ -231,14 +237,15 @@ def _fresh_process_run(case: str, steps: int, path: str | None, threads: int,
            str(steps), "--threads", str(threads)] + ([] if path is None else ["--trace", path])
     before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_minflt
     t0 = time.perf_counter()
-    subprocess.run(cmd, check=True)
+    subprocess.run(cmd, check=True, env={**os.environ, **STEADY_MALLOC} if steady else None)
     took = time.perf_counter() - t0
     if faults is not None:
         faults.append(resource.getrusage(resource.RUSAGE_CHILDREN).ru_minflt - before)
     return took
 
 
-def measure_whole_runs(name: str, case: str, pairs: int, steps: int, fresh: bool, threads: int) -> None:
+def measure_whole_runs(name: str, case: str, pairs: int, steps: int, fresh: bool, threads: int,
+                       steady: bool = False) -> None:
     """Whole runs with and without the recorder, alternated (order swapped every pair): what a
     user sees timing a training run both ways, the recorder's fixed costs (set-up, the first
     step, the last flush and close) included; print the median ratio and its spread.
@@ -250,7 +257,7 @@ def measure_whole_runs(name: str, case: str, pairs: int, steps: int, fresh: bool
     make = CASES[case][1]
     with tempfile.TemporaryDirectory() as tmp:
         if fresh:
-            run = functools.partial(_fresh_process_run, case, steps, threads=threads)
+            run = functools.partial(_fresh_process_run, case, steps, threads=threads, steady=steady)
             run(f"{tmp}/warm")  # a fresh machine's first run compiles the kernels into the cache
         else:
             _whole_run(make, 3, None)  # warm-up: allocator, thread pools, the recorder's kernels
@@ -265,6 +272,7 @@ def measure_whole_runs(name: str, case: str, pairs: int, steps: int, fresh: bool
             watched_s.append(times[True])
             ratios.append(times[True] / times[False])
     how = "each a fresh process, timed from its start to its exit" if fresh else "in this process"
+    how += ", glibc's allocator keeping its memory (--steady-malloc)" if steady else ""
     print(f"{name}: whole runs of {steps} steps ({how}), {statistics.median(plain_s):.2f} s without "
           f"the recorder, {statistics.median(watched_s):.2f} s with it (median of {pairs} alternated pairs)")
     _print_ratios("wall-clock ratio of whole runs with/without", ratios)
@@ -346,6 +354,9 @@ def main() -> None:
                     help="instead of blocks: whole runs of N steps each way, alternated (--pairs of them; the GPTs only)")
     ap.add_argument("--fresh-process", action="store_true",
                     help="with --whole-runs: every run a new Python process, timed from its start to its exit")
+    ap.add_argument("--steady-malloc", action="store_true",
+                    help="with --fresh-process: both sides' runs with glibc's allocator told to keep its memory "
+                         "(no page faults from memory handed back and taken again)")
     ap.add_argument("--skip-replicas", action="store_true",
                     help="skip the per-rank evidence figure (bench/replica_overhead.py)")
     ap.add_argument("--hold-outputs", action="store_true",
@@ -357,6 +368,8 @@ def main() -> None:
     without = {p for p in args.without.split(",") if p}
     if without - set(_PARTS):
         ap.error(f"--without takes {', '.join(_PARTS)}; got {', '.join(sorted(without - set(_PARTS)))}")
+    if args.steady_malloc and not args.fresh_process:
+        ap.error("--steady-malloc sets the environment of --fresh-process runs")
     if without and args.fresh_process:
         ap.error("--without patches this process: it cannot reach --fresh-process runs")
     if without:
@@ -378,7 +391,7 @@ def main() -> None:
     if args.whole_runs:
         for case in cases:
             measure_whole_runs(CASES[case][0], case, args.pairs, args.whole_runs, args.fresh_process,
-                               torch.get_num_threads())
+                               torch.get_num_threads(), args.steady_malloc)
         return
     if args.interleave:
         for case in cases:

@@ -28,13 +28,43 @@ from typing import Any
 
 _MAGIC = b"warninglight-kernels-1\n"
 
-IR = r"""
-declare double @llvm.sqrt.f64(double)
-declare float @llvm.fabs.f32(float)
+def _block_squares(values: str, then: str) -> str:
+    """The blocks' inner loop of the blocked norm kernels: the float64 sum of squares %acc1 of the
+    float32 values at `values` from %b0 to %bend, continuing %acc_b; then on to block `then`."""
+    return f"""squares:
+  %j = phi i64 [%b0, %block], [%j1, %squares]
+  %acc = phi double [%acc_b, %block], [%acc1, %squares]
+  %xp = getelementptr float, ptr {values}, i64 %j
+  %x = load float, ptr %xp
+  %xd = fpext float %x to double
+  %sq = fmul reassoc contract double %xd, %xd
+  %acc1 = fadd reassoc contract double %acc, %sq
+  %j1 = add nuw nsw i64 %j, 1
+  %c = icmp slt i64 %j1, %bend
+  br i1 %c, label %squares, label {then}
+"""
 
-; the L2 norm of each float32 tensor at addrs[i] holding lens[i] values, from a float64 sum of
-; squares (reassociated, so that the sum vectorises); returns 1 if every norm is finite
-define i32 @tensor_norms(ptr noalias nocapture readonly %addrs, ptr noalias nocapture readonly %lens, ptr noalias nocapture %out, i64 %count) nounwind {
+
+def _add_into_sums(rows: tuple[tuple[int, str], ...]) -> str:
+    """forward_sums: each float32 value of `rows` ((row of sums, IR value) pairs) added, as
+    float64, into that row's column %s of the row-major sums (rows %S apart)."""
+    out = []
+    for k, value in rows:
+        at = "%s"
+        if k:
+            at = f"%i{k}x"
+            out.append(f"  {at} = add i64 %S{k if k > 1 else ''}, %s")
+        out += [f"  %a{k}p = getelementptr double, ptr %sums, i64 {at}", f"  %a{k} = load double, ptr %a{k}p",
+                f"  %e{k} = fpext float {value} to double", f"  %a{k}n = fadd double %a{k}, %e{k}",
+                f"  store double %a{k}n, ptr %a{k}p"]
+    return "\n".join(out) + "\n"
+
+
+# Both norm kernels: for each float32 tensor at addrs[i] holding lens[i] values, a loop (`{loop}`,
+# blocks that start at %first and leave for %tail from %last with the float64 sum of squares in
+# %acc_end) whose square root goes into out[i] as float32; they return 1 if every norm is finite
+_NORMS = r"""
+define i32 @{name}(ptr noalias nocapture readonly %addrs, ptr noalias nocapture readonly %lens, ptr noalias nocapture %out{params}, i64 %count) nounwind {{
 entry:
   br label %head
 head:
@@ -49,20 +79,11 @@ body:
   %n = load i64, ptr %lp
   %p = inttoptr i64 %addr to ptr
   %has = icmp sgt i64 %n, 0
-  br i1 %has, label %loop, label %tail
-loop:
-  %j = phi i64 [0, %body], [%j1, %loop]
-  %acc = phi double [0.0, %body], [%acc1, %loop]
-  %xp = getelementptr float, ptr %p, i64 %j
-  %x = load float, ptr %xp
-  %xd = fpext float %x to double
-  %sq = fmul reassoc contract double %xd, %xd
-  %acc1 = fadd reassoc contract double %acc, %sq
-  %j1 = add nuw nsw i64 %j, 1
-  %c = icmp slt i64 %j1, %n
-  br i1 %c, label %loop, label %tail
+  br i1 %has, label %first, label %tail
+{loop}
 tail:
-  %s = phi double [0.0, %body], [%acc1, %loop]
+  %s = phi double [0.0, %body], [%acc_end, %last]
+{tail}
   %r = call double @llvm.sqrt.f64(double %s)
   %v = fptrunc double %r to float
   %op = getelementptr float, ptr %out, i64 %i
@@ -75,7 +96,58 @@ tail:
   br label %head
 exit:
   ret i32 %ok
-}
+}}
+"""
+
+# tensor_norms: the sum of squares reassociated, so that it vectorises
+_TENSOR_NORMS = _NORMS.format(name="tensor_norms", params="", tail="", loop=r"""first:
+  br label %last
+last:
+  %j = phi i64 [0, %first], [%j1, %last]
+  %acc = phi double [0.0, %first], [%acc_end, %last]
+  %xp = getelementptr float, ptr %p, i64 %j
+  %x = load float, ptr %xp
+  %xd = fpext float %x to double
+  %sq = fmul reassoc contract double %xd, %xd
+  %acc_end = fadd reassoc contract double %acc, %sq
+  %j1 = add nuw nsw i64 %j, 1
+  %c = icmp slt i64 %j1, %n
+  br i1 %c, label %last, label %tail""")
+
+# norms_word_sums: also the words' sum of each tensor (into sums[i], mod 2^32) in the same read:
+# each block of 2048 values is summed as squares, then as words, while it is in L1
+_NORMS_WORD_SUMS = _NORMS.format(name="norms_word_sums", params=", ptr noalias nocapture %sums", loop=r"""first:
+  br label %block
+block:
+  %b0 = phi i64 [0, %first], [%b1, %last]
+  %acc_b = phi double [0.0, %first], [%acc_end, %last]
+  %sum_b = phi i32 [0, %first], [%sum_w, %last]
+  %bend0 = add i64 %b0, 2048
+  %short = icmp slt i64 %n, %bend0
+  %bend = select i1 %short, i64 %n, i64 %bend0
+  br label %squares
+""" + _block_squares("%p", "%words") + r"""words:
+  %k = phi i64 [%b0, %squares], [%k1, %words]
+  %sum = phi i32 [%sum_b, %squares], [%sum1, %words]
+  %wp = getelementptr i32, ptr %p, i64 %k
+  %w = load i32, ptr %wp
+  %sum1 = add i32 %sum, %w
+  %k1 = add nuw nsw i64 %k, 1
+  %ck = icmp slt i64 %k1, %bend
+  br i1 %ck, label %words, label %last
+last:
+  %acc_end = phi double [%acc1, %words]
+  %sum_w = phi i32 [%sum1, %words]
+  %b1 = phi i64 [%bend, %words]
+  %cb = icmp slt i64 %b1, %n
+  br i1 %cb, label %block, label %tail""", tail=r"""  %ws = phi i32 [0, %body], [%sum_w, %last]
+  %ws64 = zext i32 %ws to i64
+  %sp = getelementptr i64, ptr %sums, i64 %i
+  store i64 %ws64, ptr %sp""")
+
+IR = _TENSOR_NORMS + _NORMS_WORD_SUMS + r"""
+declare double @llvm.sqrt.f64(double)
+declare float @llvm.fabs.f32(float)
 
 ; values offsets[i] + j * strides[i], j < ks[i], of each float32 tensor at addrs[i], one tensor
 ; after the other into out
@@ -161,78 +233,6 @@ exit:
   ret void
 }
 
-; tensor_norms and the words' sum of each tensor (into sums[i], mod 2^32) in one read: each
-; block of 2048 values is summed as squares, then as words, while it is in L1
-define i32 @norms_word_sums(ptr noalias nocapture readonly %addrs, ptr noalias nocapture readonly %lens, ptr noalias nocapture %out, ptr noalias nocapture %sums, i64 %count) nounwind {
-entry:
-  br label %head
-head:
-  %i = phi i64 [0, %entry], [%i1, %tail]
-  %ok = phi i32 [1, %entry], [%ok1, %tail]
-  %more = icmp slt i64 %i, %count
-  br i1 %more, label %body, label %exit
-body:
-  %ap = getelementptr i64, ptr %addrs, i64 %i
-  %addr = load i64, ptr %ap
-  %lp = getelementptr i64, ptr %lens, i64 %i
-  %n = load i64, ptr %lp
-  %p = inttoptr i64 %addr to ptr
-  %has = icmp sgt i64 %n, 0
-  br i1 %has, label %block, label %tail
-block:
-  %b0 = phi i64 [0, %body], [%b1, %words_end]
-  %acc_b = phi double [0.0, %body], [%acc_w, %words_end]
-  %sum_b = phi i32 [0, %body], [%sum_w, %words_end]
-  %bend0 = add i64 %b0, 2048
-  %short = icmp slt i64 %n, %bend0
-  %bend = select i1 %short, i64 %n, i64 %bend0
-  br label %squares
-squares:
-  %j = phi i64 [%b0, %block], [%j1, %squares]
-  %acc = phi double [%acc_b, %block], [%acc1, %squares]
-  %xp = getelementptr float, ptr %p, i64 %j
-  %x = load float, ptr %xp
-  %xd = fpext float %x to double
-  %sq = fmul reassoc contract double %xd, %xd
-  %acc1 = fadd reassoc contract double %acc, %sq
-  %j1 = add nuw nsw i64 %j, 1
-  %c = icmp slt i64 %j1, %bend
-  br i1 %c, label %squares, label %words
-words:
-  %k = phi i64 [%b0, %squares], [%k1, %words]
-  %sum = phi i32 [%sum_b, %squares], [%sum1, %words]
-  %wp = getelementptr i32, ptr %p, i64 %k
-  %w = load i32, ptr %wp
-  %sum1 = add i32 %sum, %w
-  %k1 = add nuw nsw i64 %k, 1
-  %ck = icmp slt i64 %k1, %bend
-  br i1 %ck, label %words, label %words_end
-words_end:
-  %acc_w = phi double [%acc1, %words]
-  %sum_w = phi i32 [%sum1, %words]
-  %b1 = phi i64 [%bend, %words]
-  %cb = icmp slt i64 %b1, %n
-  br i1 %cb, label %block, label %tail
-tail:
-  %s = phi double [0.0, %body], [%acc_w, %words_end]
-  %ws = phi i32 [0, %body], [%sum_w, %words_end]
-  %ws64 = zext i32 %ws to i64
-  %sp = getelementptr i64, ptr %sums, i64 %i
-  store i64 %ws64, ptr %sp
-  %r = call double @llvm.sqrt.f64(double %s)
-  %v = fptrunc double %r to float
-  %op = getelementptr float, ptr %out, i64 %i
-  store float %v, ptr %op
-  %d = fsub float %v, %v
-  %fin = fcmp oeq float %d, 0.0
-  %fin32 = zext i1 %fin to i32
-  %ok1 = and i32 %ok, %fin32
-  %i1 = add nuw nsw i64 %i, 1
-  br label %head
-exit:
-  ret i32 %ok
-}
-
 ; every value of buf[0, total) multiplied by scale (one float32 product, as mul_), and the L2
 ; norm of each segment [offsets[i], offsets[i] + lens[i]) as it was before, into out[i]
 ; (segments ascending, not overlapping)
@@ -271,18 +271,7 @@ block:
   %short = icmp slt i64 %end, %bend0
   %bend = select i1 %short, i64 %end, i64 %bend0
   br label %squares
-squares:
-  %j = phi i64 [%b0, %block], [%j1, %squares]
-  %acc = phi double [%acc_b, %block], [%acc1, %squares]
-  %xp = getelementptr float, ptr %buf, i64 %j
-  %x = load float, ptr %xp
-  %xd = fpext float %x to double
-  %sq = fmul reassoc contract double %xd, %xd
-  %acc1 = fadd reassoc contract double %acc, %sq
-  %j1 = add nuw nsw i64 %j, 1
-  %c = icmp slt i64 %j1, %bend
-  br i1 %c, label %squares, label %scaling
-scaling:
+""" + _block_squares("%buf", "%scaling") + r"""scaling:
   %k = phi i64 [%b0, %squares], [%k1, %scaling]
   %yp = getelementptr float, ptr %buf, i64 %k
   %y = load float, ptr %yp
@@ -450,36 +439,8 @@ floop:
   %f5 = load float, ptr %q5
   %q6 = getelementptr float, ptr %mx, i64 %fj
   %f6 = load float, ptr %q6
-  %a0p = getelementptr double, ptr %sums, i64 %s
-  %a0 = load double, ptr %a0p
-  %e1 = fpext float %f1 to double
-  %a0n = fadd double %a0, %e1
-  store double %a0n, ptr %a0p
-  %i1x = add i64 %S, %s
-  %a1p = getelementptr double, ptr %sums, i64 %i1x
-  %a1 = load double, ptr %a1p
-  %e2 = fpext float %f2 to double
-  %a1n = fadd double %a1, %e2
-  store double %a1n, ptr %a1p
-  %i2x = add i64 %S2, %s
-  %a2p = getelementptr double, ptr %sums, i64 %i2x
-  %a2 = load double, ptr %a2p
-  %e3 = fpext float %f3 to double
-  %a2n = fadd double %a2, %e3
-  store double %a2n, ptr %a2p
-  %i3x = add i64 %S3, %s
-  %a3p = getelementptr double, ptr %sums, i64 %i3x
-  %a3 = load double, ptr %a3p
   %zz = fsub float %f1, %f4
-  %e4 = fpext float %zz to double
-  %a3n = fadd double %a3, %e4
-  store double %a3n, ptr %a3p
-  %i5x = add i64 %S5, %s
-  %a5p = getelementptr double, ptr %sums, i64 %i5x
-  %a5 = load double, ptr %a5p
-  %e5 = fpext float %f5 to double
-  %a5n = fadd double %a5, %e5
-  store double %a5n, ptr %a5p
+""" + _add_into_sums(((0, "%f1"), (1, "%f2"), (2, "%f3"), (3, "%zz"), (5, "%f5"))) + r"""
   %e6 = fpext float %f6 to double
   %dead = fcmp ole double %e6, %dead_eps
   %dv = select i1 %dead, double 1.0, double 0.0

@@ -155,9 +155,10 @@ class ParamProbe:
         self.pending: list[_Step] = []
         # `reduce`'s working rows, kept (fresh sketch-sized temporaries every few steps cost page
         # faults in the training's own ops): [0] the last reduced step's update then the queued
-        # steps' updates, [1] their drift sketches, [2] a product; and the last reduced step's
-        # weight sketch and per-component weight norms
-        self._work = torch.empty(3, FORWARD_BATCH_STEPS + 1, k, device=device)
+        # steps' updates, [1] their drift sketches; the four sketch products per step; and the last
+        # reduced step's weight sketch and per-component weight norms
+        self._work = torch.empty(2, FORWARD_BATCH_STEPS + 1, k, device=device)
+        self._prods = torch.empty(4, FORWARD_BATCH_STEPS, k, device=device)
         self._carry_sketch = torch.empty(k, device=device)
         self._carry_wnorm: torch.Tensor | None = None  # None: no step reduced yet
         self._ends = 0  # steps ended so far: update cosine and drift need a step before
@@ -525,8 +526,9 @@ class ParamProbe:
             2, self.param_comp, norms * norms).sqrt()
         fwd_norm, wnorm = comp[:, 0], comp[:, 2]
         if self._work.shape[1] <= k:  # more steps queued than the step buffer first held
-            self._work = torch.empty(3, k + 1, self._work.shape[2], device=self.device)
-        updates, drift, prod = self._work[0, :k + 1], self._work[1, :k], self._work[2, :k]
+            self._work = torch.empty(2, k + 1, self._work.shape[2], device=self.device)
+            self._prods = torch.empty(4, k, self._work.shape[2], device=self.device)
+        updates, drift, prods = self._work[0, :k + 1], self._work[1, :k], self._prods[:, :k]
         update, prev_update = updates[1:], updates[:-1]
         torch.sub(sketch, fwd_sketch, out=update)
         if self._carry_wnorm is None:  # the first step: no update or weights before it (null values)
@@ -541,10 +543,14 @@ class ParamProbe:
         torch.sub(fwd_sketch[1:], sketch[:-1], out=drift[1:])
         # per component, the sums of scaled sketch products: |update|^2, update . previous update,
         # |previous update|^2, |drift|^2
-        sums = torch.zeros(k, 4, n, device=self.device)
         for i, (a, b) in enumerate(((update, update), (update, prev_update), (prev_update, prev_update),
                                     (drift, drift))):
-            sums[:, i].index_add_(1, self.coord_comp, torch.mul(a, b, out=prod).mul_(self.scale))
+            torch.mul(a, b, out=prods[i])
+        prods.mul_(self.scale)
+        # one index_add_ over the coordinates for all four and every step: each component's sums
+        # add its coordinates in the same order as one index_add_ per product did
+        sums = torch.zeros(n, 4, k, device=self.device).index_add_(
+            0, self.coord_comp, prods.permute(2, 0, 1)).permute(2, 1, 0)
         unorm = sums[:, 0].sqrt()
         zero = torch.zeros(n, dtype=torch.float64, device=self.device)
         cols = {"grad_norm_l2": comp[:, 1],

@@ -108,9 +108,9 @@ def setup(step: Callable[[], torch.Tensor], model: torch.nn.Module, opt: torch.o
     own, everyone = time.thread_time, time.process_time
     for _ in range(2):  # the plain step's own first-call costs
         step()
-    t, p = own(), everyone()
+    t, p, w = own(), everyone(), time.perf_counter()
     step()
-    plain, plain_p = own() - t, everyone() - p
+    plain, plain_p, plain_w = own() - t, everyone() - p, time.perf_counter() - w
     p0 = everyone()
     t = own()
     from warninglight.tracer import kernels, watch
@@ -118,9 +118,9 @@ def setup(step: Callable[[], torch.Tensor], model: torch.nn.Module, opt: torch.o
     t = own()
     rec = watch(model, opt, trace)
     watch_s = own() - t
-    t = own()
+    t, w = own(), time.perf_counter()
     rec.log(loss=step())
-    first = own() - t - plain
+    first, first_w = own() - t - plain, time.perf_counter() - w - plain_w
     for _ in range(max(0, steps - 1)):
         rec.log(loss=step())
     t = own()
@@ -136,6 +136,8 @@ def setup(step: Callable[[], torch.Tensor], model: torch.nn.Module, opt: torch.o
           f"background load and the writer thread included: {rest:.3f}; the kernels' load "
           f"{kernels._state.get('load_cpu_s', 0.0):.3f} of it (loaded: {kernels.ready()}, from the cache: "
           f"{kernels._state.get('cached')})")
+    print(f"wall s of the first watched step beyond a plain one: {first_w:.3f} (the background load and "
+          f"the writer thread's imports hold the interpreter while they run)")
 
 
 if __name__ == "__main__":

@@ -320,8 +320,8 @@ class ParamProbe:
         through one compiled pass over all of them (float64 sums of squares: no float32 range
         to leave; the same value for the same memory every time, which weight drift relies on),
         which also says whether every norm is finite (returned; None: not known). Without the
-        compiled kernels that pass is a BLAS dot product per tensor (float32 sums of squares), and a tensor whose sum of squares
-        overflowed or underflowed float32 (an entry beyond ~1e19 or all entries below ~1e-19; an
+        compiled kernels that pass is a BLAS dot product per tensor (float32 sums of squares),
+        and a tensor whose sum of squares overflowed or underflowed float32 (an entry beyond ~1e19 or all entries below ~1e-19; an
         all-zero tensor looks the same) is taken again by the exact kernel: on the host, reading
         that verdict (one read per pass) costs nothing. Weights take one path for as long as
         their memory stays where it was when their views were taken (drift compares two of

@@ -321,11 +321,12 @@ class ParamProbe:
         to leave; the same value for the same memory every time, which weight drift relies on),
         which also says whether every norm is finite (returned; None: not known). Without the
         compiled kernels that pass is a BLAS dot product per tensor (float32 sums of squares),
-        and a tensor whose sum of squares overflowed or underflowed float32 (an entry beyond ~1e19 or all entries below ~1e-19; an
-        all-zero tensor looks the same) is taken again by the exact kernel: on the host, reading
-        that verdict (one read per pass) costs nothing. Weights take one path for as long as
-        their memory stays where it was when their views were taken (drift compares two of
-        their norms): `weight_addrs`, from `_weight_memory`, None for the eager ops."""
+        and a tensor whose sum of squares overflowed or underflowed float32 (an entry beyond
+        ~1e19 or all entries below ~1e-19; an all-zero tensor looks the same) is taken again by
+        the exact kernel: on the host, reading that verdict (one read per pass) costs nothing.
+        Weights take one path for as long as their memory stays where it was when their views
+        were taken (drift compares two of their norms): `weight_addrs`, from `_weight_memory`,
+        None for the eager ops."""
         j = self._row_index()
         out = getattr(self._row_views[j], field)
         # the compiled pass: weights while their memory stays put, gradients each pass (one of

@@ -235,9 +235,12 @@ def _fresh_process_run(case: str, steps: int, path: str | None, threads: int,
     process's minor page faults to `faults`."""
     cmd = [sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)), "cases.py"), case,
            str(steps), "--threads", str(threads)] + ([] if path is None else ["--trace", path])
+    # bytecode cached, as for an installed package (an environment that turns the cache off would
+    # charge the watched runs for compiling the recorder's modules in every process)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
     before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_minflt
     t0 = time.perf_counter()
-    subprocess.run(cmd, check=True, env={**os.environ, **STEADY_MALLOC} if steady else None)
+    subprocess.run(cmd, check=True, env={**env, **STEADY_MALLOC} if steady else env)
     took = time.perf_counter() - t0
     if faults is not None:
         faults.append(resource.getrusage(resource.RUSAGE_CHILDREN).ru_minflt - before)
@@ -258,7 +261,7 @@ def measure_whole_runs(name: str, case: str, pairs: int, steps: int, fresh: bool
     with tempfile.TemporaryDirectory() as tmp:
         if fresh:
             run = functools.partial(_fresh_process_run, case, steps, threads=threads, steady=steady)
-            run(f"{tmp}/warm")  # a fresh machine's first run compiles the kernels into the cache
+            run(f"{tmp}/warm")  # the first run compiles the kernels (a fresh machine) and caches bytecode
         else:
             _whole_run(make, 3, None)  # warm-up: allocator, thread pools, the recorder's kernels
             _whole_run(make, 3, f"{tmp}/warm")

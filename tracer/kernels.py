@@ -24,6 +24,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+import weakref
 from typing import Any
 
 import numpy as np
@@ -37,38 +38,38 @@ _loading_lock = threading.Lock()  # not `_lock`, which a load holds for its whol
 def _checked(funcs: dict[str, Any]) -> None:
     """Raise unless every kernel gives the known answers (a wrong compile must not record)."""
     _state.update(funcs)  # the wrappers below read `_state`
-    x = np.arange(3, dtype=np.float32)
-    wide = np.zeros((2, 6), dtype=np.float32)
+    x = np.arange(3, dtype=_F32)
+    wide = np.zeros((2, 6), dtype=_F32)
     wide[:, :3] = x
     for m in (np.stack([x, x]), wide[:, :3]):  # a whole buffer; a slice of a buffer's columns
-        sums, absmax = np.zeros((7, 1)), np.zeros(1, dtype=np.float32)
-        forward_sums(m, np.zeros(3, dtype=np.int64), np.zeros(3, dtype=np.float32),
-                     np.ones(3, dtype=np.float32), True, 1e-6, sums, absmax)
+        sums, absmax = np.zeros((7, 1)), np.zeros(1, dtype=_F32)
+        forward_sums(m, np.zeros(3, dtype=_I64), np.zeros(3, dtype=_F32),
+                     np.ones(3, dtype=_F32), True, 1e-6, sums, absmax)
         if list(sums[:, 0]) != [6, 6, 10, 2, 0, 4, 1] or absmax[0] != 2:
             raise RuntimeError("the compiled forward kernel gave a wrong value")
-    t = [np.array([3.0, -4.0], np.float32), np.array([np.inf, 1e-30], np.float32), np.zeros(0, np.float32)]
+    t = [np.array([3.0, -4.0], _F32), np.array([np.inf, 1e-30], _F32), np.zeros(0, _F32)]
     addrs, lens = np.array([a.ctypes.data for a in t]), np.array([a.size for a in t])
-    norms = np.zeros(3, np.float32)
+    norms = np.zeros(3, _F32)
     if tensor_norms(addrs, lens, norms) or list(norms) != [5.0, np.inf, 0.0] \
             or not tensor_norms(addrs[:1], lens[:1], norms[:1]):
         raise RuntimeError("the compiled norm kernel gave a wrong value")
-    got = np.zeros(3, np.float32)
+    got = np.zeros(3, _F32)
     gather_sketch(addrs[:2], np.array([1, 0]), np.array([1, 1]), np.array([1, 2]), got)
     if list(got) != [-4.0, np.inf, np.float32(1e-30)]:
         raise RuntimeError("the compiled sketch kernel gave a wrong value")
     want = [int(a.view(np.uint32).astype(np.uint64).sum()) % 2**32 for a in t]
-    norms, words = np.zeros(3, np.float32), np.zeros(3, np.int64)
+    norms, words = np.zeros(3, _F32), np.zeros(3, _I64)
     if norms_word_sums(addrs, lens, norms, words) or list(norms) != [5.0, np.inf, 0.0] or list(words) != want:
         raise RuntimeError("the compiled norm-and-checksum kernel gave a wrong value")
-    words = np.zeros(2, np.int64)
+    words = np.zeros(2, _I64)
     word_sums(addrs, lens, np.array([1, 1, 0]), words)
     if list(words) != [want[2], want[0] + want[1]]:
         raise RuntimeError("the compiled checksum kernel gave a wrong value")
-    src, dest = np.arange(12, dtype=np.float32), np.zeros(7, np.float32)
+    src, dest = np.arange(12, dtype=_F32), np.zeros(7, _F32)
     funcs["copy_rows1"](src.ctypes.data + 4, 5, dest.ctypes.data, 4, 2, 3)
     if list(dest) != [1, 2, 3, 0, 6, 7, 8]:
         raise RuntimeError("the compiled row copy gave a wrong value")
-    buf, out = np.array([3.0, 4.0, 7.0, 1.0, -2.0], np.float32), np.zeros(2, np.float32)
+    buf, out = np.array([3.0, 4.0, 7.0, 1.0, -2.0], _F32), np.zeros(2, _F32)
     scaled_norms(buf, np.array([0, 3]), np.array([2, 1]), 0.5, out)
     if list(out) != [5.0, 1.0] or list(buf) != [1.5, 2.0, 3.5, 0.5, -1.0]:
         raise RuntimeError("the compiled scaled-norm kernel gave a wrong value")
@@ -119,11 +120,30 @@ def ready() -> bool:
     return False
 
 
-def _at(a: np.ndarray, dtype: type) -> int:
+# the data address of each array a wrapper has seen: id -> (weak reference, address). An array's
+# data stays where it is for its life (the recorder never resizes one in place), and reading the
+# address through numpy costs more than some of the kernels' own work
+_addresses: dict[int, tuple[weakref.ref[np.ndarray], int]] = {}
+_ADDRESSES_MAX = 4096  # past this many, the entries of arrays that are gone are dropped
+_I64, _F32, _F64 = np.dtype(np.int64), np.dtype(np.float32), np.dtype(np.float64)
+
+
+def _at(a: np.ndarray, dtype: np.dtype[Any]) -> int:
     """The data address of a C-contiguous array of `dtype`: what a kernel may read or write."""
     if a.dtype != dtype or not a.flags.c_contiguous:
-        raise TypeError(f"a kernel takes C-contiguous {np.dtype(dtype).name} arrays, not {a.dtype} {a.shape}")
-    return int(a.ctypes.data)
+        raise TypeError(f"a kernel takes C-contiguous {dtype.name} arrays, not {a.dtype} {a.shape}")
+    known = _addresses.get(id(a))
+    if known is not None and known[0]() is a:
+        return known[1]
+    address = int(a.ctypes.data)
+    if len(_addresses) >= _ADDRESSES_MAX:
+        for key, (ref, _) in list(_addresses.items()):
+            if ref() is None:
+                _addresses.pop(key, None)
+        if len(_addresses) >= _ADDRESSES_MAX:  # all alive: start again rather than grow
+            _addresses.clear()
+    _addresses[id(a)] = (weakref.ref(a), address)
+    return address
 
 
 def forward_sums(m: np.ndarray, slots: np.ndarray, centre: np.ndarray, half: np.ndarray,
@@ -139,9 +159,9 @@ def forward_sums(m: np.ndarray, slots: np.ndarray, centre: np.ndarray, half: np.
         raise TypeError(f"forward_sums: a matrix or its sums of the wrong layout, {m.dtype} {m.shape} {m.strides}")
     if r == 0 or w == 0:
         return
-    _state["forward_sums"](m.ctypes.data, r, w, m.strides[0] // 4, _at(slots, np.int64), _at(centre, np.float32),
-                           _at(half, np.float32), int(bounded), float(dead_eps), _at(sums, np.float64),
-                           sums.shape[1], _at(absmax, np.float32))
+    _state["forward_sums"](m.ctypes.data, r, w, m.strides[0] // 4, _at(slots, _I64), _at(centre, _F32),
+                           _at(half, _F32), int(bounded), float(dead_eps), _at(sums, _F64),
+                           sums.shape[1], _at(absmax, _F32))
 
 
 def tensor_norms(addrs: np.ndarray, lens: np.ndarray, out: np.ndarray) -> bool:
@@ -153,7 +173,7 @@ def tensor_norms(addrs: np.ndarray, lens: np.ndarray, out: np.ndarray) -> bool:
     n = len(addrs)
     if len(lens) != n or len(out) < n:
         raise TypeError("tensor_norms: addresses, counts and norms of different lengths")
-    return bool(_state["tensor_norms"](_at(addrs, np.int64), _at(lens, np.int64), _at(out, np.float32), n))
+    return bool(_state["tensor_norms"](_at(addrs, _I64), _at(lens, _I64), _at(out, _F32), n))
 
 
 def gather_sketch(addrs: np.ndarray, offsets: np.ndarray, strides: np.ndarray, ks: np.ndarray,
@@ -165,8 +185,8 @@ def gather_sketch(addrs: np.ndarray, offsets: np.ndarray, strides: np.ndarray, k
     n = len(addrs)
     if len(offsets) != n or len(strides) != n or len(ks) != n or len(out) < int(ks.sum()):
         raise TypeError("gather_sketch: arrays of different lengths, or too short an output")
-    _state["gather_sketch"](_at(addrs, np.int64), _at(offsets, np.int64), _at(strides, np.int64),
-                            _at(ks, np.int64), _at(out, np.float32), n)
+    _state["gather_sketch"](_at(addrs, _I64), _at(offsets, _I64), _at(strides, _I64),
+                            _at(ks, _I64), _at(out, _F32), n)
 
 
 def word_sums(addrs: np.ndarray, words: np.ndarray, slots: np.ndarray, out: np.ndarray) -> None:
@@ -176,7 +196,7 @@ def word_sums(addrs: np.ndarray, words: np.ndarray, slots: np.ndarray, out: np.n
     n = len(addrs)
     if len(words) != n or len(slots) != n or (n and not 0 <= int(slots.min()) <= int(slots.max()) < len(out)):
         raise TypeError("word_sums: arrays of different lengths, or a slot outside the output")
-    _state["word_sums"](_at(addrs, np.int64), _at(words, np.int64), _at(slots, np.int64), _at(out, np.int64), n)
+    _state["word_sums"](_at(addrs, _I64), _at(words, _I64), _at(slots, _I64), _at(out, _I64), n)
 
 
 def norms_word_sums(addrs: np.ndarray, lens: np.ndarray, out: np.ndarray, sums: np.ndarray) -> bool:
@@ -188,8 +208,8 @@ def norms_word_sums(addrs: np.ndarray, lens: np.ndarray, out: np.ndarray, sums: 
     n = len(addrs)
     if len(lens) != n or len(out) < n or len(sums) < n:
         raise TypeError("norms_word_sums: arrays of different lengths")
-    return bool(_state["norms_word_sums"](_at(addrs, np.int64), _at(lens, np.int64), _at(out, np.float32),
-                                          _at(sums, np.int64), n))
+    return bool(_state["norms_word_sums"](_at(addrs, _I64), _at(lens, _I64), _at(out, _F32),
+                                          _at(sums, _I64), n))
 
 
 def scaled_norms(buf: np.ndarray, offsets: np.ndarray, lens: np.ndarray, scale: float,
@@ -201,8 +221,8 @@ def scaled_norms(buf: np.ndarray, offsets: np.ndarray, lens: np.ndarray, scale: 
     n = len(offsets)
     if len(lens) != n or len(out) < n or (n and (int(offsets.min()) < 0 or int((offsets + lens).max()) > len(buf))):
         raise TypeError("scaled_norms: a segment outside the buffer, or arrays of different lengths")
-    _state["scaled_norms"](_at(buf, np.float32), len(buf), _at(offsets, np.int64), _at(lens, np.int64), n,
-                           float(scale), _at(out, np.float32))
+    _state["scaled_norms"](_at(buf, _F32), len(buf), _at(offsets, _I64), _at(lens, _I64), n,
+                           float(scale), _at(out, _F32))
 
 
 def row_copier() -> Any:

@@ -33,9 +33,13 @@ from torch import nn
 def grad_versions(params: list[nn.Parameter]) -> list[int]:
     """Which gradient tensor each parameter holds and its version counter, as flat ints: (0, -1)
     for none (a list of tuples made every step is garbage the collector has to walk)."""
+    return versions_of([p.grad for p in params])
+
+
+def versions_of(grads: list[torch.Tensor | None]) -> list[int]:
+    """`grad_versions` of the parameters' `.grad` already read, in their order."""
     out: list[int] = []
-    for p in params:
-        g = p.grad
+    for g in grads:
         out += (0, -1) if g is None else (id(g), g._version)
     return out
 

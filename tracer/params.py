@@ -22,7 +22,7 @@ import torch
 
 from . import kernels
 from .components import Component
-from .loopfacts import grad_versions
+from .loopfacts import versions_of
 from .probes import FORWARD_BATCH_STEPS, PARAM_METRICS, to_device
 from .replicas import grad_values, local_shard, lost_storage
 
@@ -137,9 +137,10 @@ class ParamProbe:
         self._may_compile = bool(self.params) and all(p.device.type == "cpu" for p in self.params)
         self._compiled = self._may_compile and kernels.ready()
         self._numel = np.array(numels, dtype=np.int64)
-        self._sketch_at = np.array([(0, 1, n) if spec is None else spec
-                                    for spec, n in zip(self._sketch_spec, numels, strict=True)],
-                                   dtype=np.int64).reshape(-1, 3).T.copy()  # offsets, strides, counts
+        # offsets, strides, counts: three arrays made once (a kernel's wrapper knows their addresses)
+        self._sketch_at = tuple(np.array([(0, 1, n) if spec is None else spec
+                                          for spec, n in zip(self._sketch_spec, numels, strict=True)],
+                                         dtype=np.int64).reshape(-1, 3).T.copy())
         self._np_views = self._views_of(self.rows.numpy()) if self._compiled else []
         self._grad_addrs = np.zeros(n_p, dtype=np.int64)
         self._grad_lens = np.zeros(n_p, dtype=np.int64)
@@ -419,15 +420,17 @@ class ParamProbe:
             _refuse_lost(grads)
         return bool(torch.isfinite(torch.stack(torch._foreach_norm(grads)).sum()))
 
-    def _grads(self) -> list[torch.Tensor]:
+    def _grads(self, raw: list[torch.Tensor | None] | None = None) -> list[torch.Tensor]:
+        """The gradients to read, from the parameters' `.grad` (`raw`, if already read)."""
+        if raw is None:
+            raw = [p.grad for p in self.params]
         # a parameter without a gradient stands in as an empty tensor (norm 0): the list, and so
         # the per-tensor -> component index, is the same every step whatever has a gradient
         if self._sharded:
-            return [z if p.grad is None else grad_values(local_shard(p.grad))
-                    for p, z in zip(self.params, self._no_grad, strict=True)]
+            return [z if g is None else grad_values(local_shard(g)) for g, z in zip(raw, self._no_grad, strict=True)]
         # plain tensors are read as they are (no detach: this runs under no_grad)
-        return [z if (g := p.grad) is None else (grad_values(g) if g.is_sparse else g)
-                for p, z in zip(self.params, self._no_grad, strict=True)]
+        return [z if g is None else (grad_values(g) if g.is_sparse else g)
+                for g, z in zip(raw, self._no_grad, strict=True)]
 
     @property
     def backward_versions(self) -> list[int] | None:
@@ -439,16 +442,18 @@ class ParamProbe:
     def after_backward(self) -> None:
         """End of a backward pass: note the gradients' versions (and norms, if the loop modifies them)."""
         taken = self.modified_after_backward and bool(self.params)
+        raw = [p.grad for p in self.params]
         if taken:
-            self._norms_into("pre_norms", self._grads(), "grads")
-        self._at_backward = (grad_versions(self.params), taken)
+            self._norms_into("pre_norms", self._grads(raw), "grads")
+        self._at_backward = (versions_of(raw), taken)
 
     @torch.no_grad()
     def grads(self) -> None:
         """optimizer.step pre-hook: per-tensor gradient norms (and non-finite counts if needed)."""
         if not self.begun:
             self.begin()
-        has = np.fromiter((p.grad is not None for p in self.params), dtype=bool, count=len(self.params))
+        raw = [p.grad for p in self.params]
+        has = np.fromiter((g is not None for g in raw), dtype=bool, count=len(raw))
         self.param_has_grad = has
         self._preclip, self._bad = _NO_PRECLIP, None
         at_bw, self._at_backward = self._at_backward, None
@@ -457,12 +462,12 @@ class ParamProbe:
             return
         has_grad = np.zeros(self.n, dtype=bool)
         has_grad[self.param_comp_np[has]] = True
-        grads = self._grads()
+        grads = self._grads(raw)
         # always a pass of its own, even when no version counter moved since the backward-end
         # pass: some writes move none (GradScaler's unscale), so copying those norms could be
         # off by the scale
         finite = self._norms_into("grad_norms", grads, "grads")
-        unchanged = at_bw is not None and at_bw[0] == grad_versions(self.params)
+        unchanged = at_bw is not None and at_bw[0] == versions_of(raw)
         if unchanged:
             self._preclip = _SAME_AS_TOTAL
         elif at_bw is not None:

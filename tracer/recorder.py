@@ -366,13 +366,14 @@ class Recorder:
                 if self._in_graph and self._recording(module):
                     self.fwd.observe_in_graph(comp, out)
                 return
-            if not self._recording(module):
+            if self._closed or not module.training or not torch.is_grad_enabled():  # `_recording`, inlined
                 if (not module.training and self.model.training and not self._closed
                         and torch.is_grad_enabled()):
                     self._component_in_eval(comp)
                 return
             try:
-                self._begin_step()
+                if not self._in_step:
+                    self._begin_step()
                 if comp.forward_index is None and self.step_count < self._first_step:
                     comp.forward_index, self._order = self._order, self._order + 1
                 self.fwd.observe(comp, out)
@@ -466,10 +467,13 @@ class Recorder:
         self.fwd.settle(None)  # outputs still held: no gradients were seen this step
         pvalid, has_total, has_preclip = self.params.end(slot)
         valid = self._static_valid.copy()
-        valid[:, _FORWARD_POS] &= self.fwd.sampled[:, None]
+        sampled = self.fwd.sampled[:, None]
+        for cols, _ in _FORWARD_RUNS:  # column runs: cheaper than indexing by position lists
+            valid[:, cols] &= sampled
         if self.fwd.unknown:  # outputs let go uncounted, and the gradients are not finite
             valid[:, _OUT_NONFINITE] = False
-        valid[:, _PARAM_POS] = pvalid
+        for cols, of in _PARAM_RUNS:
+            valid[:, cols] = pvalid[:, of]
         lr = self.optimizer.param_groups[0].get("lr") if self.optimizer else None
         lr_host = None
         if isinstance(lr, torch.Tensor) and lr.device == self.device:

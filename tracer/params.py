@@ -144,6 +144,8 @@ class ParamProbe:
         self._np_views = self._views_of(self.rows.numpy()) if self._compiled else []
         self._grad_addrs = np.zeros(n_p, dtype=np.int64)
         self._grad_lens = np.zeros(n_p, dtype=np.int64)
+        # the ids, addresses and lengths of the gradients `_grad_addresses` last checked this step
+        self._checked_grads: tuple[list[int], list[int], list[int]] | None = None
         self._scratch = np.zeros(n_p, dtype=np.float32)  # grads_so_far_finite's norms (and a tensor view)
         self._scratch_t = torch.from_numpy(self._scratch)
         self._blas = self._numel >= BLAS_FROM
@@ -293,7 +295,22 @@ class ParamProbe:
         """Addresses and lengths of `grads` (one per parameter) into `_grad_addrs`/`_grad_lens`,
         the BLAS-sized ones' lengths 0 (not in the compiled pass); False if one of them is not a
         plain, contiguous float32 CPU tensor (then the eager ops take this pass). Raises if a
-        gradient's storage does not hold its values (`lost_storage`, its contiguous case inlined)."""
+        gradient's storage does not hold its values (`lost_storage`, its contiguous case inlined).
+
+        The same tensors as this step's last call's (a loop that clips: the backward-end and the
+        optimizer-step passes), at the same addresses and of the same lengths, are taken as
+        checked then, but for their storage. (Known by their ids: holding the tensors would keep
+        gradients alive that the loop sets to None.)"""
+        last, ids = self._checked_grads, [id(g) for g in grads]
+        self._checked_grads = None
+        if last is not None and ids == last[0]:
+            ptrs, ns = [g.data_ptr() for g in grads], [g.numel() for g in grads]
+            if ptrs == last[1] and ns == last[2]:
+                if not all(n == 0 or g.untyped_storage().nbytes() >= (g.storage_offset() + n) * 4
+                           for g, n in zip(grads, ns, strict=True)):
+                    _refuse_lost(grads)
+                self._checked_grads = last
+                return True  # `_grad_addrs` and `_grad_lens` hold them already
         ptrs, ns = [], []
         f32, plain = torch.float32, torch.Tensor
         try:
@@ -310,6 +327,7 @@ class ParamProbe:
         self._grad_addrs[:] = ptrs
         self._grad_lens[:] = ns
         self._grad_lens[self._blas] = 0
+        self._checked_grads = (ids, ptrs, ns)
         return True
 
     def _norms_into(self, field: str, tensors: list[torch.Tensor], kind: str,
@@ -504,6 +522,7 @@ class ParamProbe:
         if self._summed:
             self.end_sums = self._sums
         self._end_versions = self._weight_versions()
+        self._checked_grads = None  # the next step's gradients are checked afresh
         valid = self._valid[min(self._ends, 1)].copy()
         has_total = self.has_grad is not None
         if has_total:

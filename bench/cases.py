@@ -135,7 +135,7 @@ def setup(step: Callable[[], torch.Tensor], model: torch.nn.Module, opt: torch.o
           f"(a plain step: {plain:.3f}). Process CPU s beyond {steps} plain steps, the kernels' "
           f"background load and the writer thread included: {rest:.3f}; the kernels' load "
           f"{kernels._state.get('load_cpu_s', 0.0):.3f} of it (loaded: {kernels.ready()}, from the cache: "
-          f"{kernels._state.get('cached')})")
+          f"{kernels._state.get('cached')}, as {kernels._state.get('source')})")
     print(f"wall s of the first watched step beyond a plain one: {first_w:.3f} (the background load and "
           f"the writer thread's imports hold the interpreter while they run)")
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import math
 import os
 import subprocess
@@ -15,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from warninglight.lab import zoo
-from warninglight.tracer import components, kernels, params, schema, watch
+from warninglight.tracer import components, jit, kernels, params, schema, watch
 
 
 def health(trace: Path, metric: str) -> dict[tuple[int, str], float | None]:
@@ -252,26 +253,68 @@ def _steps_column(trace: Path, column: str) -> list[float | None]:
     return [v for (v,) in duckdb.sql(f"select {column} from read_parquet('{glob}') order by step").fetchall()]
 
 
-def test_a_later_process_maps_the_compiled_kernels_from_the_cache(tmp_path: Path) -> None:
-    # the first process on a machine compiles the kernels; every later one maps the object code
-    # it cached. A file cut short or not ours is compiled again and rewritten, never mapped
-    script = ("from warninglight.tracer import kernels\n"
+def _kernel_source(env: dict[str, str]) -> tuple[str, bool]:
+    """Where a new process's kernels came from (tracer/jit.py `load`), and whether it imported llvmlite."""
+    script = ("import sys\n"
+              "from warninglight.tracer import kernels\n"
               "assert kernels.available()\n"
-              "print(kernels._state['cached'])")
-    env = {**os.environ, "WARNINGLIGHT_CACHE_DIR": str(tmp_path)}
+              "print(kernels._state['source'], 'llvmlite' in sys.modules)")
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, check=True)
+    source, imported = run.stdout.split()
+    return source, imported == "True"
 
-    def cached() -> bool:
-        run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, check=True)
-        return {"True": True, "False": False}[run.stdout.strip()]
-    assert not cached() and cached()
-    (obj,) = tmp_path.glob("kernels-*.o")
+
+@pytest.mark.skipif(jit._library_key() is None or jit._linker() is None,
+                    reason="needs /proc/cpuinfo and a C compiler driver to link the library")
+def test_a_later_process_loads_the_compiled_kernels_from_the_cache(tmp_path: Path) -> None:
+    # the first process on a machine compiles the kernels and links them into a library; every
+    # later one loads that without importing llvmlite. A file cut short or not ours is made
+    # again, never loaded
+    env = {k: v for k, v in os.environ.items() if k != "CC"}
+    env["WARNINGLIGHT_CACHE_DIR"] = str(tmp_path)
+    assert _kernel_source(env) == ("compiled", True)
+    assert _kernel_source(env) == ("library", False)
+    (lib,), (obj,) = tmp_path.glob("kernels-*.so"), tmp_path.glob("kernels-*.o")
+    whole = lib.read_bytes()
+    lib.write_bytes(whole[:len(whole) // 2])  # the object code is mapped; the library linked again
+    assert _kernel_source(env) == ("object", True) and _kernel_source(env) == ("library", False)
+    lib.unlink()
     whole = obj.read_bytes()
     obj.write_bytes(whole[:len(whole) // 2])
-    assert not cached() and obj.read_bytes() == whole and cached()
+    assert _kernel_source(env) == ("compiled", True) and obj.read_bytes() == whole
+    assert _kernel_source(env) == ("library", False)
+    # a whole library that does not load (here: not a library at all) turns the library off
+    lib.write_bytes(b"not a shared object")
+    lib.with_name(lib.name + ".sha256").write_text(hashlib.sha256(b"not a shared object").hexdigest())
+    assert _kernel_source(env) == ("object", True) and _kernel_source(env) == ("object", True)
+    assert "did not load" in lib.with_name(lib.name + ".off").read_text()
     blocked = tmp_path / "a-file"
     blocked.write_text("")
     env["WARNINGLIGHT_CACHE_DIR"] = str(blocked / "cache")  # cannot be made: compiled, every time
-    assert not cached() and not cached()
+    assert _kernel_source(env) == ("compiled", True) and _kernel_source(env) == ("compiled", True)
+
+
+def test_without_a_linker_every_process_maps_the_object_code(tmp_path: Path) -> None:
+    # a linker that fails is tried once: later processes map the object code and try no more,
+    # until the note that says why is deleted
+    env = {**os.environ, "WARNINGLIGHT_CACHE_DIR": str(tmp_path), "CC": "false"}
+    assert _kernel_source(env) == ("compiled", True) and _kernel_source(env) == ("object", True)
+    assert not list(tmp_path.glob("kernels-*.so"))
+    if jit._library_key() is not None:
+        (off,) = tmp_path.glob("kernels-*.so.off")
+        assert "false did not link it" in off.read_text()
+        off.unlink()
+        if jit._linker() is not None and "CC" not in os.environ:
+            del env["CC"]
+            assert _kernel_source(env) == ("object", True) and _kernel_source(env) == ("library", False)
+
+
+def test_a_cpu_not_known_without_llvm_gets_no_library(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # without /proc/cpuinfo the library's key is unknown: the object code only
+    monkeypatch.setenv("WARNINGLIGHT_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(jit, "_cpu_identity", lambda: None)
+    assert jit.load()[1] == "compiled" and jit.load()[1] == "object"
+    assert [p.suffix for p in tmp_path.iterdir()] == [".o"]
 
 
 @pytest.mark.parametrize("blas_from", [params.BLAS_FROM, 60])

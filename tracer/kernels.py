@@ -87,11 +87,12 @@ def available() -> bool:
             try:
                 from .jit import load
 
-                funcs, _state["cached"] = load()
+                funcs, _state["source"] = load()
+                _state["cached"] = _state["source"] != "compiled"
                 _checked(funcs)
                 _state["ok"] = True
             except Exception:  # no llvmlite, or it cannot compile here: the eager path stays
-                for name in [k for k in _state if k != "cached"]:
+                for name in [k for k in _state if k not in ("cached", "source")]:
                     del _state[name]
                 _state["ok"] = False
             _state["load_cpu_s"] = time.thread_time() - start  # what the load cost (benches print it)

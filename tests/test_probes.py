@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from warninglight.lab import zoo
-from warninglight.tracer import components, jit, kernels, params, schema, watch
+from warninglight.tracer import codecache, components, kernels, params, schema, watch
 
 
 def health(trace: Path, metric: str) -> dict[tuple[int, str], float | None]:
@@ -254,7 +254,7 @@ def _steps_column(trace: Path, column: str) -> list[float | None]:
 
 
 def _kernel_source(env: dict[str, str]) -> tuple[str, bool]:
-    """Where a new process's kernels came from (tracer/jit.py `load`), and whether it imported llvmlite."""
+    """Where a new process's kernels came from (tracer/codecache.py `load`), and whether it imported llvmlite."""
     script = ("import sys\n"
               "from warninglight.tracer import kernels\n"
               "assert kernels.available()\n"
@@ -264,7 +264,7 @@ def _kernel_source(env: dict[str, str]) -> tuple[str, bool]:
     return source, imported == "True"
 
 
-@pytest.mark.skipif(jit._library_key() is None or jit._linker() is None,
+@pytest.mark.skipif(codecache._library_key() is None or codecache._linker() is None,
                     reason="needs /proc/cpuinfo and a C compiler driver to link the library")
 def test_a_later_process_loads_the_compiled_kernels_from_the_cache(tmp_path: Path) -> None:
     # the first process on a machine compiles the kernels and links them into a library; every
@@ -300,11 +300,11 @@ def test_without_a_linker_every_process_maps_the_object_code(tmp_path: Path) -> 
     env = {**os.environ, "WARNINGLIGHT_CACHE_DIR": str(tmp_path), "CC": "false"}
     assert _kernel_source(env) == ("compiled", True) and _kernel_source(env) == ("object", True)
     assert not list(tmp_path.glob("kernels-*.so"))
-    if jit._library_key() is not None:
+    if codecache._library_key() is not None:
         (off,) = tmp_path.glob("kernels-*.so.off")
         assert "false did not link it" in off.read_text()
         off.unlink()
-        if jit._linker() is not None and "CC" not in os.environ:
+        if codecache._linker() is not None and "CC" not in os.environ:
             del env["CC"]
             assert _kernel_source(env) == ("object", True) and _kernel_source(env) == ("library", False)
 
@@ -312,8 +312,8 @@ def test_without_a_linker_every_process_maps_the_object_code(tmp_path: Path) -> 
 def test_a_cpu_not_known_without_llvm_gets_no_library(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # without /proc/cpuinfo the library's key is unknown: the object code only
     monkeypatch.setenv("WARNINGLIGHT_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(jit, "_cpu_identity", lambda: None)
-    assert jit.load()[1] == "compiled" and jit.load()[1] == "object"
+    monkeypatch.setattr(codecache, "_cpu_identity", lambda: None)
+    assert codecache.load()[1] == "compiled" and codecache.load()[1] == "object"
     assert [p.suffix for p in tmp_path.iterdir()] == [".o"]
 
 

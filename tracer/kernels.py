@@ -6,7 +6,7 @@ per-unit statistics (finite count, sum, square sum, zeros, saturation, absmax, d
 then to per-(step, component) sums; every step it takes the norms of the weights and gradients
 and a sketch of the weights. On the CPU those were an eager op per statistic or per tensor, each
 a pass over memory or a dispatch of its own: here each is one blocked, vectorised loop
-(tracer/jit.py: LLVM IR compiled by llvmlite, its object code cached on disk).
+(tracer/jit.py: LLVM IR compiled by llvmlite, cached on disk by tracer/codecache.py).
 
 `available()` loads them (compiling them the first time on a machine) and waits for it; when
 llvmlite cannot be imported or compile, or a kernel fails its check against known answers, it
@@ -85,7 +85,7 @@ def available() -> bool:
         if "ok" not in _state:
             start = time.thread_time()
             try:
-                from .jit import load
+                from .codecache import load
 
                 funcs, _state["source"] = load()
                 _state["cached"] = _state["source"] != "compiled"

@@ -162,6 +162,7 @@ class ParamProbe:
         # reduced step's weight sketch and per-component weight norms
         self._work = torch.empty(2, FORWARD_BATCH_STEPS + 1, k, device=device)
         self._prods = torch.empty(4, FORWARD_BATCH_STEPS, k, device=device)
+        self._scaled = torch.empty(k * 4 * FORWARD_BATCH_STEPS, device=device)  # them, scaled, coordinate-major
         self._carry_sketch = torch.empty(k, device=device)
         self._carry_wnorm: torch.Tensor | None = None  # None: no step reduced yet
         self._ends = 0  # steps ended so far: update cosine and drift need a step before
@@ -553,6 +554,7 @@ class ParamProbe:
         if self._work.shape[1] <= k:  # more steps queued than the step buffer first held
             self._work = torch.empty(2, k + 1, self._work.shape[2], device=self.device)
             self._prods = torch.empty(4, k, self._work.shape[2], device=self.device)
+            self._scaled = torch.empty(self._work.shape[2] * 4 * k, device=self.device)
         updates, drift, prods = self._work[0, :k + 1], self._work[1, :k], self._prods[:, :k]
         update, prev_update = updates[1:], updates[:-1]
         torch.sub(sketch, fwd_sketch, out=update)
@@ -571,11 +573,13 @@ class ParamProbe:
         for i, (a, b) in enumerate(((update, update), (update, prev_update), (prev_update, prev_update),
                                     (drift, drift))):
             torch.mul(a, b, out=prods[i])
-        prods.mul_(self.scale)
+        # scaled into a coordinate-major buffer: the index_add_ below then reads a contiguous
+        # source, several times faster than the permuted view, with the same sums
+        scaled = self._scaled[:prods.numel()].view(prods.shape[2], 4, k)
+        torch.mul(prods.permute(2, 0, 1), self.scale[:, None, None], out=scaled)
         # one index_add_ over the coordinates for all four and every step: each component's sums
         # add its coordinates in the same order as one index_add_ per product did
-        sums = torch.zeros(n, 4, k, device=self.device).index_add_(
-            0, self.coord_comp, prods.permute(2, 0, 1)).permute(2, 1, 0)
+        sums = torch.zeros(n, 4, k, device=self.device).index_add_(0, self.coord_comp, scaled).permute(2, 1, 0)
         unorm = sums[:, 0].sqrt()
         zero = torch.zeros(n, dtype=torch.float64, device=self.device)
         cols = {"grad_norm_l2": comp[:, 1],

@@ -32,6 +32,16 @@ def _block_squares(values: str, then: str) -> str:
 """
 
 
+def _block_bounds(end: str) -> str:
+    """The blocked kernels' block head: %bend, the end of the block of 2048 values (L1-sized)
+    that starts at %b0, no further than `end`; then on to %squares (`_block_squares`)."""
+    return f"""  %bend0 = add i64 %b0, 2048
+  %short = icmp slt i64 {end}, %bend0
+  %bend = select i1 %short, i64 {end}, i64 %bend0
+  br label %squares
+"""
+
+
 def _add_into_sums(rows: tuple[tuple[int, str], ...]) -> str:
     """forward_sums: each float32 value of `rows` ((row of sums, IR value) pairs) added, as
     float64, into that row's column %s of the row-major sums (rows %S apart)."""
@@ -109,11 +119,7 @@ block:
   %b0 = phi i64 [0, %first], [%b1, %last]
   %acc_b = phi double [0.0, %first], [%acc_end, %last]
   %sum_b = phi i32 [0, %first], [%sum_w, %last]
-  %bend0 = add i64 %b0, 2048
-  %short = icmp slt i64 %n, %bend0
-  %bend = select i1 %short, i64 %n, i64 %bend0
-  br label %squares
-""" + _block_squares("%p", "%words") + r"""words:
+""" + _block_bounds("%n") + _block_squares("%p", "%words") + r"""words:
   %k = phi i64 [%b0, %squares], [%k1, %words]
   %sum = phi i32 [%sum_b, %squares], [%sum1, %words]
   %wp = getelementptr i32, ptr %p, i64 %k
@@ -254,11 +260,7 @@ seg:
 block:
   %b0 = phi i64 [%off, %seg], [%bend, %scaled]
   %acc_b = phi double [0.0, %seg], [%acc1, %scaled]
-  %bend0 = add i64 %b0, 2048
-  %short = icmp slt i64 %end, %bend0
-  %bend = select i1 %short, i64 %end, i64 %bend0
-  br label %squares
-""" + _block_squares("%buf", "%scaling") + r"""scaling:
+""" + _block_bounds("%end") + _block_squares("%buf", "%scaling") + r"""scaling:
   %k = phi i64 [%b0, %squares], [%k1, %scaling]
   %yp = getelementptr float, ptr %buf, i64 %k
   %y = load float, ptr %yp

@@ -299,7 +299,7 @@ class ForwardProbe:
         finite (`end_forward`), else until the gradients exist (`settle` counts it if they are
         not finite).
         """
-        t = out if type(out) is torch.Tensor and out.dtype is torch.float32 else first_tensor(out)
+        t = first_tensor(out)
         if t is None:
             return
         idx, shape = comp.index, t.shape

@@ -366,14 +366,13 @@ class Recorder:
                 if self._in_graph and self._recording(module):
                     self.fwd.observe_in_graph(comp, out)
                 return
-            if self._closed or not module.training or not torch.is_grad_enabled():  # `_recording`, inlined
+            if not self._recording(module):
                 if (not module.training and self.model.training and not self._closed
                         and torch.is_grad_enabled()):
                     self._component_in_eval(comp)
                 return
             try:
-                if not self._in_step:
-                    self._begin_step()
+                self._begin_step()
                 if comp.forward_index is None and self.step_count < self._first_step:
                     comp.forward_index, self._order = self._order, self._order + 1
                 self.fwd.observe(comp, out)

@@ -79,6 +79,24 @@ def test_training_is_bit_identical_with_and_without_the_recorder(case: str, tmp_
     assert read(tmp_path / "t", "health", "select count(*), max(step) from t")[0] == (50 * n_comp, 50)
 
 
+def test_a_long_flush_interval_reserves_no_rows_for_it_up_front(tmp_path: Path) -> None:
+    # a million steps between flushes: the step buffer starts small and doubles as steps come;
+    # every step still reaches the trace
+    torch.manual_seed(0)
+    model = zoo.mlp(hidden=12, depth=2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    with watch(model, opt, tmp_path, flush_every_steps=10**6, flush_every_s=1e9) as rec:
+        first_rows = rec.buffer.stats.shape[0]
+        for _, batch in zip(range(600), zoo.batches(*zoo.teacher_classification(512), 32), strict=False):
+            classify(model, batch).backward()
+            opt.step()
+            opt.zero_grad()
+        grown = rec.buffer.stats.shape[0]
+    assert first_rows <= 258 < grown
+    steps = read(tmp_path, "health", "select distinct step from t order by step")
+    assert [s for (s,) in steps] == list(range(1, 601))
+
+
 def test_nan_and_inf_inside_the_model_are_counted_not_raised(tmp_path: Path) -> None:
     torch.manual_seed(0)
     model = zoo.mlp()

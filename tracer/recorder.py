@@ -93,6 +93,8 @@ _MAX_WARNING_EVENTS = 20
 # The first segment closes after this many steps or seconds (if sooner than the flush settings).
 _FIRST_FLUSH_STEPS = 10
 _FIRST_FLUSH_S = 5.0
+# The step buffer's first size in steps, at most (it doubles when a segment holds more).
+_BUFFER_ROWS = 256
 
 
 class Recorder:
@@ -132,7 +134,8 @@ class Recorder:
         self.step_count = cfg.start_step
         self._first_step = cfg.start_step + 1
         self._static_valid = self._structural_validity()
-        self.buffer = StepBuffer(self.components, self.device, self.flush_every_steps + 2)
+        # a long flush interval does not reserve its rows up front: the buffer doubles as it fills
+        self.buffer = StepBuffer(self.components, self.device, min(self.flush_every_steps, _BUFFER_ROWS) + 2)
         self._backward_queued = False
         self._in_step = False
         self._micro_batches = 0

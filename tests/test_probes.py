@@ -604,6 +604,46 @@ def test_an_output_written_in_place_after_its_hook_is_recorded_as_the_layer_left
     assert health(tmp_path, "out_zero_frac")[(12, "0")] == 0.0  # before the ReLU: no zeros
 
 
+class _LateInPlace(nn.Module):
+    """A layer whose output the parent starts to scale in place, after the layer's hook, at a
+    later step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin, self.head = nn.Linear(6, 12), nn.Linear(12, 3)
+        self.in_place = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        if self.in_place:
+            h.mul_(2.0)
+        return self.head(h)
+
+
+def test_an_output_first_written_in_place_at_a_later_step_loses_that_steps_sample_only(tmp_path: Path) -> None:
+    # until step 6 nothing writes the layer's output in place, so its hook only notes it and the
+    # forward's end observes it; at step 6 the parent scales it after the hook: the values the
+    # hook saw are gone (that step's sample is null), and from then on the hook copies them
+    torch.manual_seed(0)
+    model = _LateInPlace()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    seen: dict[int, float] = {}
+    step = [1]
+    model.lin.register_forward_hook(lambda m, a, out: seen.__setitem__(step[0], float(out.detach().mean())))
+    with watch(model, opt, tmp_path, full_precision=True) as rec:
+        for s in range(1, 13):
+            step[0], model.in_place = s, s >= 6
+            F.mse_loss(model(torch.randn(16, 6)), torch.zeros(16, 3)).backward()
+            opt.step()
+            opt.zero_grad()
+            if s == 5:  # the layer's hook only notes its output
+                assert next(c.index for c in rec.components if c.name == "lin") in rec.fwd.notable()
+    got = health(tmp_path, "out_mean")
+    assert got[(6, "lin")] is None
+    kept = [s for s in range(1, 13) if s != 6]
+    assert [got[(s, "lin")] for s in kept] == pytest.approx([seen[s] for s in kept], rel=1e-6)
+
+
 def _sigmoid_tanh_model() -> nn.Module:
     return nn.Sequential(nn.Linear(8, 24), nn.Tanh(), nn.Linear(24, 24), nn.Sigmoid(),
                          nn.Linear(24, 24), nn.ReLU(), nn.Linear(24, 3))

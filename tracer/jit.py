@@ -455,7 +455,7 @@ exit:
 }
 
 ; rows r of u float32 values from address sa, its rows ss values apart, to address da, its rows
-; ds apart: a forward hook's sample, copied while the output is in cache
+; ds apart: a forward sample's rows
 define void @copy_rows1(i64 %sa, i64 %ss, i64 %da, i64 %ds, i64 %r, i64 %u) nounwind {
 entry:
   %s = inttoptr i64 %sa to ptr

@@ -284,6 +284,9 @@ class ForwardProbe:
         self._copy_now: set[int] = set()    # components whose output was seen written in place
         self._copy_later: set[int] = set()  # ... seen not written in place: their copy may wait
         self._unverified: list[tuple[int, torch.Tensor, int]] = []  # copied in the hook, to check
+        # (component, output, its version) the hooks of `_copy_later` components only noted during
+        # a forward pass on CPU (`note`): observed together at its end (`drain`)
+        self.noted: list[tuple[Component, torch.Tensor, int]] = []
         self._last_key: Key | None = None
         # CPU: the per-unit statistics in one compiled pass (tracer/kernels.py), the eager ops
         # until the kernels are loaded (`kernels.ready`; checked at each step's end)
@@ -321,8 +324,8 @@ class ForwardProbe:
             plan, k = self._plan, len(self.pending)
             slot = plan.slots[k].get(idx) if plan is not None and k < plan.steps else None
             if slot is not None and slot[3] == view[0]:
-                # compiled: the rows copied now, while the output is still in cache, by one call
-                # that is no tensor op (the staging slot is a row-major buffer's columns)
+                # compiled: the rows copied now by one call that is no tensor op (the staging
+                # slot is a row-major buffer's columns)
                 kernels.row_copier()(t.data_ptr(), view[1][0], slot[1], slot[2], *view[0])
                 self.samples.append((idx, slot[0]))
                 return
@@ -338,6 +341,32 @@ class ForwardProbe:
         if known[1] is not None and idx not in self._copy_now:  # may its copy wait, next time?
             self._unverified.append((idx, t, t._version))
 
+    def notable(self) -> set[int]:
+        """The components whose hook may only note its output (`noted`), observed at the end of the
+        forward pass (`drain`): those a pass showed nothing writes in place after the hook. The
+        set itself, kept up to date: a hook holds it."""
+        return self._copy_later
+
+    def drain(self) -> None:
+        """Observe the outputs the hooks noted, in their order, as their hooks would have.
+
+        A hook that runs the whole observation costs several times what the same work costs in
+        one loop at the end of the forward pass (each hook runs between the forward's own ops,
+        with cold caches), so the hooks of components whose output nothing writes in place only
+        note it. An output written in place after its hook all the same has lost the values its
+        hook saw: it is counted for non-finite values, it is no sample of this pass, and its
+        component is observed in its hook from then on."""
+        try:
+            for comp, t, version in self.noted:
+                if t._version == version:
+                    self.observe(comp, t)
+                    continue
+                self._copy_later.discard(comp.index)
+                self._copy_now.add(comp.index)
+                self.held.append((comp.index, t))
+        finally:
+            self.noted.clear()  # the list the hooks hold
+
     @torch.no_grad()
     def copy_deferred(self) -> None:
         """Copy the samples the hooks left for later (end of the forward pass, or of the step).
@@ -346,6 +375,8 @@ class ForwardProbe:
         place after its hook (`nn.ReLU(inplace=True)` after a layer does); if that changes
         later, that step's sample of it is lost (its forward values null) and it is copied in
         its hook from then on."""
+        if self.noted:
+            self.drain()
         for idx, t, version in self._unverified:
             (self._copy_later if t._version == version else self._copy_now).add(idx)
         self._unverified = []
@@ -474,6 +505,7 @@ class ForwardProbe:
     def reset(self) -> None:
         """Forget the current step's observations (queued steps stay)."""
         self.samples, self.bad, self._deferred, self._unverified = [], None, [], []
+        self.noted.clear()
         self.from_graph.clear()
         self.held.clear()
         self.released = self.unknown = self.tainted = False

@@ -172,6 +172,7 @@ class Recorder:
         self._in_graph = cfg.hooks_under_compile == "graph"
         self._handles: list[Any] = []
         self._comp_hooks: dict[int, Any] = {}
+        self._noting = False  # in a watched forward pass on CPU: hooks may note outputs (`_make_hook`)
         self._install_hooks()
         self._prev_sigterm = self._install_sigterm()
         atexit.register(self._at_exit)
@@ -246,7 +247,7 @@ class Recorder:
         """Stop recording and write everything still buffered. Safe to call twice."""
         if self._closed:
             return
-        self._closed = True
+        self._closed, self._noting = True, False
         for h in self._handles:
             h.remove()
         if self.replicas is not None:
@@ -301,6 +302,7 @@ class Recorder:
         if not module.training:
             return
         self._micro_batches += 1
+        self._noting = self.fwd.device.type == "cpu"
         try:
             self._begin_step()
             if self.fwd.held:  # another micro-batch: judge the previous one by its gradients
@@ -314,6 +316,7 @@ class Recorder:
         if torch.compiler.is_compiling() or self._closed or not torch.is_grad_enabled():
             return
         t = first_tensor(out)
+        self._noting = False
         if module.training:
             try:
                 self.fwd.copy_deferred()
@@ -362,7 +365,15 @@ class Recorder:
                 self._probe_failed(exc)
 
     def _make_hook(self, comp: Any) -> Any:
+        idx, noted, notable = comp.index, self.fwd.noted, self.fwd.notable()
+
         def hook(module: nn.Module, args: Any, out: Any) -> None:
+            # within a watched forward pass on CPU (`_noting`), a component whose output nothing
+            # writes in place: its output noted, observed at the pass's end (`ForwardProbe.drain`)
+            if (self._noting and type(out) is torch.Tensor and idx in notable and module.training
+                    and torch.is_grad_enabled() and not torch.compiler.is_compiling()):
+                noted.append((comp, out, out._version))
+                return
             if torch.compiler.is_compiling():
                 # traced by torch.compile: the sample and the non-finite count become outputs of
                 # the graph, appended to a list after it ran (no graph break: fullgraph=True works)

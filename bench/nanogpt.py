@@ -136,13 +136,14 @@ class NanoGPT(nn.Module):
 
 
 def nanogpt_case(batch: int = 12, accum: int = 1, grad_clip: float = 1.0, dropout: float = 0.0,
-                 n_layer: int = 4, n_embd: int = 128, block: int = 64
+                 n_layer: int = 4, n_embd: int = 128, block: int = 64, vocab: int = 96
                  ) -> tuple[nn.Module, torch.optim.Optimizer, Callable[[], torch.Tensor]]:
     """The model, its optimizer and one training step as train.py makes it (lr schedule, micro-
-    batches, clipping); the step returns the last micro-batch's loss."""
+    batches, clipping); the step returns the last micro-batch's loss. `vocab`: the head's width
+    (the text's characters use the first 96 ids)."""
     from warninglight.lab import zoo
 
-    cfg = NanoConfig(block_size=block, vocab_size=96, n_layer=n_layer, n_head=4, n_embd=n_embd,
+    cfg = NanoConfig(block_size=block, vocab_size=vocab, n_layer=n_layer, n_head=4, n_embd=n_embd,
                      dropout=dropout)
     model = NanoGPT(cfg)
     opt = model.configure_optimizers(weight_decay=0.1, lr=1e-3)

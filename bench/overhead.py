@@ -43,6 +43,7 @@ from collections.abc import Callable
 
 import torch
 from cases import CASES, Training, adamw_loop, mlp_case
+from nanogpt import nanogpt_case
 from warninglight.tracer import Recorder, kernels, probes, watch
 
 
@@ -349,6 +350,9 @@ def main() -> None:
     ap.add_argument("--skip-small-gpt", action="store_true", help="not the d=128 GPT")
     ap.add_argument("--nanogpt", action="store_true",
                     help="with --interleave or --whole-runs: the nanoGPT-layout model too (bench/nanogpt.py)")
+    ap.add_argument("--vocab", type=int, default=None, metavar="V",
+                    help="with --nanogpt, in this process: the nanoGPT layout's vocabulary (default 96; "
+                         "50304 is GPT-2's, whose logits outweigh the rest of a small model's outputs)")
     ap.add_argument("--wait-quiet", type=float, default=0.0, metavar="S",
                     help="before each pair, wait up to S seconds until no other process is runnable")
     ap.add_argument("--interleave", type=int, default=0, metavar="N",
@@ -375,6 +379,11 @@ def main() -> None:
         ap.error("--steady-malloc sets the environment of --fresh-process runs")
     if without and args.fresh_process:
         ap.error("--without patches this process: it cannot reach --fresh-process runs")
+    if args.vocab is not None:
+        if args.fresh_process or not args.nanogpt:
+            ap.error("--vocab sets the nanoGPT layout (--nanogpt) of runs in this process")
+        CASES["nanogpt"] = (CASES["nanogpt"][0].replace("clipped,", f"vocabulary {args.vocab}, clipped,"),
+                            functools.partial(nanogpt_case, vocab=args.vocab))
     if without:
         leave_out(without)
         print(f"the watched copy without: {', '.join(sorted(without))}")

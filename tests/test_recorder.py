@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from warninglight.lab import zoo
-from warninglight.tracer import schema, watch
+from warninglight.tracer import kernels, schema, watch
 
 Loss = Callable[[torch.nn.Module, tuple[torch.Tensor, ...]], torch.Tensor]
 
@@ -118,6 +118,33 @@ def test_nan_and_inf_inside_the_model_are_counted_not_raised(tmp_path: Path) -> 
     assert rows[(2, "0")][0] == expected == 2 * 64  # each bad input spoils a whole output row
     assert rows[(2, "0")][1] > 0 and rows[(2, "6")][0] > 0  # NaN reached the gradients and the head
     assert read(tmp_path, "steps", "select micro_batches from t") == [(1,), (1,)]
+
+
+@pytest.mark.parametrize("width", [3, 4096])
+def test_an_output_wider_than_the_held_ones_is_not_read_and_counts_stay_exact(tmp_path: Path, width: int) -> None:
+    # a narrow head's output is read at the forward's end and the held outputs go; a head wider
+    # than all of them together (a large vocabulary's logits) is not read: the outputs are held
+    # to the step, and a NaN at step 4 is counted exactly either way (step 1 runs the eager
+    # passes while the kernels load: it holds the outputs whatever the width)
+    assert kernels.available()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, width))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    held_after_forward = []
+    with watch(model, opt, tmp_path) as rec:
+        for step in (1, 2, 3, 4):
+            x = torch.randn(32, 8)
+            if step == 4:
+                x[4, 2] = float("nan")
+            out = model(x)
+            held_after_forward.append(bool(rec.fwd.held))
+            F.cross_entropy(out, torch.randint(0, width, (32,))).backward()
+            opt.step()
+            opt.zero_grad()
+    assert held_after_forward[1:] == [width > 3, width > 3, True]
+    counts = dict(((s, c), n) for s, c, n in read(
+        tmp_path, "health", "select step, component, out_nonfinite_count from t"))
+    assert counts[(3, "0")] == 0 and counts[(4, "0")] == 16 and counts[(4, "2")] == width
 
 
 class _MaskedOverflow(torch.nn.Module):

@@ -451,12 +451,18 @@ class ForwardProbe:
         as before, and outputs let go by its earlier micro-batches are judged at once by the
         gradients they left (`grads_finite()`: None if there are none; a pass over them that
         only a broken step pays). A value that reaches the gradients but not the model's output
-        leaves the step's counts unknown (`settle`)."""
+        leaves the step's counts unknown (`settle`).
+
+        An output that is more than a third of the values held (itself among them when it is a
+        component's: a language model's logits over a large vocabulary) is not read: its pass
+        would cost more than holding the outputs to the step does."""
         if not self.held or not self._compiled or self.tainted:
             return
         if not (type(out) is torch.Tensor and out.is_cpu and out.dtype is torch.float32
                 and out.is_contiguous() and out.numel()):
             return  # not judged here: held to the step
+        if 3 * out.numel() > sum(t.numel() for _, t in self.held):
+            return  # as wide as what it would let go: held to the step
         self._check[0][0], self._check[1][0] = out.data_ptr(), out.numel()
         if kernels.tensor_norms(*self._check):
             self.held.clear()

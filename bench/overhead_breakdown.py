@@ -29,11 +29,16 @@ from cases import CASES
 from overhead import run_block
 from warninglight.tracer import kernels, loopfacts, params, probes, recorder, watch
 
-# (class, method, indent): what a step's recorder work is made of; indented = part of the line above
+# the component hooks `Recorder._make_hook` makes, timed as one line
+_HOOKS = "component hooks"
+# (class, method, indent): what a step's recorder work is made of; indented = part of the line
+# above (`observe`: all its calls, at the forward's end for the outputs the hooks only noted, and
+# in the hooks of the others)
 PARTS = ((recorder.Recorder, "_root_pre_hook", 0), (params.ParamProbe, "begin", 1),
          (loopfacts.LoopProbe, "forward", 1),
-         (probes.ForwardProbe, "observe", 0), (recorder.Recorder, "_root_hook", 0),
-         (probes.ForwardProbe, "copy_deferred", 1), (probes.ForwardProbe, "end_forward", 1),
+         (recorder.Recorder, _HOOKS, 0), (recorder.Recorder, "_root_hook", 0), (probes.ForwardProbe, "copy_deferred", 1),
+         (probes.ForwardProbe, "drain", 2), (probes.ForwardProbe, "observe", 3),
+         (probes.ForwardProbe, "end_forward", 1),
          (recorder.Recorder, "_on_output_grad", 0),
          (loopfacts.LoopProbe, "backward_begins", 1), (recorder.Recorder, "_after_backward", 0),
          (recorder.Recorder, "_pre_step", 0), (params.ParamProbe, "grads", 1),
@@ -91,7 +96,12 @@ def main() -> None:
     totals: dict[str, float] = collections.defaultdict(float)
     part_faults: dict[str, float] = collections.defaultdict(float)
     for cls, name, _ in PARTS:
+        if name == _HOOKS:
+            continue
         setattr(cls, name, _timed(totals, part_faults, f"{cls.__name__}.{name}", getattr(cls, name)))
+    make_hook = recorder.Recorder._make_hook
+    recorder.Recorder._make_hook = lambda self, comp: _timed(  # type: ignore[method-assign]
+        totals, part_faults, f"Recorder.{_HOOKS}", make_hook(self, comp))
     torch.manual_seed(0)
     model, opt, step = CASES[args.model][1]()
 

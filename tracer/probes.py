@@ -285,7 +285,7 @@ class ForwardProbe:
         self._copy_later: set[int] = set()  # ... seen not written in place: their copy may wait
         self._unverified: list[tuple[int, torch.Tensor, int]] = []  # copied in the hook, to check
         # (component, output, its version) the hooks of `_copy_later` components only noted during
-        # a forward pass on CPU (`note`): observed together at its end (`drain`)
+        # a forward pass on CPU (`Recorder._make_hook`): observed together at its end (`drain`)
         self.noted: list[tuple[Component, torch.Tensor, int]] = []
         self._last_key: Key | None = None
         # CPU: the per-unit statistics in one compiled pass (tracer/kernels.py), the eager ops

@@ -382,7 +382,7 @@ def main() -> None:
     if args.vocab is not None:
         if args.fresh_process or not args.nanogpt:
             ap.error("--vocab sets the nanoGPT layout (--nanogpt) of runs in this process")
-        CASES["nanogpt"] = (CASES["nanogpt"][0].replace("clipped,", f"vocabulary {args.vocab}, clipped,"),
+        CASES["nanogpt"] = (f"{CASES['nanogpt'][0]}, vocabulary {args.vocab}",
                             functools.partial(nanogpt_case, vocab=args.vocab))
     if without:
         leave_out(without)

@@ -196,6 +196,7 @@ def measure_interleaved(name: str, make: Callable[[], Training], steps: int, chu
                     plain_t.append(run_block(plain_step, 1, None)[0])
         rec.close()
         lost = rec.dropped_steps
+    chunks = max(1, min(chunks, steps))  # a short run: fewer, shorter runs of steps
     n = steps // chunks
     per_chunk = [sum(watched_t[k * n:(k + 1) * n]) / sum(plain_t[k * n:(k + 1) * n]) for k in range(chunks)]
     print(f"{name}: {statistics.median(plain_t) * 1e3:.2f} ms/step without the recorder, median "

@@ -265,3 +265,20 @@ def test_the_overhead_bench_leaves_out_what_it_says(tmp_path: Path, monkeypatch:
     assert run(set(), tmp_path / "again") == whole  # the patches are undone
     # and the recorder reduces as often as the whole one does, not at every step
     assert reductions[0] == reductions[1] == reductions[3] < 20
+
+
+def test_the_interleaved_bench_reports_a_run_shorter_than_its_ten_parts(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """`bench/overhead.py --interleave N` with N under 10: the spread is over N runs of one step,
+    not a division by zero after every step was timed."""
+    import sys
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "bench"))
+    monkeypatch.delitem(sys.modules, "overhead", raising=False)
+    from cases import adamw_loop, mlp_case
+    from overhead import measure_interleaved
+
+    measure_interleaved("MLP", lambda: adamw_loop(mlp_case(batch=8)), 3)
+    out = capsys.readouterr().out
+    assert "3 steps each way" in out and "ratio of the summed times per run of 1 steps" in out
+    assert "3 pairs" in out

@@ -282,3 +282,30 @@ def test_the_interleaved_bench_reports_a_run_shorter_than_its_ten_parts(
     out = capsys.readouterr().out
     assert "3 steps each way" in out and "ratio of the summed times per run of 1 steps" in out
     assert "3 pairs" in out
+
+
+def test_the_gpu_check_runs_from_the_checkout_without_the_engines_packages(tmp_path: Path) -> None:
+    """`bench/gpu_check.sh` is what a machine with a GPU and no network runs: it must import the
+    recorder from the checkout, with polars, duckdb and numba absent and nothing installed (here
+    `--tiny`, on CPU: its sync test is skipped, its bench trains a tiny GPT)."""
+    import os
+    import subprocess
+    import sys
+
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(
+        "import sys\n"
+        "for name in ('polars', 'duckdb', 'numba'):\n"
+        "    sys.modules[name] = None\n"
+        "sys.meta_path[:] = [f for f in sys.meta_path if 'editable' not in repr(f).lower()]\n")
+    env = {**os.environ, "PYTHON": sys.executable, "PYTHONPATH": str(site), "OUT": str(tmp_path / "out")}
+    root = Path(__file__).resolve().parents[1]
+    done = subprocess.run(["bash", str(root / "bench" / "gpu_check.sh"), "--tiny", "--skip-compile"],
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    out = tmp_path / "out"
+    assert "1 skipped" in (out / "sync-test.txt").read_text()  # collected, skipped without CUDA
+    bench = (out / "gpu-overhead.txt").read_text()
+    assert "ratio with/without" in bench and "0 steps dropped" in bench
+    assert "sync test: exit 0; gpu_overhead.py: exit 0" in (out / "machine.txt").read_text()

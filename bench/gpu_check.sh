@@ -5,7 +5,7 @@
 # failed. Nothing is installed: the recorder is imported from this checkout through a folder of
 # links, so the machine needs only Python with torch (CUDA), numpy, pyarrow and pytest.
 #
-#   bash bench/gpu_check.sh           # on the GPU machine; about 5 minutes on one H100
+#   bash bench/gpu_check.sh           # on the GPU machine: its timeouts fit one 10-minute call
 #   bash bench/gpu_check.sh --tiny    # on CPU: checks this script (the sync test is skipped)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -24,11 +24,11 @@ export PYTHONPATH="$links${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 
 # without the suite's conftest, which imports the engine (polars, duckdb, numba): the recorder's
 # test needs none of them
-timeout 300 "$py" -m pytest -q -rs --noconftest -p no:cacheprovider tests/test_recorder_cost.py -k cuda \
+timeout 150 "$py" -m pytest -q -rs --noconftest -p no:cacheprovider tests/test_recorder_cost.py -k cuda \
     2>&1 | tee "$out/sync-test.txt"
 sync=${PIPESTATUS[0]}
 
-timeout 480 "$py" bench/gpu_overhead.py "$@" 2>&1 | tee "$out/gpu-overhead.txt"
+timeout 400 "$py" bench/gpu_overhead.py "$@" 2>&1 | tee "$out/gpu-overhead.txt"
 bench=${PIPESTATUS[0]}
 
 echo "sync test: exit $sync; gpu_overhead.py: exit $bench" | tee -a "$out/machine.txt"

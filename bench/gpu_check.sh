@@ -13,6 +13,7 @@ out="${OUT:-gpu-check}"
 mkdir -p "$out"
 py="${PYTHON:-python3}"
 links="$(mktemp -d)"
+trap 'rm -rf "$links"' EXIT
 mkdir -p "$links/warninglight"
 for part in tracer lab; do ln -s "$PWD/$part" "$links/warninglight/$part"; done
 export PYTHONPATH="$links${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
@@ -32,5 +33,4 @@ timeout 400 "$py" bench/gpu_overhead.py "$@" 2>&1 | tee "$out/gpu-overhead.txt"
 bench=${PIPESTATUS[0]}
 
 echo "sync test: exit $sync; gpu_overhead.py: exit $bench" | tee -a "$out/machine.txt"
-rm -rf "$links"
 [ "$sync" -eq 0 ] && [ "$bench" -eq 0 ]

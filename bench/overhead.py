@@ -22,7 +22,9 @@ layout and loop (bench/nanogpt.py) to the interleaved and whole-run measurements
 the same bench prints what each part costs in the step (in this process only: not with
 `--fresh-process`): `preclip`, `grads` and `weights` replace that pass over the tensors with a
 constant written into the step's row; `forward` drops the forward statistics (the hooks still
-fire); `all` is the three passes and `forward`; `work` leaves only the hooks themselves (every
+fire); `reduce` drops the reductions of the queued steps every 8 steps, parameters' and
+forward statistics' (the passes and the hooks' copies still run); `all` is the three passes and
+`forward`; `work` leaves only the hooks themselves (every
 entry point returns at once: what registering them costs).
 """
 
@@ -44,7 +46,7 @@ from collections.abc import Callable
 import torch
 from cases import CASES, Training, adamw_loop, mlp_case
 from nanogpt import nanogpt_case
-from warninglight.tracer import Recorder, kernels, probes, watch
+from warninglight.tracer import Recorder, kernels, params, probes, watch
 
 
 def run_block(step: Callable[[], torch.Tensor], steps: int, rec: Recorder | None) -> tuple[float, float]:
@@ -298,7 +300,7 @@ def _print_ratios(label: str, ratios: list[float]) -> None:
 # --without: a pass left out writes a constant where its norms go (a row of zeros would send the
 # later arithmetic down its rarer paths); the field names are ParamProbe's
 _PASSES = {"preclip": ("pre_norms",), "grads": ("grad_norms",), "weights": ("end_norms", "fwd_norms")}
-_PARTS = (*_PASSES, "forward", "all", "work")
+_PARTS = (*_PASSES, "forward", "reduce", "all", "work")
 
 
 def _no_statistics(fwd: probes.ForwardProbe) -> list[tuple[int, torch.Tensor]]:
@@ -308,10 +310,16 @@ def _no_statistics(fwd: probes.ForwardProbe) -> list[tuple[int, torch.Tensor]]:
     return []
 
 
+def _no_reduction(probe: params.ParamProbe) -> None:
+    """`ParamProbe.reduce` without the arithmetic: the queued steps are let go (their rows keep
+    what the step buffer held)."""
+    probe.pending = []
+
+
 def leave_out(parts: set[str], patch: Callable[[object, str, object], None] = setattr) -> None:
     """Patch the recorder so that the watched copy does without `parts` (see --without);
     `patch(owner, name, value)` sets each attribute (a test passes one that undoes it)."""
-    from warninglight.tracer import params, recorder
+    from warninglight.tracer import recorder
 
     if "all" in parts:
         parts = parts | {*_PASSES, "forward"}
@@ -327,6 +335,9 @@ def leave_out(parts: set[str], patch: Callable[[object, str, object], None] = se
         patch(params.ParamProbe, "_norms_into", some_norms)
     if "forward" in parts:
         patch(probes.ForwardProbe, "observe", lambda *_: None)
+        patch(probes.ForwardProbe, "compute", _no_statistics)
+    if "reduce" in parts:
+        patch(params.ParamProbe, "reduce", _no_reduction)
         patch(probes.ForwardProbe, "compute", _no_statistics)
     if "work" in parts:
         rec, entries = recorder.Recorder, ("_root_pre_hook", "_root_hook", "_pre_step", "_post_step", "log")

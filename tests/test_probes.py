@@ -368,6 +368,38 @@ def test_compiled_parameter_passes_record_what_the_eager_ones_do(
         assert math.isfinite(some) and some != 0  # there are values to compare
 
 
+
+def test_a_failed_reduction_nulls_its_own_steps_only(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # steps alike share one read-only validity array; the steps whose values a failed reduction
+    # lost take a copy to null, so the steps before and after them keep theirs
+    torch.manual_seed(0)
+    model = zoo.mlp(hidden=12, depth=2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    reduce, calls = params.ParamProbe.reduce, [0]
+
+    def fails_once(self: params.ParamProbe):  # type: ignore[no-untyped-def]
+        calls[0] += 1
+        if calls[0] == 2:
+            self.pending = []
+            raise RuntimeError("injected")
+        return reduce(self)
+    monkeypatch.setattr(params.ParamProbe, "reduce", fails_once)
+    batches = zoo.batches(*zoo.teacher_classification(256), 32)
+    with pytest.warns(RuntimeWarning, match="probe failed.*injected"), \
+            watch(model, opt, tmp_path, flush_every_steps=100) as rec:
+        for _, (_, x, y) in zip(range(30), batches, strict=False):
+            loss = F.cross_entropy(model(x), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            rec.log(loss=loss)
+    grad, rms = health(tmp_path, "grad_norm_l2"), health(tmp_path, "out_rms")
+    lost = [s for s in range(1, 31) if grad[(s, "2")] is None]
+    # the second batch of steps reduced together (a flush cuts one short), none other
+    assert calls[0] > 2 and 0 < len(lost) <= params.FORWARD_BATCH_STEPS
+    assert lost == list(range(lost[0], lost[0] + len(lost))) and lost[0] > 1 and lost[-1] < 30
+    assert all(rms[(s, "2")] is not None for s in range(1, 31))  # the forward statistics stay
+
 def test_a_large_frozen_parameter_costs_no_read_in_the_gradient_pass(tmp_path: Path,
                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     # on the CPU a tensor of BLAS size has its norm taken by a dot product, whose float32 sum is

@@ -121,30 +121,41 @@ def ready() -> bool:
     return False
 
 
-# the data address of each array a wrapper has seen: id -> (weak reference, address). An array's
-# data stays where it is for its life (the recorder never resizes one in place), and reading the
-# address through numpy costs more than some of the kernels' own work
-_addresses: dict[int, tuple[weakref.ref[np.ndarray], int]] = {}
+# what the wrappers know of each array they have seen: its data address, which stays put for the
+# array's life (the recorder never resizes one in place), its dtype and layout, checked then, and
+# for the sketch's counts their sum. Reading these through numpy costs more than some kernels'
+# own work.
+_addresses: dict[int, list[Any]] = {}  # id -> [weak reference, address, dtype, sum or None]
 _ADDRESSES_MAX = 4096  # past this many, the entries of arrays that are gone are dropped
 _I64, _F32, _F64 = np.dtype(np.int64), np.dtype(np.float32), np.dtype(np.float64)
 
 
 def _at(a: np.ndarray, dtype: np.dtype[Any]) -> int:
-    """The data address of a C-contiguous array of `dtype`: what a kernel may read or write."""
+    """The data address of a C-contiguous array of `dtype`: what a kernel may read or write.
+    (An array seen before was checked then: its dtype and layout are its own for life.)"""
+    known = _addresses.get(id(a))
+    if known is not None and known[0]() is a and known[2] is dtype:
+        return known[1]
     if a.dtype != dtype or not a.flags.c_contiguous:
         raise TypeError(f"a kernel takes C-contiguous {dtype.name} arrays, not {a.dtype} {a.shape}")
-    known = _addresses.get(id(a))
-    if known is not None and known[0]() is a:
-        return known[1]
     address = int(a.ctypes.data)
     if len(_addresses) >= _ADDRESSES_MAX:
-        for key, (ref, _) in list(_addresses.items()):
+        for key, (ref, *_) in list(_addresses.items()):
             if ref() is None:
                 _addresses.pop(key, None)
         if len(_addresses) >= _ADDRESSES_MAX:  # all alive: start again rather than grow
             _addresses.clear()
-    _addresses[id(a)] = (weakref.ref(a), address)
+    _addresses[id(a)] = [weakref.ref(a), address, dtype, None]
     return address
+
+
+def _int_sum(a: np.ndarray) -> int:
+    """The sum of an int64 array a kernel was given before (`_at`), taken once: the counts the
+    callers pass are made once and never written."""
+    known = _addresses[id(a)]
+    if known[3] is None:
+        known[3] = int(a.sum())
+    return known[3]
 
 
 def forward_sums(m: np.ndarray, slots: np.ndarray, centre: np.ndarray, half: np.ndarray,
@@ -182,12 +193,12 @@ def gather_sketch(addrs: np.ndarray, offsets: np.ndarray, strides: np.ndarray, k
     """Coordinates `offsets[i] + j * strides[i]`, j < ks[i], of each contiguous float32 CPU
     tensor at `addrs[i]`, one after the other into `out` (float32; the others int64). The caller
     keeps the tensors alive and guarantees each holds at least `offsets[i] + (ks[i] - 1) *
-    strides[i] + 1` values."""
-    n = len(addrs)
-    if len(offsets) != n or len(strides) != n or len(ks) != n or len(out) < int(ks.sum()):
+    strides[i] + 1` values, and never changes `ks` (its sum is checked once)."""
+    n, at_ks = len(addrs), _at(ks, _I64)
+    if len(offsets) != n or len(strides) != n or len(ks) != n or len(out) < _int_sum(ks):
         raise TypeError("gather_sketch: arrays of different lengths, or too short an output")
-    _state["gather_sketch"](_at(addrs, _I64), _at(offsets, _I64), _at(strides, _I64),
-                            _at(ks, _I64), _at(out, _F32), n)
+    _state["gather_sketch"](_at(addrs, _I64), _at(offsets, _I64), _at(strides, _I64), at_ks,
+                            _at(out, _F32), n)
 
 
 def word_sums(addrs: np.ndarray, words: np.ndarray, slots: np.ndarray, out: np.ndarray) -> None:

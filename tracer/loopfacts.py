@@ -68,6 +68,9 @@ class LoopProbe:
         self._groups = -1
         self._held = np.zeros(len(params), dtype=bool)
         self._held_list: list[int] = []
+        # the last `param_has_grad` array seen and what it says of the held parameters: the
+        # parameter probe hands the same read-only array every step in which all have a gradient
+        self._has: tuple[np.ndarray | None, int, bool] = (None, 0, False)
         self._after_step: list[int] | None = None  # gradient versions at the last optimizer step's end
         self._carried: list[bool] | None = None  # per held parameter: carried over at every backward so far
         self.eval_components: dict[str, int] = {}  # component -> first step seen in eval() mode
@@ -112,11 +115,17 @@ class LoopProbe:
         """At optimizer.step: (held parameters whose gradient was never cleared since the last
         step, null when no backward was seen; held parameters with a gradient)."""
         self._refresh_held()
-        with_grad = 0 if param_has_grad is None else int(param_has_grad[self._held].sum())
+        if param_has_grad is None:
+            return (None if self._carried is None else 0), 0
+        if param_has_grad is not self._has[0]:
+            held = param_has_grad[self._held]
+            self._has = (param_has_grad, int(held.sum()), bool(held.all()))
+        _, with_grad, all_held = self._has
         if self._carried is None:
             return None, with_grad
-        has = param_has_grad if param_has_grad is not None else np.zeros(len(self.params), dtype=bool)
-        return sum(c and bool(has[i]) for c, i in zip(self._carried, self._held_list, strict=True)), with_grad
+        if all_held:
+            return sum(self._carried), with_grad
+        return sum(c and bool(param_has_grad[i]) for c, i in zip(self._carried, self._held_list, strict=True)), with_grad
 
     def step_ended(self) -> None:
         """optimizer.step's end: note the gradients it leaves; the next step's facts start."""
@@ -132,4 +141,5 @@ class LoopProbe:
             self._groups = groups
             self._held = held_mask(self.params, self.optimizer)
             self._held_list = np.flatnonzero(self._held).tolist()
+            self._has = (None, 0, False)
             self._carried = None

@@ -121,6 +121,11 @@ class ParamProbe:
         self._no_grad = [local_shard(p).new_zeros(0) for p in self.params]
         self.is_param = np.zeros(self.n, dtype=bool)
         self.is_param[self.param_comp_np] = True
+        # the usual step, every parameter with a gradient, reuses arrays made once (a numpy op
+        # costs the step tens of microseconds, its code cold between the training's ops): they
+        # are shared, so read-only
+        self._every_param = np.ones(len(self.params), dtype=bool)
+        self._every_param.flags.writeable = self.is_param.flags.writeable = False
         # a step's row: the sketch at its first forward and after it, then four per-tensor norm
         # vectors (weights at the first forward, gradients, weights after, gradients at backward end)
         k, n_p = len(self.scale), len(self.params)
@@ -141,9 +146,12 @@ class ParamProbe:
         self._sketch_at = tuple(np.array([(0, 1, n) if spec is None else spec
                                           for spec, n in zip(self._sketch_spec, numels, strict=True)],
                                          dtype=np.int64).reshape(-1, 3).T.copy())
+        for spec in self._sketch_at:
+            spec.flags.writeable = False
         self._np_views = self._views_of(self.rows.numpy()) if self._compiled else []
         self._grad_addrs = np.zeros(n_p, dtype=np.int64)
         self._grad_lens = np.zeros(n_p, dtype=np.int64)
+        self._grad_lists: tuple[list[int], list[int]] = ([0] * n_p, [0] * n_p)  # what those two hold
         # the ids, addresses and lengths of the gradients `_grad_addresses` last checked this step
         self._checked_grads: tuple[list[int], list[int], list[int]] | None = None
         self._scratch = np.zeros(n_p, dtype=np.float32)  # grads_so_far_finite's norms (and a tensor view)
@@ -171,6 +179,12 @@ class ParamProbe:
             self._valid[:, :, _PM[m]] = self.is_param
         for m in ("update_cos", "weight_drift_l2"):
             self._valid[1, :, _PM[m]] = self.is_param
+        # `end`'s validity when every parameter had a gradient: (first step, later), read-only
+        all_grads = self._valid.copy()
+        for m in ("grad_norm_l2", "grad_nonfinite_count"):
+            all_grads[:, :, _PM[m]] = self.is_param
+        all_grads.flags.writeable = False
+        self._valid_all_grads = (all_grads[0], all_grads[1])
         self.begun = False
         self._exact_fwd = True
         self._end_versions: list[int] | None = None  # the parameters' versions at the last end
@@ -325,9 +339,15 @@ class ParamProbe:
                 ns.append(n)
         except (NotImplementedError, TypeError):  # sparse gradients have no contiguity
             return False
-        self._grad_addrs[:] = ptrs
-        self._grad_lens[:] = ns
-        self._grad_lens[self._blas] = 0
+        lens = ns
+        if self._blas_list:  # their norms are BLAS dot products: length 0 in the compiled pass
+            lens = list(ns)
+            for i in self._blas_list:
+                lens[i] = 0
+        if (ptrs, lens) != self._grad_lists:  # new gradients often land where the last ones were
+            self._grad_addrs[:] = ptrs
+            self._grad_lens[:] = lens
+            self._grad_lists = (ptrs, lens)
         self._checked_grads = (ids, ptrs, ns)
         return True
 
@@ -472,15 +492,20 @@ class ParamProbe:
         if not self.begun:
             self.begin()
         raw = [p.grad for p in self.params]
-        has = np.fromiter((g is not None for g in raw), dtype=bool, count=len(raw))
+        every = all(g is not None for g in raw)
+        has = self._every_param if every else np.fromiter((g is not None for g in raw), dtype=bool,
+                                                          count=len(raw))
         self.param_has_grad = has
         self._preclip, self._bad = _NO_PRECLIP, None
         at_bw, self._at_backward = self._at_backward, None
         self.has_grad = None  # set last: a pass that fails leaves the step without gradient norms
-        if not has.any():
+        if not raw or not (every or has.any()):
             return
-        has_grad = np.zeros(self.n, dtype=bool)
-        has_grad[self.param_comp_np[has]] = True
+        if every:
+            has_grad = self.is_param
+        else:
+            has_grad = np.zeros(self.n, dtype=bool)
+            has_grad[self.param_comp_np[has]] = True
         grads = self._grads(raw)
         # always a pass of its own, even when no version counter moved since the backward-end
         # pass: some writes move none (GradScaler's unscale), so copying those norms could be
@@ -506,8 +531,8 @@ class ParamProbe:
     @torch.no_grad()
     def end(self, slot: int) -> tuple[np.ndarray, bool, bool]:
         """optimizer.step post-hook: note the weights after the step; the step's values go to buffer
-        row `slot` at `reduce`. Returns their (C, len(PARAM_METRICS)) validity, and whether the step
-        has a total and a pre-clip gradient norm."""
+        row `slot` at `reduce`. Returns their (C, len(PARAM_METRICS)) validity (read-only: it may
+        be shared with other steps), and whether the step has a total and a pre-clip gradient norm."""
         if not self.params:
             return np.zeros((self.n, len(PARAM_METRICS)), dtype=bool), False, False
         if not self.begun:
@@ -524,10 +549,13 @@ class ParamProbe:
             self.end_sums = self._sums
         self._end_versions = self._weight_versions()
         self._checked_grads = None  # the next step's gradients are checked afresh
-        valid = self._valid[min(self._ends, 1)].copy()
         has_total = self.has_grad is not None
-        if has_total:
-            valid[:, _PM["grad_norm_l2"]] = valid[:, _PM["grad_nonfinite_count"]] = self.has_grad
+        if self.has_grad is self.is_param:  # every parameter had a gradient (read-only)
+            valid = self._valid_all_grads[min(self._ends, 1)]
+        else:
+            valid = self._valid[min(self._ends, 1)].copy()
+            if has_total:
+                valid[:, _PM["grad_norm_l2"]] = valid[:, _PM["grad_nonfinite_count"]] = self.has_grad
         preclip = self._preclip if has_total else _NO_PRECLIP
         self.pending.append(_Step(slot, preclip, self._bad, self._exact_fwd))
         self._ends += 1

@@ -271,7 +271,8 @@ class ForwardProbe:
         self.tainted = False
         # the model output's address and length, and its norm: `end_forward`'s compiled check
         self._check = (np.zeros(1, np.int64), np.zeros(1, np.int64), np.zeros(1, np.float32))
-        self.sampled = np.zeros(self.n, dtype=bool)
+        self._checked = (0, 0)  # what `_check` holds
+        self.sampled = [False] * self.n  # per component: sampled this step (a list: read in every hook)
         self.pending: list[_StepSamples] = []                # finished steps not yet reduced
         # (component, sample, non-finite count) appended by compiled graphs, absorbed at step end
         self.from_graph: list[tuple[int, torch.Tensor, torch.Tensor]] = []
@@ -463,7 +464,9 @@ class ForwardProbe:
             return  # not judged here: held to the step
         if 3 * out.numel() > sum(t.numel() for _, t in self.held):
             return  # as wide as what it would let go: held to the step
-        self._check[0][0], self._check[1][0] = out.data_ptr(), out.numel()
+        at = (out.data_ptr(), out.numel())
+        if at != self._checked:  # the output often lands where the last one was
+            self._check[0][0], self._check[1][0] = self._checked = at
         if kernels.tensor_norms(*self._check):
             self.held.clear()
             self.released = True
@@ -515,7 +518,7 @@ class ForwardProbe:
         self.from_graph.clear()
         self.held.clear()
         self.released = self.unknown = self.tainted = False
-        self.sampled[:] = False
+        self.sampled = [False] * self.n
 
     def compute(self) -> list[tuple[int, torch.Tensor]]:
         """Reduce every queued step: [(first slot, (K, C, len(FORWARD_METRICS)) float64)], K >= 1.

@@ -134,6 +134,8 @@ class Recorder:
         self.step_count = cfg.start_step
         self._first_step = cfg.start_step + 1
         self._static_valid = self._structural_validity()
+        # the last step's validity, shared by the steps like it (`_step_validity`)
+        self._validity: tuple[np.ndarray, np.ndarray, tuple[tuple[bool, ...], bool], np.ndarray] | None = None
         # a long flush interval does not reserve its rows up front: the buffer doubles as it fills
         self.buffer = StepBuffer(self.components, self.device, min(self.flush_every_steps, _BUFFER_ROWS) + 2)
         self._backward_queued = False
@@ -438,7 +440,7 @@ class Recorder:
                 self._absorb_graph_samples()
             if self.step_count == self._first_step:
                 self._settle_components()
-            elif not self._hooks_stopped and self._order and not self.fwd.sampled.any():
+            elif not self._hooks_stopped and self._order and not self.fwd.samples:
                 self._hooks_stopped = True
                 self._warn_once(
                     f"no forward hook fired in step {self.step_count}, though they did before: its "
@@ -479,14 +481,7 @@ class Recorder:
         slot = self.buffer.next_slot()
         self.fwd.settle(None)  # outputs still held: no gradients were seen this step
         pvalid, has_total, has_preclip = self.params.end(slot)
-        valid = self._static_valid.copy()
-        sampled = self.fwd.sampled[:, None]
-        for cols, _ in _FORWARD_RUNS:  # column runs: cheaper than indexing by position lists
-            valid[:, cols] &= sampled
-        if self.fwd.unknown:  # outputs let go uncounted, and the gradients are not finite
-            valid[:, _OUT_NONFINITE] = False
-        for cols, of in _PARAM_RUNS:
-            valid[:, cols] = pvalid[:, of]
+        valid = self._step_validity(pvalid)
         lr = self.optimizer.param_groups[0].get("lr") if self.optimizer else None
         lr_host = None
         if isinstance(lr, torch.Tensor) and lr.device == self.device:
@@ -500,6 +495,27 @@ class Recorder:
             LoopFacts(self.loop.eval_forwards, *self._step_facts, self.loop.rows or None,
                       self.loop.shape)))
         self.fwd.take(slot)
+
+    def _step_validity(self, pvalid: np.ndarray) -> np.ndarray:
+        """The step's (C, M) validity: the structure's, the components sampled, the parameters'
+        (`pvalid`). Read-only: steps alike share one array (a step of a steady run is like the last,
+        and each numpy op here costs the step tens of microseconds, its code cold between the
+        training's ops); a record that loses values later takes a copy."""
+        key = (tuple(self.fwd.sampled), self.fwd.unknown)
+        memo = self._validity
+        if memo is not None and memo[0] is self._static_valid and memo[1] is pvalid and memo[2] == key:
+            return memo[3]
+        valid = self._static_valid.copy()
+        sampled = np.array(self.fwd.sampled)[:, None]
+        for cols, _ in _FORWARD_RUNS:  # column runs: cheaper than indexing by position lists
+            valid[:, cols] &= sampled
+        if self.fwd.unknown:  # outputs let go uncounted, and the gradients are not finite
+            valid[:, _OUT_NONFINITE] = False
+        for cols, of in _PARAM_RUNS:
+            valid[:, cols] = pvalid[:, of]
+        valid.flags.writeable = False
+        self._validity = (self._static_valid, pvalid, key, valid)
+        return valid
 
     def _absorb_graph_samples(self) -> None:
         """Observations made inside compiled graphs join the step's (first call per component)."""
@@ -520,6 +536,7 @@ class Recorder:
             failed = exc
             for r in self.buffer.records:
                 if r.slot in pslots:
+                    r.valid = r.valid.copy()  # shared with other steps (`_step_validity`)
                     r.valid[:, _PARAM_POS] = False
                     r.present = (False, False, r.present[2])
         try:
@@ -529,6 +546,7 @@ class Recorder:
             failed = failed or exc
             for r in self.buffer.records:
                 if r.slot in fslots:
+                    r.valid = r.valid.copy()
                     r.valid[:, _FORWARD_POS] = False
         if failed is not None:
             raise failed

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 from warninglight.tracer import kernels
 
 SIZES = [0, 1, 5, 17, 2047, 2048, 2049, 4097, 131_073]
@@ -112,6 +113,43 @@ def test_forward_sums_equal_numpy_on_a_slice_of_a_wider_buffer(bounded: bool) ->
     np.maximum.at(want_max, slots, np.abs(x).max(0))
     np.testing.assert_array_equal(absmax, want_max)
 
+
+def _eager_sketch_sums(rows: torch.Tensor, k: int, cu: torch.Tensor, cs: torch.Tensor, scale: torch.Tensor,
+                       comp: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The eager ops `kernels.sketch_sums` stands in for (`ParamProbe._sketch_sums`)."""
+    steps = rows.shape[0]
+    f, e = rows[:, :k], rows[:, k:2 * k]
+    updates, drift, prods = torch.empty(steps + 1, k), torch.empty(steps, k), torch.empty(4, steps, k)
+    updates[0] = cu
+    update, prev = updates[1:], updates[:-1]
+    torch.sub(e, f, out=update)
+    torch.sub(f[:1], cs, out=drift[:1])
+    torch.sub(f[1:], e[:-1], out=drift[1:])
+    for i, (a, b) in enumerate(((update, update), (update, prev), (prev, prev), (drift, drift))):
+        torch.mul(a, b, out=prods[i])
+    scaled = torch.empty(k, 4, steps)
+    torch.mul(prods.permute(2, 0, 1), scale[:, None, None], out=scaled)
+    return torch.zeros(n, 4, steps).index_add_(0, comp, scaled), update[-1].clone(), e[-1].clone()
+
+
+def test_the_sketch_arithmetic_equals_the_eager_ops_bit_for_bit() -> None:
+    # three batches of steps, each carrying its last update and sketch to the next; values over
+    # twelve decades, so that a product or a sum taken in another order would show
+    rng = np.random.default_rng(3)
+    k, n, width = 300, 7, 700
+    scale = torch.from_numpy(rng.uniform(1, 50, k).astype(np.float32))
+    comp = torch.from_numpy(np.sort(rng.integers(0, n, k)))
+    cu, cs = torch.zeros(k), torch.from_numpy(rng.standard_normal(k).astype(np.float32))
+    cu_np, cs_np, out = cu.numpy().copy(), cs.numpy().copy(), np.zeros(n * 4 * 8, np.float32)
+    for steps in (8, 3, 8):
+        rows = torch.from_numpy((rng.standard_normal((steps, width)) * 10.0 ** rng.uniform(-6, 6, (steps, width)))
+                                .astype(np.float32))
+        want, cu, cs = _eager_sketch_sums(rows, k, cu, cs, scale, comp, n)
+        kernels.sketch_sums(rows.numpy(), k, steps, cu_np, cs_np, scale.numpy(), comp.numpy(), n, out)
+        assert np.array_equal(out[:n * 4 * steps].reshape(n, 4, steps), want.numpy())
+        assert np.array_equal(cu_np, cu.numpy()) and np.array_equal(cs_np, cs.numpy())
+    with pytest.raises(TypeError, match="wrong size"):  # a component past the sums
+        kernels.sketch_sums(rows.numpy(), k, 8, cu_np, cs_np, scale.numpy(), comp.numpy(), n - 1, out)
 
 def test_a_kernel_refuses_arrays_of_the_wrong_dtype_or_layout() -> None:
     t = np.ones(4, np.float32)

@@ -77,7 +77,8 @@ def test_on_cpu_the_step_reads_what_is_documented(host_reads: dict[str, int], tm
     # compiled and give their finite verdict to Python directly, so no tensor is read, except
     # that where tensors are large enough for BLAS (`params.BLAS_FROM`; lowered here so that
     # this small GPT has some), each pass reads one verdict on their float32 sums; the
-    # parameter rows get one zero-copy numpy view when the recorder is made, and each reduction
+    # parameter rows get one zero-copy numpy view when the recorder is made, and so do the five
+    # other buffers of the sketch arithmetic (`ParamProbe._kernel_views`), and each reduction
     # of a batch of steps' sampled outputs (the GPT's samples all have 16 rows: one group)
     # takes one zero-copy numpy view of CPU memory; the model's output is judged finite by a
     # compiled check, which reads no tensor. Without the compiled kernels: one read per step (is the
@@ -106,7 +107,7 @@ def test_on_cpu_the_step_reads_what_is_documented(host_reads: dict[str, int], tm
         # with BLAS tensors: a verdict per norm pass. (The extra micro-batch's finite check
         # judges held outputs; a forward pass whose output is finite lets them go)
         blas = passes if mode == "compiled-blas" else 0
-        assert host_reads == {**dict.fromkeys(_READS, 0), "numpy": 1 + reductions,
+        assert host_reads == {**dict.fromkeys(_READS, 0), "numpy": 1 + 5 + reductions,
                               **({"__bool__": blas} if blas else {})}
     else:
         assert host_reads == {**dict.fromkeys(_READS, 0),

@@ -478,6 +478,89 @@ exit:
 }
 
 declare void @llvm.memcpy.p0.p0.i64(ptr, ptr, i64, i1)
+
+; the parameters' sketch arithmetic of K steps, in float32 and in the order of the eager ops it
+; replaces (ParamProbe.reduce), so the sums are the same bit for bit: for each coordinate j in
+; turn, and each step s, from the float32 rows of f (the sketch at the step's first forward) and
+; e (after its optimizer step), rs values apart: the update u = e - f, the update before pu (for
+; the first step the carried cu[j]), the drift d = f - (for the first step the carried cs[j], else
+; the step before's e); u*u, u*pu, pu*pu and d*d, each times scale[j], added into
+; out[(comp[j] * 4 + q) * K + s] (zeroed first). Then cu[j] and cs[j] carry the last step's u and e.
+define void @sketch_sums(ptr noalias nocapture readonly %f, ptr noalias nocapture readonly %e, i64 %rs, ptr noalias nocapture %cu, ptr noalias nocapture %cs, ptr noalias nocapture readonly %scale, ptr noalias nocapture readonly %comp, i64 %K, i64 %k, i64 %n, ptr noalias nocapture %out) nounwind {
+entry:
+  %K4 = shl i64 %K, 2
+  %cells = mul i64 %n, %K4
+  %bytes = shl i64 %cells, 2
+  call void @llvm.memset.p0.i64(ptr %out, i8 0, i64 %bytes, i1 false)
+  br label %jhead
+jhead:
+  %j = phi i64 [0, %entry], [%j1, %jtail]
+  %jm = icmp slt i64 %j, %k
+  br i1 %jm, label %jbody, label %exit
+jbody:
+  %cp = getelementptr i64, ptr %comp, i64 %j
+  %c = load i64, ptr %cp
+  %cbase = mul i64 %c, %K4
+  %scp = getelementptr float, ptr %scale, i64 %j
+  %sc = load float, ptr %scp
+  %cup = getelementptr float, ptr %cu, i64 %j
+  %cu0 = load float, ptr %cup
+  %csp = getelementptr float, ptr %cs, i64 %j
+  %cs0 = load float, ptr %csp
+  br label %shead
+shead:
+  %s = phi i64 [0, %jbody], [%s1, %sbody]
+  %pu = phi float [%cu0, %jbody], [%u, %sbody]
+  %pe = phi float [%cs0, %jbody], [%ev, %sbody]
+  %sm = icmp slt i64 %s, %K
+  br i1 %sm, label %sbody, label %jtail
+sbody:
+  %row = mul i64 %s, %rs
+  %at = add i64 %row, %j
+  %fp = getelementptr float, ptr %f, i64 %at
+  %fv = load float, ptr %fp
+  %ep = getelementptr float, ptr %e, i64 %at
+  %ev = load float, ptr %ep
+  %u = fsub float %ev, %fv
+  %d = fsub float %fv, %pe
+  %p0 = fmul float %u, %u
+  %p1 = fmul float %u, %pu
+  %p2 = fmul float %pu, %pu
+  %p3 = fmul float %d, %d
+  %q0 = fmul float %p0, %sc
+  %q1 = fmul float %p1, %sc
+  %q2 = fmul float %p2, %sc
+  %q3 = fmul float %p3, %sc
+  %o0 = add i64 %cbase, %s
+  %o1 = add i64 %o0, %K
+  %o2 = add i64 %o1, %K
+  %o3 = add i64 %o2, %K
+  %a0p = getelementptr float, ptr %out, i64 %o0
+  %a0 = load float, ptr %a0p
+  %a0n = fadd float %a0, %q0
+  store float %a0n, ptr %a0p
+  %a1p = getelementptr float, ptr %out, i64 %o1
+  %a1 = load float, ptr %a1p
+  %a1n = fadd float %a1, %q1
+  store float %a1n, ptr %a1p
+  %a2p = getelementptr float, ptr %out, i64 %o2
+  %a2 = load float, ptr %a2p
+  %a2n = fadd float %a2, %q2
+  store float %a2n, ptr %a2p
+  %a3p = getelementptr float, ptr %out, i64 %o3
+  %a3 = load float, ptr %a3p
+  %a3n = fadd float %a3, %q3
+  store float %a3n, ptr %a3p
+  %s1 = add nuw nsw i64 %s, 1
+  br label %shead
+jtail:
+  store float %pu, ptr %cup
+  store float %pe, ptr %csp
+  %j1 = add nuw nsw i64 %j, 1
+  br label %jhead
+exit:
+  ret void
+}
 """
 
 _I64, _PTR, _I32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int32
@@ -490,4 +573,5 @@ SIGNATURES: dict[str, tuple[Any, tuple[Any, ...]]] = {
     "scaled_norms": (None, (_PTR, _I64, _PTR, _PTR, _I64, ctypes.c_float, _PTR)),
     "forward_sums": (None, (_PTR, _I64, _I64, _I64, _PTR, _PTR, _PTR, _I32, ctypes.c_double, _PTR, _I64, _PTR)),
     "copy_rows1": (None, (_I64, _I64, _I64, _I64, _I64, _I64)),
+    "sketch_sums": (None, (_PTR, _PTR, _I64, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _PTR)),
 }

@@ -69,6 +69,15 @@ def _checked(funcs: dict[str, Any]) -> None:
     funcs["copy_rows1"](src.ctypes.data + 4, 5, dest.ctypes.data, 4, 2, 3)
     if list(dest) != [1, 2, 3, 0, 6, 7, 8]:
         raise RuntimeError("the compiled row copy gave a wrong value")
+    gen = np.random.default_rng(0)
+    rows = gen.standard_normal((3, 7)).astype(_F32)
+    cu, cs = gen.standard_normal(3).astype(_F32), gen.standard_normal(3).astype(_F32)
+    scale, comp = np.array([1.0, 3.0, 0.5], _F32), np.array([1, 1, 0])
+    want = _sketch_sums_reference(rows, 3, cu, cs, scale, comp, 2)
+    sums = np.zeros(24, _F32)
+    sketch_sums(rows, 3, 3, cu, cs, scale, comp, 2, sums)
+    if not np.array_equal(sums.reshape(2, 4, 3), want) or not np.array_equal(cs, rows[-1, 3:6]):
+        raise RuntimeError("the compiled sketch arithmetic gave a wrong value")
     buf, out = np.array([3.0, 4.0, 7.0, 1.0, -2.0], _F32), np.zeros(2, _F32)
     scaled_norms(buf, np.array([0, 3]), np.array([2, 1]), 0.5, out)
     if list(out) != [5.0, 1.0] or list(buf) != [1.5, 2.0, 3.5, 0.5, -1.0]:
@@ -125,7 +134,7 @@ def ready() -> bool:
 # array's life (the recorder never resizes one in place), its dtype and layout, checked then, and
 # for the sketch's counts their sum. Reading these through numpy costs more than some kernels'
 # own work.
-_addresses: dict[int, list[Any]] = {}  # id -> [weak reference, address, dtype, sum or None]
+_addresses: dict[int, list[Any]] = {}  # id -> [weak reference, address, dtype, {stat: value} or None]
 _ADDRESSES_MAX = 4096  # past this many, the entries of arrays that are gone are dropped
 _I64, _F32, _F64 = np.dtype(np.int64), np.dtype(np.float32), np.dtype(np.float64)
 
@@ -149,13 +158,15 @@ def _at(a: np.ndarray, dtype: np.dtype[Any]) -> int:
     return address
 
 
-def _int_sum(a: np.ndarray) -> int:
-    """The sum of an int64 array a kernel was given before (`_at`), taken once: the counts the
-    callers pass are made once and never written."""
+def _int_stat(a: np.ndarray, how: str) -> int:
+    """The sum or max (`how`) of an int64 array a kernel was given before (`_at`), taken once:
+    the counts and indices the callers pass are made once and never written."""
     known = _addresses[id(a)]
     if known[3] is None:
-        known[3] = int(a.sum())
-    return known[3]
+        known[3] = {}
+    if how not in known[3]:
+        known[3][how] = int(getattr(a, how)()) if a.size else 0
+    return known[3][how]
 
 
 def forward_sums(m: np.ndarray, slots: np.ndarray, centre: np.ndarray, half: np.ndarray,
@@ -195,7 +206,7 @@ def gather_sketch(addrs: np.ndarray, offsets: np.ndarray, strides: np.ndarray, k
     keeps the tensors alive and guarantees each holds at least `offsets[i] + (ks[i] - 1) *
     strides[i] + 1` values, and never changes `ks` (its sum is checked once)."""
     n, at_ks = len(addrs), _at(ks, _I64)
-    if len(offsets) != n or len(strides) != n or len(ks) != n or len(out) < _int_sum(ks):
+    if len(offsets) != n or len(strides) != n or len(ks) != n or len(out) < _int_stat(ks, "sum"):
         raise TypeError("gather_sketch: arrays of different lengths, or too short an output")
     _state["gather_sketch"](_at(addrs, _I64), _at(offsets, _I64), _at(strides, _I64), at_ks,
                             _at(out, _F32), n)
@@ -235,6 +246,37 @@ def scaled_norms(buf: np.ndarray, offsets: np.ndarray, lens: np.ndarray, scale: 
         raise TypeError("scaled_norms: a segment outside the buffer, or arrays of different lengths")
     _state["scaled_norms"](_at(buf, _F32), len(buf), _at(offsets, _I64), _at(lens, _I64), n,
                            float(scale), _at(out, _F32))
+
+
+def sketch_sums(rows: np.ndarray, k: int, steps: int, cu: np.ndarray, cs: np.ndarray, scale: np.ndarray,
+                comp: np.ndarray, n: int, out: np.ndarray) -> None:
+    """The parameters' sketch arithmetic of `steps` steps (tracer/jit.py, `sketch_sums`): the rows
+    of `rows` (float32) hold each step's sketch at its first forward in columns [0, k) and after
+    its optimizer step in [k, 2k); `cu` and `cs` (float32, k) the update and the sketch the step
+    before them left, which they then carry on; `scale` (float32, k) each coordinate's scale and
+    `comp` (int64, k, never written) its component, below `n`. Into `out` (float32, at least
+    n * 4 * steps) the sums (n, 4, steps) of the scaled |update|^2, update . update before,
+    |update before|^2 and |drift|^2, the same bit for bit as the eager ops."""
+    at = [_at(rows, _F32), _at(cu, _F32), _at(cs, _F32), _at(scale, _F32), _at(comp, _I64), _at(out, _F32)]
+    if rows.ndim != 2 or rows.shape[0] < steps or rows.shape[1] < 2 * k or len(cu) < k or len(cs) < k \
+            or len(scale) < k or len(comp) < k or len(out) < n * 4 * steps or _int_stat(comp, "max") >= n:
+        raise TypeError("sketch_sums: rows, sketches or sums of the wrong size")
+    _state["sketch_sums"](at[0], at[0] + 4 * k, rows.shape[1], *at[1:5], steps, k, n, at[5])
+
+
+def _sketch_sums_reference(rows: np.ndarray, k: int, cu: np.ndarray, cs: np.ndarray, scale: np.ndarray,
+                           comp: np.ndarray, n: int) -> np.ndarray:
+    """`sketch_sums` by numpy's float32 ops, one coordinate at a time (its known answers)."""
+    f, e = rows[:, :k], rows[:, k:2 * k]
+    out = np.zeros((n, 4, len(rows)), dtype=_F32)
+    for j in range(k):
+        pu, pe = cu[j], cs[j]
+        for s in range(len(rows)):
+            u, d = e[s, j] - f[s, j], f[s, j] - pe
+            for q, p in enumerate((u * u, u * pu, pu * pu, d * d)):
+                out[comp[j], q, s] += p * scale[j]
+            pu, pe = u, e[s, j]
+    return out
 
 
 def row_copier() -> Any:

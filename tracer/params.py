@@ -148,7 +148,9 @@ class ParamProbe:
                                          dtype=np.int64).reshape(-1, 3).T.copy())
         for spec in self._sketch_at:
             spec.flags.writeable = False
-        self._np_views = self._views_of(self.rows.numpy()) if self._compiled else []
+        # the rows as numpy (`_rows_np`, None until the kernels are loaded), and views of them
+        self._rows_np: np.ndarray | None = self.rows.numpy() if self._compiled else None
+        self._np_views = self._views_of(self._rows_np) if self._rows_np is not None else []
         self._grad_addrs = np.zeros(n_p, dtype=np.int64)
         self._grad_lens = np.zeros(n_p, dtype=np.int64)
         self._grad_lists: tuple[list[int], list[int]] = ([0] * n_p, [0] * n_p)  # what those two hold
@@ -173,6 +175,11 @@ class ParamProbe:
         self._scaled = torch.empty(k * 4 * FORWARD_BATCH_STEPS, device=device)  # them, scaled, coordinate-major
         self._carry_sketch = torch.empty(k, device=device)
         self._carry_wnorm: torch.Tensor | None = None  # None: no step reduced yet
+        # CPU, compiled: `reduce`'s sketch sums (n, 4, steps), float32, and numpy views of what the
+        # kernel reads and carries (`_kernel_views`)
+        self._sketch_out = torch.empty(self.n * 4 * FORWARD_BATCH_STEPS, device=device)
+        if self._compiled:
+            self._kernel_views()
         self._ends = 0  # steps ended so far: update cosine and drift need a step before
         self._valid = np.zeros((2, self.n, len(PARAM_METRICS)), dtype=bool)  # [first step, later]
         for m in ("weight_norm_l2", "update_norm_l2", "update_ratio"):
@@ -245,13 +252,22 @@ class ParamProbe:
                 self._views.append(p.reshape(-1)[idx])
                 self._gathered.append((i, idx))
 
+    def _kernel_views(self) -> None:
+        """numpy views of the tensors `reduce`'s compiled arithmetic reads and writes besides the
+        rows (`_rows_np`), taken again whenever one of them is made anew."""
+        self._carry_np = (self._work[0, 0].numpy(), self._carry_sketch.numpy())
+        self._scale_np, self._comp_np = self.scale.numpy(), self.coord_comp.numpy()
+        self._sketch_out_np = self._sketch_out.numpy()
+
     def _take_compiled(self) -> None:
         """The kernels are loaded: the compiled passes from now on. Called at a step's end,
         before its weights are read: drift compares a step's first-forward weight norms with the
         last step's end's, and those two then come from the same kind of pass."""
         self._may_compile = False
         self._compiled = True
-        self._np_views = self._views_of(self.rows.numpy())
+        self._rows_np = self.rows.numpy()
+        self._np_views = self._views_of(self._rows_np)
+        self._kernel_views()
         self._compiled_grads = self._dot["grads"]
         self.refresh()
 
@@ -285,7 +301,8 @@ class ParamProbe:
             self.rows = torch.cat([self.rows, torch.zeros_like(self.rows)])
             self._row_views = self._views_of(self.rows)
             if self._compiled:
-                self._np_views = self._views_of(self.rows.numpy())
+                self._rows_np = self.rows.numpy()
+                self._np_views = self._views_of(self._rows_np)
         return j
 
     def _row(self) -> _Row:
@@ -580,24 +597,53 @@ class ParamProbe:
             2, self.param_comp, norms * norms).sqrt()
         fwd_norm, wnorm = comp[:, 0], comp[:, 2]
         if self._work.shape[1] <= k:  # more steps queued than the step buffer first held
-            self._work = torch.empty(2, k + 1, self._work.shape[2], device=self.device)
+            work = torch.empty(2, k + 1, self._work.shape[2], device=self.device)
+            work[0, 0].copy_(self._work[0, 0])  # the update carried from the last batch
+            self._work = work
             self._prods = torch.empty(4, k, self._work.shape[2], device=self.device)
             self._scaled = torch.empty(self._work.shape[2] * 4 * k, device=self.device)
-        updates, drift, prods = self._work[0, :k + 1], self._work[1, :k], self._prods[:, :k]
-        update, prev_update = updates[1:], updates[:-1]
-        torch.sub(sketch, fwd_sketch, out=update)
+            self._sketch_out = torch.empty(n * 4 * k, device=self.device)
+            if self._compiled:
+                self._kernel_views()
         if self._carry_wnorm is None:  # the first step: no update or weights before it (null values)
-            updates[0].copy_(update[0])
+            torch.sub(sketch[0], fwd_sketch[0], out=self._work[0, 0])
             self._carry_sketch.copy_(fwd_sketch[0])
             self._carry_wnorm = fwd_norm[0]
         prev_wnorm = torch.cat([self._carry_wnorm[None], wnorm[:-1]])
         if not all(s.exact_fwd for s in steps):  # no norms taken: the weights the last step left
             exact = to_device(np.array([s.exact_fwd for s in steps]), self.device)
             fwd_norm = torch.where(exact[:, None], fwd_norm, prev_wnorm)
+        sums = self._sketch_sums(fwd_sketch, sketch, k, n)
+        unorm = sums[:, 0].sqrt()
+        zero = torch.zeros(n, dtype=torch.float64, device=self.device)
+        cols = {"grad_norm_l2": comp[:, 1],
+                "grad_nonfinite_count": torch.stack([zero if s.bad is None else s.bad for s in steps]),
+                "weight_norm_l2": wnorm, "update_norm_l2": unorm, "update_ratio": unorm / wnorm,
+                "update_cos": sums[:, 1] / (unorm * sums[:, 2].sqrt()),
+                "weight_drift_l2": torch.maximum(sums[:, 3].sqrt(), (fwd_norm - prev_wnorm).abs())}
+        self._carry_wnorm = wnorm[-1]
+        total = rows[:, self._grad_n].double().square().sum(1).sqrt()
+        preclip = total
+        if any(s.preclip == _AT_BACKWARD for s in steps):
+            at_bw = to_device(np.array([s.preclip == _AT_BACKWARD for s in steps]), self.device)
+            preclip = torch.where(at_bw, rows[:, self._pre_n].double().square().sum(1).sqrt(), total)
+        block = torch.stack([cols[m] for m in PARAM_METRICS], 2)
+        return [s.slot for s in steps], block, total, preclip
+
+    def _sketch_sums(self, fwd_sketch: torch.Tensor, sketch: torch.Tensor, k: int, n: int) -> torch.Tensor:
+        """Per step and component, (k, 4, C), the sums of the scaled sketch products: |update|^2,
+        update . previous update, |previous update|^2, |drift|^2; the last step's update and
+        sketch are carried to the next batch. On the CPU, once the kernels are loaded, one
+        compiled pass (`kernels.sketch_sums`) gives the eager ops' sums bit for bit."""
+        if self._rows_np is not None:
+            kernels.sketch_sums(self._rows_np, len(self._scale_np), k, *self._carry_np, self._scale_np,
+                                self._comp_np, n, self._sketch_out_np)
+            return self._sketch_out[:n * 4 * k].view(n, 4, k).permute(2, 1, 0)
+        updates, drift, prods = self._work[0, :k + 1], self._work[1, :k], self._prods[:, :k]
+        update, prev_update = updates[1:], updates[:-1]
+        torch.sub(sketch, fwd_sketch, out=update)
         torch.sub(fwd_sketch[:1], self._carry_sketch, out=drift[:1])
         torch.sub(fwd_sketch[1:], sketch[:-1], out=drift[1:])
-        # per component, the sums of scaled sketch products: |update|^2, update . previous update,
-        # |previous update|^2, |drift|^2
         for i, (a, b) in enumerate(((update, update), (update, prev_update), (prev_update, prev_update),
                                     (drift, drift))):
             torch.mul(a, b, out=prods[i])
@@ -608,20 +654,6 @@ class ParamProbe:
         # one index_add_ over the coordinates for all four and every step: each component's sums
         # add its coordinates in the same order as one index_add_ per product did
         sums = torch.zeros(n, 4, k, device=self.device).index_add_(0, self.coord_comp, scaled).permute(2, 1, 0)
-        unorm = sums[:, 0].sqrt()
-        zero = torch.zeros(n, dtype=torch.float64, device=self.device)
-        cols = {"grad_norm_l2": comp[:, 1],
-                "grad_nonfinite_count": torch.stack([zero if s.bad is None else s.bad for s in steps]),
-                "weight_norm_l2": wnorm, "update_norm_l2": unorm, "update_ratio": unorm / wnorm,
-                "update_cos": sums[:, 1] / (unorm * sums[:, 2].sqrt()),
-                "weight_drift_l2": torch.maximum(sums[:, 3].sqrt(), (fwd_norm - prev_wnorm).abs())}
         updates[0].copy_(update[-1])
         self._carry_sketch.copy_(sketch[-1])
-        self._carry_wnorm = wnorm[-1]
-        total = rows[:, self._grad_n].double().square().sum(1).sqrt()
-        preclip = total
-        if any(s.preclip == _AT_BACKWARD for s in steps):
-            at_bw = to_device(np.array([s.preclip == _AT_BACKWARD for s in steps]), self.device)
-            preclip = torch.where(at_bw, rows[:, self._pre_n].double().square().sum(1).sqrt(), total)
-        block = torch.stack([cols[m] for m in PARAM_METRICS], 2)
-        return [s.slot for s in steps], block, total, preclip
+        return sums

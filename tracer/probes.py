@@ -542,10 +542,12 @@ class ForwardProbe:
     def _reduce(self, steps: list[_StepSamples]) -> torch.Tensor:
         k, n = len(steps), self.n
         nan = torch.full((k, n), math.nan, dtype=torch.float64, device=self.device)
-        bad = [s.bad if s.bad is not None else torch.zeros(n, dtype=torch.float64, device=self.device)
-               for s in steps]
         cols = dict.fromkeys(FORWARD_METRICS, nan)
-        cols["out_nonfinite_count"] = torch.stack(bad)
+        if all(s.bad is None for s in steps):  # nothing counted: one op, not one a step
+            cols["out_nonfinite_count"] = torch.zeros((k, n), dtype=torch.float64, device=self.device)
+        else:
+            zero = torch.zeros(n, dtype=torch.float64, device=self.device)
+            cols["out_nonfinite_count"] = torch.stack([zero if s.bad is None else s.bad for s in steps])
         if steps[0].samples:
             cols.update(self._sample_stats(steps))
             cols.update(self._head_stats(steps))

@@ -32,6 +32,13 @@ def _block_squares(values: str, then: str) -> str:
 """
 
 
+def _add_to(array: str, at: str, value: str, name: str) -> str:
+    """The float32 `value` added into element `at` of the float32 `array` (its IR values named
+    `name`, `name`p and `name`n)."""
+    return (f"  {name}p = getelementptr float, ptr {array}, i64 {at}\n  {name} = load float, ptr {name}p\n"
+            f"  {name}n = fadd float {name}, {value}\n  store float {name}n, ptr {name}p\n")
+
+
 def _block_bounds(end: str) -> str:
     """The blocked kernels' block head: %bend, the end of the block of 2048 values (L1-sized)
     that starts at %b0, no further than `end`; then on to %squares (`_block_squares`)."""
@@ -535,23 +542,7 @@ sbody:
   %o1 = add i64 %o0, %K
   %o2 = add i64 %o1, %K
   %o3 = add i64 %o2, %K
-  %a0p = getelementptr float, ptr %out, i64 %o0
-  %a0 = load float, ptr %a0p
-  %a0n = fadd float %a0, %q0
-  store float %a0n, ptr %a0p
-  %a1p = getelementptr float, ptr %out, i64 %o1
-  %a1 = load float, ptr %a1p
-  %a1n = fadd float %a1, %q1
-  store float %a1n, ptr %a1p
-  %a2p = getelementptr float, ptr %out, i64 %o2
-  %a2 = load float, ptr %a2p
-  %a2n = fadd float %a2, %q2
-  store float %a2n, ptr %a2p
-  %a3p = getelementptr float, ptr %out, i64 %o3
-  %a3 = load float, ptr %a3p
-  %a3n = fadd float %a3, %q3
-  store float %a3n, ptr %a3p
-  %s1 = add nuw nsw i64 %s, 1
+""" + "".join(_add_to("%out", f"%o{q}", f"%q{q}", f"%a{q}") for q in range(4)) + r"""  %s1 = add nuw nsw i64 %s, 1
   br label %shead
 jtail:
   store float %pu, ptr %cup

@@ -122,8 +122,8 @@ class ParamProbe:
         self.is_param = np.zeros(self.n, dtype=bool)
         self.is_param[self.param_comp_np] = True
         # the usual step, every parameter with a gradient, reuses arrays made once (a numpy op
-        # costs the step tens of microseconds, its code cold between the training's ops): they
-        # are shared, so read-only
+        # costs the step far more than it costs in a loop, its code cold between the training's
+        # ops): they are shared, so read-only
         self._every_param = np.ones(len(self.params), dtype=bool)
         self._every_param.flags.writeable = self.is_param.flags.writeable = False
         # a step's row: the sketch at its first forward and after it, then four per-tensor norm

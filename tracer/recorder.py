@@ -499,7 +499,7 @@ class Recorder:
     def _step_validity(self, pvalid: np.ndarray) -> np.ndarray:
         """The step's (C, M) validity: the structure's, the components sampled, the parameters'
         (`pvalid`). Read-only: steps alike share one array (a step of a steady run is like the last,
-        and each numpy op here costs the step tens of microseconds, its code cold between the
+        and each numpy op here costs the step far more than in a loop, its code cold between the
         training's ops); a record that loses values later takes a copy."""
         key = (tuple(self.fwd.sampled), self.fwd.unknown)
         memo = self._validity

@@ -151,6 +151,7 @@ def test_the_sketch_arithmetic_equals_the_eager_ops_bit_for_bit() -> None:
     with pytest.raises(TypeError, match="wrong size"):  # a component past the sums
         kernels.sketch_sums(rows.numpy(), k, 8, cu_np, cs_np, scale.numpy(), comp.numpy(), n - 1, out)
 
+
 def test_a_kernel_refuses_arrays_of_the_wrong_dtype_or_layout() -> None:
     t = np.ones(4, np.float32)
     with pytest.raises(TypeError, match="int64"):

@@ -368,7 +368,6 @@ def test_compiled_parameter_passes_record_what_the_eager_ones_do(
         assert math.isfinite(some) and some != 0  # there are values to compare
 
 
-
 def test_a_failed_reduction_nulls_its_own_steps_only(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # steps alike share one read-only validity array; the steps whose values a failed reduction
     # lost take a copy to null, so the steps before and after them keep theirs
@@ -399,6 +398,7 @@ def test_a_failed_reduction_nulls_its_own_steps_only(tmp_path: Path, monkeypatch
     assert calls[0] > 2 and 0 < len(lost) <= params.FORWARD_BATCH_STEPS
     assert lost == list(range(lost[0], lost[0] + len(lost))) and lost[0] > 1 and lost[-1] < 30
     assert all(rms[(s, "2")] is not None for s in range(1, 31))  # the forward statistics stay
+
 
 def test_a_large_frozen_parameter_costs_no_read_in_the_gradient_pass(tmp_path: Path,
                                                                       monkeypatch: pytest.MonkeyPatch) -> None:

@@ -132,8 +132,8 @@ def ready() -> bool:
 
 # what the wrappers know of each array they have seen: its data address, which stays put for the
 # array's life (the recorder never resizes one in place), its dtype and layout, checked then, and
-# for the sketch's counts their sum. Reading these through numpy costs more than some kernels'
-# own work.
+# for the counts and indices the callers never write, their sum or max (`_int_stat`). Reading
+# these through numpy costs more than some kernels' own work.
 _addresses: dict[int, list[Any]] = {}  # id -> [weak reference, address, dtype, {stat: value} or None]
 _ADDRESSES_MAX = 4096  # past this many, the entries of arrays that are gone are dropped
 _I64, _F32, _F64 = np.dtype(np.int64), np.dtype(np.float32), np.dtype(np.float64)

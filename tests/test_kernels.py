@@ -163,3 +163,25 @@ def test_a_kernel_refuses_arrays_of_the_wrong_dtype_or_layout() -> None:
                              np.ones(2, np.float32), True, 0.0, np.zeros((7, 1)), np.zeros(1, np.float32))
     with pytest.raises(TypeError, match="slot"):
         kernels.word_sums(np.array([t.ctypes.data]), np.array([4]), np.array([3]), np.zeros(2, np.int64))
+
+
+def test_a_count_is_read_again_when_the_address_cache_started_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    # the cache of arrays the kernels have seen starts again when it is full of live arrays; an
+    # array whose count or max is then asked for (the sketch's components, checked after the
+    # last array of the call is registered) is registered again, not a KeyError
+    monkeypatch.setattr(kernels, "_addresses", {})
+    monkeypatch.setattr(kernels, "_ADDRESSES_MAX", 16)
+    rng = np.random.default_rng(5)
+    k, n, steps = 40, 3, 2
+    rows = rng.standard_normal((steps, 2 * k)).astype(np.float32)
+    cu, cs = np.zeros(k, np.float32), rng.standard_normal(k).astype(np.float32)
+    scale, comp = np.ones(k, np.float32), np.sort(rng.integers(0, n, k))
+    want = np.zeros(n * 4 * steps, np.float32)
+    kernels.sketch_sums(rows, k, steps, cu.copy(), cs.copy(), scale, comp.copy(), n, want)
+    kernels._addresses.clear()
+    others = [np.zeros(1, np.float32) for _ in range(16 - 5)]  # live: the clear keeps nothing
+    for a in others:
+        kernels._at(a, kernels._F32)
+    out, comp2 = np.zeros(n * 4 * steps, np.float32), comp.copy()
+    kernels.sketch_sums(rows, k, steps, cu.copy(), cs.copy(), scale, comp2, n, out)  # `out` fills it
+    assert np.array_equal(out, want) and len(kernels._addresses) == 2

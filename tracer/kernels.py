@@ -160,8 +160,12 @@ def _at(a: np.ndarray, dtype: np.dtype[Any]) -> int:
 
 def _int_stat(a: np.ndarray, how: str) -> int:
     """The sum or max (`how`) of an int64 array a kernel was given before (`_at`), taken once:
-    the counts and indices the callers pass are made once and never written."""
-    known = _addresses[id(a)]
+    the counts and indices the callers pass are made once and never written. (Its entry may be
+    gone since: a later `_at` that found the cache full of live arrays started it again.)"""
+    known = _addresses.get(id(a))
+    if known is None or known[0]() is not a:
+        _at(a, _I64)
+        known = _addresses[id(a)]
     if known[3] is None:
         known[3] = {}
     if how not in known[3]:

@@ -400,6 +400,42 @@ def test_a_failed_reduction_nulls_its_own_steps_only(tmp_path: Path, monkeypatch
     assert all(rms[(s, "2")] is not None for s in range(1, 31))  # the forward statistics stay
 
 
+def test_the_step_after_a_failed_reduction_starts_the_chain_again(tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    # the update cosine and the drift compare a step with the one before it, which a failed
+    # reduction lost: the next step has neither, as a run's first step, and no false drift
+    # (nothing writes these weights outside the optimizer: every drift is 0)
+    torch.manual_seed(0)
+    model = zoo.mlp(hidden=12, depth=2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sketch_sums, calls = params.ParamProbe._sketch_sums, [0]
+
+    def fails_once(self, *args):  # type: ignore[no-untyped-def]
+        calls[0] += 1
+        if calls[0] == 2:
+            raise RuntimeError("injected")
+        return sketch_sums(self, *args)
+    monkeypatch.setattr(params.ParamProbe, "_sketch_sums", fails_once)
+    batches = zoo.batches(*zoo.teacher_classification(256), 32)
+    with pytest.warns(RuntimeWarning, match="probe failed.*injected"), \
+            watch(model, opt, tmp_path, flush_every_steps=100) as rec:
+        for _, (_, x, y) in zip(range(30), batches, strict=False):
+            loss = F.cross_entropy(model(x), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            rec.log(loss=loss)
+    grad, cos, drift = (health(tmp_path, m) for m in ("grad_norm_l2", "update_cos", "weight_drift_l2"))
+    comps = sorted(c for s, c in grad if s == 1 and grad[(s, c)] is not None)
+    lost = [s for s in range(1, 31) if grad[(s, comps[0])] is None]
+    assert comps and lost and lost[-1] < 29
+    after = lost[-1] + 1
+    for c in comps:
+        assert cos[(after, c)] is None and drift[(after, c)] is None, c
+        assert all(cos[(s, c)] is not None for s in range(after + 1, 31)), c
+        assert {drift[(s, c)] for s in range(2, 31) if drift[(s, c)] is not None} == {0.0}, c
+
+
 def test_a_large_frozen_parameter_costs_no_read_in_the_gradient_pass(tmp_path: Path,
                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     # on the CPU a tensor of BLAS size has its norm taken by a dot product, whose float32 sum is

@@ -584,10 +584,20 @@ class ParamProbe:
         """The queued steps' values, computed together: (their buffer rows, (K, C, len(PARAM_METRICS))
         block, (K,) float64 total gradient norms, (K,) pre-clip totals); None if none are queued.
 
-        Values of rows the validity marks null are arbitrary (a step without gradients)."""
+        Values of rows the validity marks null are arbitrary (a step without gradients). If it
+        fails, the steps are lost, and with them the update and the weights that the next step's
+        update cosine and drift compare with: that step starts again as a run's first step does
+        (neither value; its weight norms at the first forward taken exactly)."""
         steps, self.pending = self.pending, []
         if not steps:
             return None
+        try:
+            return self._reduce(steps)
+        except BaseException:
+            self._carry_wnorm, self._ends = None, 0
+            raise
+
+    def _reduce(self, steps: list[_Step]) -> tuple[list[int], torch.Tensor, torch.Tensor, torch.Tensor]:
         k, n = len(steps), self.n
         rows = self.rows[:k]
         fwd_sketch, sketch = rows[:, self._fwd_sketch], rows[:, self._end_sketch]

@@ -265,6 +265,49 @@ def test_gradient_accumulation_and_eval_passes(tmp_path: Path) -> None:
     assert steps == [(s, 3, 48) for s in range(1, 5)]
 
 
+def test_a_copy_of_the_watched_model_is_not_watched(tmp_path: Path) -> None:
+    # an EMA or a weight average is made by copy.deepcopy of the model, hooks and all: the copy
+    # runs (in training mode, and in eval mode as a teacher), the optimizer is copied too, and
+    # the trace is the one a run without copies writes
+    import copy
+
+    kernels.available()  # both runs take the compiled passes from their first step
+
+    def run(path: Path, copies: bool) -> list[tuple]:
+        torch.manual_seed(0)
+        model = zoo.mlp()
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        data = zoo.batches(*zoo.teacher_classification(512), 32)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # no warning of the recorder's
+            with watch(model, opt, path) as rec:
+                ema = avg = None
+                for step in range(12):
+                    _, xb, yb = next(data)
+                    loss = F.cross_entropy(model(xb), yb)
+                    loss.backward()
+                    opt.step()
+                    opt.zero_grad()
+                    rec.log(loss=loss)
+                    if copies and step == 2:
+                        ema, avg = copy.deepcopy(model), torch.optim.swa_utils.AveragedModel(model)
+                        copy.deepcopy(opt).step()
+                    if ema is not None and avg is not None:
+                        ema.eval()
+                        with torch.no_grad():  # a teacher's pass, in the middle of training
+                            ema(xb)
+                        ema.train()
+                        F.cross_entropy(ema(xb), yb).backward()  # a copy trained on its own
+                        avg.update_parameters(model)
+        return read(path, "health", "select step, component, grad_norm_l2, weight_norm_l2, out_rms "
+                    "from t order by step, component")
+
+    plain, copied = run(tmp_path / "plain", False), run(tmp_path / "copied", True)
+    assert len(plain) == 12 * len({c for _, c, *_ in plain}) and copied == plain
+    events = read(tmp_path / "copied", "events", "select kind from t where kind in ('warning', 'finding')")
+    assert events == []
+
+
 def test_grad_scaler_norms_are_the_unscaled_ones(tmp_path: Path) -> None:
     def run(scaler: torch.amp.GradScaler | None, path: Path) -> list[float]:
         torch.manual_seed(0)

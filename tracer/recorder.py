@@ -269,6 +269,12 @@ class Recorder:
     def __enter__(self) -> Recorder:
         return self
 
+    def __deepcopy__(self, memo: dict[int, Any]) -> Recorder:
+        """A deep copy of the watched model (an EMA, a weight average) takes its hooks, and with
+        them this recorder, as they are: the hooks see that the module they run for is not the
+        watched one, and do nothing. (A copied optimizer has no hooks: torch copies none.)"""
+        return self
+
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
         self.close("exception" if exc_type is not None else "normal")
@@ -298,7 +304,8 @@ class Recorder:
         return not self._closed and module.training and torch.is_grad_enabled()
 
     def _root_pre_hook(self, module: nn.Module, args: Any, kwargs: Any) -> None:
-        if torch.compiler.is_compiling() or self._closed or not torch.is_grad_enabled():
+        if (module is not self.model or torch.compiler.is_compiling() or self._closed
+                or not torch.is_grad_enabled()):  # a copy of the model (`__deepcopy__`): not watched
             return
         self.loop.forward(module.training, args, kwargs)  # eval() mode too: a fact of its own
         if not module.training:
@@ -315,7 +322,8 @@ class Recorder:
     def _root_hook(self, module: nn.Module, args: Any, out: Any) -> None:
         """End of the forward pass: take the samples the hooks left, and arrange calls at the start
         (gradient clearing) and the end (pre-clip norms) of the backward pass through this output."""
-        if torch.compiler.is_compiling() or self._closed or not torch.is_grad_enabled():
+        if (module is not self.model or torch.compiler.is_compiling() or self._closed
+                or not torch.is_grad_enabled()):
             return
         t = first_tensor(out)
         self._noting = False
@@ -367,9 +375,11 @@ class Recorder:
                 self._probe_failed(exc)
 
     def _make_hook(self, comp: Any) -> Any:
-        idx, noted, notable = comp.index, self.fwd.noted, self.fwd.notable()
+        idx, noted, notable, own = comp.index, self.fwd.noted, self.fwd.notable(), comp.module
 
         def hook(module: nn.Module, args: Any, out: Any) -> None:
+            if module is not own:  # a copy of the model (`__deepcopy__`): not watched
+                return
             # within a watched forward pass on CPU (`_noting`), a component whose output nothing
             # writes in place: its output noted, observed at the pass's end (`ForwardProbe.drain`)
             if (self._noting and type(out) is torch.Tensor and idx in notable and module.training

@@ -308,6 +308,50 @@ def test_a_copy_of_the_watched_model_is_not_watched(tmp_path: Path) -> None:
     assert events == []
 
 
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_activation_checkpointing_changes_nothing_in_the_trace(tmp_path: Path, reentrant: bool) -> None:
+    # a checkpointed block runs its forward again inside the backward pass, hooks and all: that
+    # is no forward call of the step (a NaN in it was counted twice)
+    from torch.utils.checkpoint import checkpoint
+
+    class Net(torch.nn.Module):
+        def __init__(self, checkpointed: bool) -> None:
+            super().__init__()
+            self.block = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh())
+            self.head = torch.nn.Linear(16, 4)
+            self.checkpointed = checkpointed
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = checkpoint(self.block, x, use_reentrant=reentrant) if self.checkpointed else self.block(x)
+            return self.head(h)
+
+    kernels.available()
+
+    def run(path: Path, checkpointed: bool) -> list[tuple]:
+        torch.manual_seed(0)
+        model = Net(checkpointed)
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        with watch(model, opt, path):
+            for step in range(6):
+                x = torch.randn(32, 8, requires_grad=reentrant)
+                if step == 3:
+                    x.data[0, 0] = float("nan")  # a NaN through every component of row 0
+                model(x).sum().backward()
+                opt.step()
+                opt.zero_grad()
+        return read(path, "health", "select step, component, out_nonfinite_count, out_rms, grad_norm_l2 "
+                    "from t order by step, component")
+
+    plain, checkpointed = run(tmp_path / "plain", False), run(tmp_path / "ckpt", True)
+    counts = {(s, c): n for s, c, n, *_ in plain if s == 4}
+    assert counts == {(4, "block.0"): 16, (4, "block.1"): 16, (4, "head"): 4}
+    assert _nan_as_none(checkpointed) == _nan_as_none(plain)
+
+
+def _nan_as_none(rows: list[tuple]) -> list[tuple]:
+    return [tuple(None if isinstance(v, float) and math.isnan(v) else v for v in r) for r in rows]
+
+
 def test_grad_scaler_norms_are_the_unscaled_ones(tmp_path: Path) -> None:
     def run(scaler: torch.amp.GradScaler | None, path: Path) -> list[float]:
         torch.manual_seed(0)

@@ -97,6 +97,16 @@ _FIRST_FLUSH_S = 5.0
 _BUFFER_ROWS = 256
 
 
+def _graph_task() -> int:
+    """The id of the backward pass this thread is running, -1 outside one (always -1 where
+    torch does not say). A checkpointed module runs its forward again inside the backward pass,
+    hooks and all: no new forward call of the step."""
+    return -1
+
+
+_graph_task = getattr(torch._C, "_current_graph_task_id", _graph_task)
+
+
 class Recorder:
     """Hooks on a model (and its optimizer) that write a health trace; see `watch`."""
 
@@ -376,6 +386,7 @@ class Recorder:
 
     def _make_hook(self, comp: Any) -> Any:
         idx, noted, notable, own = comp.index, self.fwd.noted, self.fwd.notable(), comp.module
+        fwd = self.fwd
 
         def hook(module: nn.Module, args: Any, out: Any) -> None:
             if module is not own:  # a copy of the model (`__deepcopy__`): not watched
@@ -392,7 +403,9 @@ class Recorder:
                 if self._in_graph and self._recording(module):
                     self.fwd.observe_in_graph(comp, out)
                 return
-            if not self._recording(module):
+            # (a checkpointed module's forward run again in the backward pass: observed there
+            # only if its first run was not, under a reentrant checkpoint's no_grad)
+            if not self._recording(module) or (fwd.sampled[idx] and _graph_task() != -1):
                 if (not module.training and self.model.training and not self._closed
                         and torch.is_grad_enabled()):
                     self._component_in_eval(comp)

@@ -238,10 +238,48 @@ def test_micro_batches_let_go_uncounted_never_give_a_partial_count(
     if micro == (None, None):
         assert set(exact.values()) == {0}
     else:
-        # the hidden infinities counted; a NaN output counted once the gradients are not finite
+        # the hidden infinities counted; without the kernels the model's output is not checked,
+        # so its NaN (whose gradient, of a sum, is finite) is counted only once the gradients
+        # are not finite
         assert exact[(1, "lin")] == 8 and exact[(1, "head")] == (8 if micro[0] == "hidden" else 0)
-    expected = {**exact, (1, "lin"): None, (1, "head"): None} if micro[0] == "hidden" else exact
+    if micro[0] == "hidden":  # let go uncounted, then NaN gradients: unknown
+        expected = {**exact, (1, "lin"): None, (1, "head"): None}
+    elif micro[0] == "output":  # a non-finite model output, checked: counted whatever the gradients
+        expected = {**exact, (1, "head"): 8}
+    else:
+        expected = exact
     assert counts[True] == expected
+
+
+def test_a_non_finite_model_output_with_finite_gradients_is_counted(tmp_path: Path) -> None:
+    # masked logits: the model's own output holds -inf where an action is invalid, and the loss
+    # and the gradients stay finite; the infinities are counted, not taken as none
+    kernels.available()
+
+    class Policy(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.body, self.head = torch.nn.Linear(8, 16), torch.nn.Linear(16, 6)
+            self.temperature = torch.nn.Parameter(torch.tensor(1.0))  # the root is a component
+
+        def forward(self, x: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+            return (self.head(torch.tanh(self.body(x))) / self.temperature).masked_fill(~valid, -math.inf)
+
+    torch.manual_seed(0)
+    model = Policy()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with watch(model, opt, tmp_path):
+        for step in (1, 2, 3):
+            valid = torch.ones(32, 6, dtype=torch.bool)
+            valid[:, 4:] = step != 2  # two actions invalid in step 2
+            F.cross_entropy(model(torch.randn(32, 8), valid), torch.randint(0, 4, (32,))).backward()
+            assert all(torch.isfinite(p.grad).all() for p in model.parameters())
+            opt.step()
+            opt.zero_grad()
+    counts = dict(((s, c), n) for s, c, n in read(
+        tmp_path, "health", "select step, component, out_nonfinite_count from t"))
+    assert [counts[(s, "")] for s in (1, 2, 3)] == [0, 64, 0]
+    assert [counts[(2, c)] for c in ("body", "head")] == [0, 0]
 
 
 def test_gradient_accumulation_and_eval_passes(tmp_path: Path) -> None:

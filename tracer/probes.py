@@ -478,9 +478,11 @@ class ForwardProbe:
 
     def settle(self, grads_finite: bool | None) -> None:
         """Count non-finite values in the held outputs unless the gradients are all finite
-        (`grads_finite`; None: there are none), then let them go. Outputs let go uncounted
-        earlier make the step's counts unknown if gradients exist and are not all finite."""
-        if grads_finite is not True:
+        (`grads_finite`; None: there are none) and no forward pass of the step had a non-finite
+        output (`tainted`: a NaN there need not reach the gradients, as in masked logits), then
+        let them go. Outputs let go uncounted earlier make the step's counts unknown if
+        gradients exist and are not all finite."""
+        if grads_finite is not True or self.tainted:
             for idx, t in self.held:
                 t = t.detach()
                 if not math.isfinite(float(t.sum())):  # one pass; the exact count only if needed

@@ -7,6 +7,7 @@ import math
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import duckdb
@@ -434,6 +435,44 @@ def test_the_step_after_a_failed_reduction_starts_the_chain_again(tmp_path: Path
         assert cos[(after, c)] is None and drift[(after, c)] is None, c
         assert all(cos[(s, c)] is not None for s in range(after + 1, 31)), c
         assert {drift[(s, c)] for s in range(2, 31) if drift[(s, c)] is not None} == {0.0}, c
+
+
+@pytest.mark.parametrize("compiled", [True, False])
+def test_an_optimizer_that_puts_new_tensors_under_the_parameters_is_read_at_its_step(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, compiled: bool) -> None:
+    # an optimizer whose step sets `p.data` to a new tensor: the weights after the step are the
+    # new tensors, read at that step (not the old ones, a step late), and nothing wrote them
+    # outside the optimizer (no drift)
+    from warninglight.tracer import kernels
+
+    if compiled:
+        kernels.available()
+    else:
+        monkeypatch.setattr(kernels, "ready", lambda: False)
+
+    class NewTensors(torch.optim.Optimizer):
+        def __init__(self, ps: Iterator[torch.nn.Parameter]) -> None:
+            super().__init__(ps, {"lr": 0.1})
+
+        @torch.no_grad()
+        def step(self, closure: None = None) -> None:  # type: ignore[override]
+            for group in self.param_groups:
+                for p in group["params"]:
+                    p.data = p.data - group["lr"] * p.grad
+
+    torch.manual_seed(0)
+    model = zoo.mlp(hidden=12, depth=2)
+    opt = NewTensors(model.parameters())
+    batches, norms = zoo.batches(*zoo.teacher_classification(256), 32), []
+    with watch(model, opt, tmp_path, full_precision=True):
+        for _, (_, x, y) in zip(range(10), batches, strict=False):
+            F.cross_entropy(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+            norms.append(_norm64(torch.cat([model[0].weight.flatten(), model[0].bias]).detach()))
+    weight, drift = health(tmp_path, "weight_norm_l2"), health(tmp_path, "weight_drift_l2")
+    assert [weight[(s, "0")] for s in range(1, 11)] == pytest.approx(norms, rel=1e-6)
+    assert {drift[(s, "0")] for s in range(2, 11)} == {0.0}
 
 
 def test_a_large_frozen_parameter_costs_no_read_in_the_gradient_pass(tmp_path: Path,

@@ -274,8 +274,9 @@ class ParamProbe:
     def _weight_memory(self) -> np.ndarray | None:
         """The weights' addresses for the compiled passes, if they still hold their memory
         (else the views are taken again; None: the eager ops read them). Checked once per hook:
-        its sketch and norms read the same answer."""
-        if self._weight_addrs is not None and [p.data_ptr() for p in self._flat] != self._weight_ptrs:
+        its sketch and norms read the same answer. Read through the parameters themselves: an
+        optimizer that puts a new tensor under one (`p.data = ...`) leaves the views on the old."""
+        if not self._sharded and [p.data_ptr() for p in self.params] != self._weight_ptrs:
             self.refresh()
         if self._lost_weights:
             self._refuse_lost_weights()

@@ -230,3 +230,61 @@ def test_local_norms_read_in_grad_refuse_a_gradient_freed_in_place(monkeypatch: 
     with pytest.raises(RuntimeError, match="lost its storage"):
         probe.backward_ending()
     assert probe._at_backward is None
+
+
+class _Branchy(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.br, self.head = torch.nn.Linear(16, 16), torch.nn.Linear(16, 16), torch.nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor, branch: bool) -> torch.Tensor:
+        h = self.a(x)
+        return self.head(h + self.br(h) if branch else h)
+
+
+def _branch_on_one_rank(rank: int, port: int, root: str, bucket_view: bool) -> None:
+    """Rank 1 of 2 skips the `br` branch in even steps (DDP with find_unused_parameters)."""
+    import os
+
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    kernels.available()
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    try:
+        torch.manual_seed(0)
+        model = torch.nn.parallel.DistributedDataParallel(
+            _Branchy(), find_unused_parameters=True, gradient_as_bucket_view=bucket_view)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        gen = torch.Generator().manual_seed(rank)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # find_unused_parameters' own note on used parameters
+            with watch(model, opt, root):
+                for step in range(1, 5):
+                    model(torch.randn(8, 16, generator=gen), rank == 0 or step % 2 == 1).sum().backward()
+                    opt.step()
+                    opt.zero_grad()
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("bucket_view", [False, True])
+def test_a_branch_one_rank_skips_is_all_reduced_with_a_local_norm_of_zero(tmp_path: Path,
+                                                                          bucket_view: bool) -> None:
+    # DDP (find_unused_parameters) all-reduces the branch rank 1 did not run and writes its
+    # gradient there, where there was none: rank 1's contribution was 0, whether its local
+    # gradients are read in `.grad` or in the communication hook
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_branch_on_one_rank, args=(port, str(tmp_path), bucket_view), nprocs=2, join=True)
+    rows = duckdb.sql(f"""select step, local_grad_norm_l2, grad_allreduced
+        from read_parquet('{schema.segment_glob(tmp_path, "replicas")}', hive_partitioning = true)
+        where rank = 1 and component = 'br' order by step""").fetchall()
+    assert [(s, a) for s, _, a in rows] == [(s, True) for s in range(1, 5)]
+    assert [n == 0.0 for _, n, _ in rows] == [False, True, False, True]

@@ -234,7 +234,9 @@ class ReplicaProbe:
         if taken is None or self.closed:
             return
         idx, sq, seen = taken
-        reduced = [b is not None and (g := p.grad) is not None and (id(g), g._version) != b
+        # a gradient where there was none: DDP all-reduced a parameter this rank did not use
+        # (find_unused_parameters), whose local contribution was 0
+        reduced = [(g := p.grad) is not None and (b is None or (id(g), g._version) != b)
                    for p, b in zip(self.params, seen, strict=True)]
         if not any(reduced):
             return

@@ -282,6 +282,43 @@ def test_a_non_finite_model_output_with_finite_gradients_is_counted(tmp_path: Pa
     assert [counts[(2, c)] for c in ("body", "head")] == [0, 0]
 
 
+@pytest.mark.parametrize("compiled", [True, False])
+def test_a_root_output_written_in_place_after_the_forward_has_no_statistics(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, compiled: bool) -> None:
+    # a root module that owns a parameter is a component whose hook runs after the forward's
+    # end. The compiled path copies its sample in the hook; the eager ops defer the copy to the
+    # step's end, and an output written in place before then has lost the values the hook saw:
+    # that step's statistics of it are null, never the zeros of a copy that was not made
+    if compiled:
+        kernels.available()
+    else:
+        monkeypatch.setattr(kernels, "ready", lambda: False)
+
+    class Scaled(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = torch.nn.Linear(8, 4)
+            self.scale = torch.nn.Parameter(torch.tensor(2.0))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.lin(x) * self.scale
+
+    torch.manual_seed(0)
+    model = Scaled()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with watch(model, opt, tmp_path, full_precision=True):
+        for step in range(1, 7):
+            out = model(torch.randn(32, 8) + 3)
+            if step == 5:
+                out.clamp_(min=-100)  # in place, after the forward
+            out.pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+    rms = dict(((s, c), v) for s, c, v in read(tmp_path, "health", "select step, component, out_rms from t"))
+    assert [rms[(s, "")] is None for s in range(1, 7)] == [False] * 4 + [not compiled, False]
+    assert all(rms[(s, "")] > 0.5 for s in range(1, 7) if rms[(s, "")] is not None)  # values, not zeros
+
+
 def test_gradient_accumulation_and_eval_passes(tmp_path: Path) -> None:
     torch.manual_seed(0)
     model = zoo.mlp()

@@ -502,6 +502,10 @@ class Recorder:
         """The step's record into the buffer (its values reach it at `_reduce_pending`); queue its
         samples."""
         slot = self.buffer.next_slot()
+        # copies left for the step's end first (a hook that ran after the forward's end): a copy
+        # lost to an in-place write makes its component unsampled, which the validity must see,
+        # and the outputs it held are settled with the others
+        self.fwd.copy_deferred()
         self.fwd.settle(None)  # outputs still held: no gradients were seen this step
         pvalid, has_total, has_preclip = self.params.end(slot)
         valid = self._step_validity(pvalid)

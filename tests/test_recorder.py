@@ -319,6 +319,32 @@ def test_a_root_output_written_in_place_after_the_forward_has_no_statistics(
     assert all(rms[(s, "")] > 0.5 for s in range(1, 7) if rms[(s, "")] is not None)  # values, not zeros
 
 
+@pytest.mark.parametrize("compiled", [True, False])
+def test_two_forward_passes_before_one_backward_count_the_first_ones_nan(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, compiled: bool) -> None:
+    # a siamese loss: two forward passes, then one backward pass. The first pass's outputs are
+    # not judged by gradients no backward pass of theirs made (the last step's, zeroed)
+    if compiled:
+        kernels.available()
+    else:
+        monkeypatch.setattr(kernels, "ready", lambda: False)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with watch(model, opt, tmp_path):
+        for step in range(1, 4):
+            x1, x2 = torch.randn(32, 8), torch.randn(32, 8)
+            if step == 3:
+                x1[0, 0] = math.nan  # row 0 of every output of the first pass
+            ((model(x1) - model(x2)) ** 2).mean().backward()
+            opt.step()
+            opt.zero_grad(set_to_none=False)
+    counts = dict(((s, c), n) for s, c, n in read(
+        tmp_path, "health", "select step, component, out_nonfinite_count from t"))
+    assert [counts[(3, c)] for c in ("0", "1", "2")] == [16, 16, 4]
+    assert {counts[(s, c)] for s in (1, 2) for c in ("0", "1", "2")} == {0}
+
+
 def test_gradient_accumulation_and_eval_passes(tmp_path: Path) -> None:
     torch.manual_seed(0)
     model = zoo.mlp()

@@ -149,6 +149,7 @@ class Recorder:
         # a long flush interval does not reserve its rows up front: the buffer doubles as it fills
         self.buffer = StepBuffer(self.components, self.device, min(self.flush_every_steps, _BUFFER_ROWS) + 2)
         self._backward_queued = False
+        self._backward_seen = False  # a backward pass ended since the last training forward began
         self._in_step = False
         self._micro_batches = 0
         self._order = 0
@@ -324,10 +325,12 @@ class Recorder:
         self._noting = self.fwd.device.type == "cpu"
         try:
             self._begin_step()
-            if self.fwd.held:  # another micro-batch: judge the previous one by its gradients
-                self.fwd.settle(self.params.grads_so_far_finite())
+            if self.fwd.held:  # another micro-batch: judge the previous one by its gradients, if
+                # a backward pass made them since (two forward passes, then one backward: not yet)
+                self.fwd.settle(self.params.grads_so_far_finite() if self._backward_seen else None)
         except Exception as exc:
             self._probe_failed(exc)
+        self._backward_seen = False
 
     def _root_hook(self, module: nn.Module, args: Any, out: Any) -> None:
         """End of the forward pass: take the samples the hooks left, and arrange calls at the start
@@ -371,7 +374,7 @@ class Recorder:
             self._after_backward()
 
     def _after_backward(self) -> None:
-        self._backward_queued = False
+        self._backward_queued, self._backward_seen = False, True
         if self._closed:
             return
         try:

@@ -86,14 +86,16 @@ _NOTES = """\
   recorder) a forward pass whose own output (the model's first output tensor) is finite lets
   its components' outputs go uncounted at its end; once one of a step's forward passes has a
   non-finite output, its outputs and those of the step's later micro-batches are held until
-  the gradients exist and counted if they are not all finite. So a NaN/Inf that reaches the
-  model's output and the gradients is counted exactly in every component; one that reaches
-  neither the gradients nor the model's output is not counted; and when the gradients are not
+  the gradients exist and counted (if they are not all finite, or if the model's output was
+  seen not finite: masked logits hold -inf with finite gradients). So a NaN/Inf that reaches
+  the model's output is counted exactly in every component; one that reaches neither the
+  gradients nor the model's output is not counted; and when the gradients are not
   finite while a forward pass of the step let its outputs go (a NaN that starts in the loss or
   the backward pass, or an overflow masked out of the output whose backward makes NaN), the
   step's `out_nonfinite_count` is **null** in every component — unknown, never a false or
-  partial count. Without the compiled kernels, or for an output that is not a contiguous float32 tensor, the
-  outputs are held to the step.
+  partial count. Without the compiled kernels, for a model output that is not a contiguous
+  float32 tensor, or one over a third of the values held, the model's output is not checked:
+  the outputs are held to the step and counted if the gradients are not all finite.
 - **Gradients** are read in `optimizer.step()`'s pre-hook, after `GradScaler.step` unscaled
   them, and summed over micro-batches as PyTorch accumulates them.
 - **Sketch.** Update norm, ratio and cosine use a fixed random set of up to `sketch_size`
@@ -127,7 +129,9 @@ _NOTES = """\
   read as they are.
 - **Nulls** mean "not applicable": parameter metrics for activations, saturation for unbounded
   components, prediction metrics for non-heads, update cosine and drift on an incarnation's
-  first step, output metrics for a component not called in a step. NaN means the value itself
+  first step and on the first step after steps whose parameter statistics the recorder lost (a
+  fault of its own, reported as a `warning` event), output metrics for a component not called in a
+  step. NaN means the value itself
   was not finite (or undefined: `update_cos` when either update is exactly zero).
 
 ## Durability

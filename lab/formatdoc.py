@@ -95,7 +95,10 @@ _NOTES = """\
   step's `out_nonfinite_count` is **null** in every component — unknown, never a false or
   partial count. Without the compiled kernels, for a model output that is not a contiguous
   float32 tensor, or one over a third of the values held, the model's output is not checked:
-  the outputs are held to the step and counted if the gradients are not all finite.
+  the outputs are held to the step and counted if the gradients are not all finite. A held
+  output is counted as it stands when counted: where a later in-place op wrote it (an
+  `nn.ReLU(inplace=True)` after a layer turns -inf into 0), the layer's count misses the values
+  that op made finite; the in-place op's own component counts its output exactly.
 - **Gradients** are read in `optimizer.step()`'s pre-hook, after `GradScaler.step` unscaled
   them, and summed over micro-batches as PyTorch accumulates them.
 - **Sketch.** Update norm, ratio and cosine use a fixed random set of up to `sketch_size`

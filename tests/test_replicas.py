@@ -288,3 +288,52 @@ def test_a_branch_one_rank_skips_is_all_reduced_with_a_local_norm_of_zero(tmp_pa
         where rank = 1 and component = 'br' order by step""").fetchall()
     assert [(s, a) for s, _, a in rows] == [(s, True) for s in range(1, 5)]
     assert [n == 0.0 for _, n, _ in rows] == [False, True, False, True]
+
+
+def _weights_with_and_without(rank: int, world: int, port: int, root: str, set_to_none: bool) -> None:
+    """Train the same DDP model (gradient_as_bucket_view) plain and watched; save whether this
+    rank's final weights are the same bits."""
+    import os
+
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    kernels.available()
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        finals = []
+        for watched in (False, True):
+            torch.manual_seed(0)
+            net = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8))
+            model = torch.nn.parallel.DistributedDataParallel(net, gradient_as_bucket_view=True)
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            gen = torch.Generator().manual_seed(rank)
+            rec = watch(model, opt, f"{root}/trace-{watched}") if watched else None
+            for _ in range(6):
+                opt.zero_grad(set_to_none=set_to_none)
+                F.mse_loss(model(torch.randn(32, 16, generator=gen)), torch.randn(32, 8, generator=gen)).backward()
+                opt.step()
+            if rec is not None:
+                rec.close()
+            finals.append([p.detach().clone() for p in net.parameters()])
+        same = all(torch.equal(a.view(torch.int32), b.view(torch.int32)) for a, b in zip(*finals, strict=True))
+        Path(root, f"same-{rank}").write_text(str(same))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("set_to_none", [False, True])
+def test_training_with_bucket_views_and_three_ranks_is_bit_identical(tmp_path: Path, set_to_none: bool) -> None:
+    # with gradient_as_bucket_view DDP divides a gradient that is already a view of its bucket by
+    # the world size, and multiplies one it copies by 1 / size; at 3 ranks the two differ in the
+    # last bit, and the recorder's communication hook must do what DDP does
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_weights_with_and_without, args=(3, port, str(tmp_path), set_to_none), nprocs=3, join=True)
+    assert [Path(tmp_path, f"same-{r}").read_text() for r in range(3)] == ["True"] * 3

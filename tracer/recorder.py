@@ -354,6 +354,8 @@ class Recorder:
             self._backward_queued = True
             try:  # before any gradient of this pass accumulates: were the last step's cleared?
                 self.loop.backward_begins(self.params.backward_versions)
+                if self.replicas is not None:
+                    self.replicas.backward_begins()
             except Exception as exc:
                 self._probe_failed(exc)
             torch.autograd.Variable._execution_engine.queue_callback(self._backward_ending)

@@ -36,8 +36,9 @@ records, per parameter-owning component and step:
   gradients are views of the buckets (`gradient_as_bucket_view=True`) they are read in a
   communication hook instead, which sees each bucket of local gradients once, just before it
   calls the same all-reduce DDP runs without a hook (on the CPU, in the one compiled pass that
-  also scales the bucket by 1 / world size, as DDP does). Given the module inside a DDP, the DDP
-  found running it at the first training forward is the one read.
+  also scales the bucket by 1 / world size, as DDP does; where 1 / world size is not a power of
+  two, each gradient scaled as DDP would, divided if it was a view of the bucket already). Given
+  the module inside a DDP, the DDP found running it at the first training forward is the one read.
 - `grad_allreduced`: whether DDP all-reduced this component's gradients in this step (read in
   `.grad`: DDP copied new values into one of its gradients after the backward pass; in the
   hook: one of its buckets came through); false on every component means the step trained
@@ -81,6 +82,11 @@ def grad_values(g: torch.Tensor) -> torch.Tensor:
     """A gradient's values: a sparse one (`nn.Embedding(sparse=True)`) as its coalesced values,
     which have its norm and its non-finite count; a dense one as it is."""
     return g.coalesce().values() if g.is_sparse else g
+
+
+def _exact_reciprocal(n: int) -> bool:
+    """Is 1 / n a power of two (n one), so that x * (1 / n) is x / n, bit for bit?"""
+    return n > 0 and n & (n - 1) == 0
 
 
 def local_shard(p: torch.Tensor) -> torch.Tensor:
@@ -148,6 +154,9 @@ class ReplicaProbe:
         self._layouts: dict[tuple[int, ...], _BucketLayout] = {}
         self.param_comp_np = np.array([c for c, _ in owned], dtype=np.int64)
         self._turns = self._rotation(owned)
+        # where each parameter's gradient was as the backward pass began (`backward_begins`),
+        # kept for a communication hook that scales a bucket as DDP would (`_scale_as_ddp`)
+        self._grads_at_begin: dict[int, int] = {}
         # parameters whose version counters and addresses say whether PyTorch saw them written
         self._watched = [i for i, (c, _) in enumerate(owned) if not self.sharded[c]]
         self._at_end: tuple[list[int], list[int]] | None = None  # (versions, addresses) at the last end
@@ -193,6 +202,12 @@ class ReplicaProbe:
             self._ddp = model
             return None
         return self._install_comm_hook(model)
+
+    def backward_begins(self) -> None:
+        """The start of a backward pass, before any gradient of it accumulates: where each
+        gradient is, if the communication hook may have to scale as DDP does (`_scale_as_ddp`)."""
+        if self.hook_note is None and self._ddp is None and not _exact_reciprocal(self.world_size):
+            self._grads_at_begin = {id(p): g.data_ptr() for p in self.params if (g := p.grad) is not None}
 
     def backward_ending(self) -> None:
         """The first callback at the end of a backward pass, before DDP's (`_read_local_from`):
@@ -278,16 +293,37 @@ class ReplicaProbe:
         # summing all-reduce), so training is bit-identical with and without the recorder. On the
         # CPU the local norms are read in the pass that scales the bucket (`_observe_bucket`)
         size = group.size() if group is not None else torch.distributed.get_world_size()
+        exact = _exact_reciprocal(size)
         self._scaled = False
         if not self.closed:
             try:
-                self._observe_bucket(bucket, buffer, 1.0 / size)
+                self._observe_bucket(bucket, buffer, 1.0 / size if exact else 1.0)
             except Exception:  # never break the all-reduce; the step's local norms stay null
                 self._buckets.pop(bucket.index(), None)
-        if not self._scaled:
+        if not exact:
+            self._scale_as_ddp(bucket, buffer, size)
+        elif not self._scaled:
             buffer.mul_(1.0 / size)
         work = torch.distributed.all_reduce(buffer, group=group, async_op=True)
         return work.get_future().then(lambda fut: fut.value()[0])
+
+    def _scale_as_ddp(self, bucket: Any, buffer: torch.Tensor, size: int) -> None:
+        """Scale a bucket's gradients by 1 / `size` as DDP without a hook does: it divides a
+        gradient that was already a view of the bucket as the backward pass began (by
+        `size`), and multiplies one it copied in (by 1 / `size`). Where 1 / `size` is not a
+        power of two, the two differ in the last bit. (Gradients that are not views of the
+        buffer: the buffer is multiplied, as before.)"""
+        at_begin, grads = self._grads_at_begin, bucket.gradients()
+        lo = buffer.data_ptr()
+        hi = lo + buffer.numel() * buffer.element_size()
+        if not all(lo <= g.data_ptr() < hi for g in grads if g.numel()):
+            buffer.mul_(1.0 / size)
+            return
+        for p, g in zip(bucket.parameters(), grads, strict=True):
+            if at_begin.get(id(p)) == g.data_ptr():
+                g.div_(size)
+            else:
+                g.mul_(1.0 / size)
 
     def _observe_bucket(self, bucket: Any, buffer: torch.Tensor, scale: float) -> None:
         """Per-component sum of squares of this bucket's local gradients (kept until the step

@@ -369,12 +369,26 @@ def test_compiled_parameter_passes_record_what_the_eager_ones_do(
         assert math.isfinite(some) and some != 0  # there are values to compare
 
 
-def test_a_failed_reduction_nulls_its_own_steps_only(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    # steps alike share one read-only validity array; the steps whose values a failed reduction
-    # lost take a copy to null, so the steps before and after them keep theirs
+def _thirty_steps_one_failing(trace: Path) -> None:
+    """30 steps of a small MLP under the recorder, one of whose reductions the caller made fail
+    (the failure is reported as a probe's)."""
     torch.manual_seed(0)
     model = zoo.mlp(hidden=12, depth=2)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    batches = zoo.batches(*zoo.teacher_classification(256), 32)
+    with pytest.warns(RuntimeWarning, match="probe failed.*injected"), \
+            watch(model, opt, trace, flush_every_steps=100) as rec:
+        for _, (_, x, y) in zip(range(30), batches, strict=False):
+            loss = F.cross_entropy(model(x), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            rec.log(loss=loss)
+
+
+def test_a_failed_reduction_nulls_its_own_steps_only(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # steps alike share one read-only validity array; the steps whose values a failed reduction
+    # lost take a copy to null, so the steps before and after them keep theirs
     reduce, calls = params.ParamProbe.reduce, [0]
 
     def fails_once(self: params.ParamProbe):  # type: ignore[no-untyped-def]
@@ -384,15 +398,7 @@ def test_a_failed_reduction_nulls_its_own_steps_only(tmp_path: Path, monkeypatch
             raise RuntimeError("injected")
         return reduce(self)
     monkeypatch.setattr(params.ParamProbe, "reduce", fails_once)
-    batches = zoo.batches(*zoo.teacher_classification(256), 32)
-    with pytest.warns(RuntimeWarning, match="probe failed.*injected"), \
-            watch(model, opt, tmp_path, flush_every_steps=100) as rec:
-        for _, (_, x, y) in zip(range(30), batches, strict=False):
-            loss = F.cross_entropy(model(x), y)
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            rec.log(loss=loss)
+    _thirty_steps_one_failing(tmp_path)
     grad, rms = health(tmp_path, "grad_norm_l2"), health(tmp_path, "out_rms")
     lost = [s for s in range(1, 31) if grad[(s, "2")] is None]
     # the second batch of steps reduced together (a flush cuts one short), none other
@@ -406,9 +412,6 @@ def test_the_step_after_a_failed_reduction_starts_the_chain_again(tmp_path: Path
     # the update cosine and the drift compare a step with the one before it, which a failed
     # reduction lost: the next step has neither, as a run's first step, and no false drift
     # (nothing writes these weights outside the optimizer: every drift is 0)
-    torch.manual_seed(0)
-    model = zoo.mlp(hidden=12, depth=2)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
     sketch_sums, calls = params.ParamProbe._sketch_sums, [0]
 
     def fails_once(self, *args):  # type: ignore[no-untyped-def]
@@ -417,15 +420,7 @@ def test_the_step_after_a_failed_reduction_starts_the_chain_again(tmp_path: Path
             raise RuntimeError("injected")
         return sketch_sums(self, *args)
     monkeypatch.setattr(params.ParamProbe, "_sketch_sums", fails_once)
-    batches = zoo.batches(*zoo.teacher_classification(256), 32)
-    with pytest.warns(RuntimeWarning, match="probe failed.*injected"), \
-            watch(model, opt, tmp_path, flush_every_steps=100) as rec:
-        for _, (_, x, y) in zip(range(30), batches, strict=False):
-            loss = F.cross_entropy(model(x), y)
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            rec.log(loss=loss)
+    _thirty_steps_one_failing(tmp_path)
     grad, cos, drift = (health(tmp_path, m) for m in ("grad_norm_l2", "update_cos", "weight_drift_l2"))
     comps = sorted(c for s, c in grad if s == 1 and grad[(s, c)] is not None)
     lost = [s for s in range(1, 31) if grad[(s, comps[0])] is None]

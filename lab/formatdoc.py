@@ -156,9 +156,12 @@ waits for it (normally not at all; `flush_wait_s` in the manifest sums the waits
 and past that drops the new segment's steps and counts them rather than hold unwritten steps in
 memory. A SIGKILL therefore loses the open segment and at most the one segment being written;
 `close()`, leaving the `with` block, SIGTERM (the handler chains to any previous one, then the
-default action ends the process) and interpreter exit flush everything. Any write error drops
-that segment's steps, counts them in `dropped_steps` and warns once; training is never
-interrupted. Temporary files left by a kill are not segments and readers ignore them.
+default action ends the process; one that arrives while the recorder ends a step or flushes
+closes it once that is done) and interpreter exit flush everything. A KeyboardInterrupt raised
+inside the recorder leaves the values it had not filled null, never another step's. Any write
+error drops that segment's steps, counts them in `dropped_steps` and warns once (a manifest
+that fails to follow a committed segment drops none); training is never interrupted.
+Temporary files left by a kill are not segments and readers ignore them.
 """
 
 

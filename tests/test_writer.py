@@ -361,3 +361,116 @@ def test_an_exception_in_the_loop_is_recorded_as_the_stop_reason(tmp_path: Path)
         raise KeyError("data loader failed")
     assert query(tmp_path, "select step, detail from events where kind = 'stop'") == [(1, "exception")]
     assert json.loads(schema.manifest_path(tmp_path, 0).read_text())["incarnations"][0]["status"] == "exception"
+
+
+def _values(trace: Path) -> dict[tuple[int, str], tuple]:
+    glob = schema.segment_glob(trace, "health")
+    rows = duckdb.sql(f"select step, component, grad_norm_l2, weight_norm_l2, out_rms from read_parquet('{glob}')")
+    return {(s, c): rest for s, c, *rest in rows.fetchall()}
+
+
+def _train_until(trace: Path, steps: int, **options: object) -> None:
+    """`steps` steps of a small MLP under the recorder (flushing every 5), same weights and batches
+    every call; a KeyboardInterrupt raised inside the recorder ends the loop as it would a user's."""
+    from warninglight.tracer import kernels
+
+    kernels.available()
+    torch.manual_seed(0)
+    model = zoo.mlp(hidden=12, depth=2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    batches = zoo.batches(*zoo.teacher_classification(256), 32)
+    with watch(model, opt, trace, flush_every_steps=5, **options) as rec:
+        for _, (_, x, y) in zip(range(steps), batches, strict=False):
+            loss = F.cross_entropy(model(x), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            rec.log(loss=loss)
+
+
+@pytest.mark.parametrize("where", ["params", "forward", "segment", "record"])
+def test_an_interrupt_inside_the_recorder_writes_no_wrong_value(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                where: str) -> None:
+    # Ctrl-C raises KeyboardInterrupt wherever the training thread is, the recorder included:
+    # the steps it was reducing, taking out of the buffer or recording are written right or
+    # null, never with another step's values, and none goes missing uncounted
+    from warninglight.tracer import buffer, params, probes
+
+    _train_until(tmp_path / "reference", 24)
+    reference = _values(tmp_path / "reference")
+    targets = {"params": (params.ParamProbe, "_reduce"), "forward": (probes.ForwardProbe, "_reduce"),
+               "segment": (buffer.StepBuffer, "take_segment"), "record": (probes.ForwardProbe, "take")}
+    owner, name = targets[where]
+    original, calls, at = getattr(owner, name), [0], 13 if where == "record" else 3
+
+    def interrupted(*args, **kwargs):  # type: ignore[no-untyped-def]
+        calls[0] += 1
+        if calls[0] == at:
+            raise KeyboardInterrupt
+        return original(*args, **kwargs)
+    monkeypatch.setattr(owner, name, interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        _train_until(tmp_path / "interrupted", 24)
+    got = _values(tmp_path / "interrupted")
+    steps = sorted({s for s, _ in got})
+    assert steps == list(range(1, steps[-1] + 1)) and steps[-1] >= 8
+    for key, values in got.items():
+        assert all(v is None or v == r for v, r in zip(values, reference[key], strict=True)), key
+    assert any(v is not None for values in got.values() for v in values)
+
+
+@pytest.mark.parametrize("where", ["reduction", "segment"])
+def test_a_sigterm_handled_inside_a_flush_closes_after_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                          where: str) -> None:
+    # the SIGTERM handler runs on the training thread between two of its bytecodes, in the
+    # middle of the recorder's own flush too: the recorder closes once the flush is done, so the
+    # rows it was filling are written filled, and the steps it was taking out of the buffer stay
+    from warninglight.tracer import buffer, params, recorder
+
+    _train_until(tmp_path / "reference", 24)
+    reference = _values(tmp_path / "reference")
+    made, calls = [], [0]
+    init = recorder.Recorder.__init__
+
+    def keep(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        init(self, *args, **kwargs)
+        self._prev_sigterm = lambda *_: None  # the loop's own handler: training goes on
+        made.append(self)
+    monkeypatch.setattr(recorder.Recorder, "__init__", keep)
+    owner, name = (params.ParamProbe, "reduce") if where == "reduction" else (buffer.StepBuffer, "take_segment")
+    original = getattr(owner, name)
+
+    def signalled(*args, **kwargs):  # type: ignore[no-untyped-def]
+        out = original(*args, **kwargs)
+        calls[0] += 1
+        if calls[0] == 2:
+            made[0]._on_sigterm(signal.SIGTERM, None)  # as if delivered right here
+        return out
+    monkeypatch.setattr(owner, name, signalled)
+    _train_until(tmp_path / "signalled", 24)
+    got = _values(tmp_path / "signalled")
+    steps = sorted({s for s, _ in got})
+    assert made[0]._closed and steps == list(range(1, steps[-1] + 1)) and 5 <= steps[-1] < 24
+    assert all(values == reference[key] for key, values in got.items())
+
+
+def test_a_manifest_that_fails_to_follow_a_committed_segment_drops_no_step(tmp_path: Path,
+                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    # the segment is committed before the manifest is rewritten: a failed manifest write is
+    # reported, and counts no step of that segment as dropped
+    from warninglight.tracer import writer
+
+    write, calls = writer.TraceWriter._write_manifest, [0]
+
+    def fails_once(self):  # type: ignore[no-untyped-def]
+        calls[0] += 1
+        if calls[0] == 3:
+            raise OSError("read-only for a moment")
+        return write(self)
+    monkeypatch.setattr(writer.TraceWriter, "_write_manifest", fails_once)
+    with pytest.warns(RuntimeWarning, match="read-only for a moment"):
+        _train_until(tmp_path, 24)
+    manifest = json.loads(schema.manifest_path(tmp_path, 0).read_text())
+    entry = manifest["incarnations"][-1]
+    assert calls[0] > 3 and entry["dropped_steps"] == 0 and entry["steps_recorded"] == 24
+    assert sorted({s for s, _ in _values(tmp_path)}) == list(range(1, 25))

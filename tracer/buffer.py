@@ -98,12 +98,13 @@ class StepBuffer:
     def take_segment(self, final: bool) -> Segment:
         """The finished steps as a segment (all steps when `final`: the last may still get logs).
 
-        Its host values are filled in by `Segment.finish`, on the writer thread.
+        Its host values are filled in by `Segment.finish`, on the writer thread. The buffer
+        gives the steps up only once the segment holds them: an interrupt on the way
+        (KeyboardInterrupt) leaves them in it.
         """
         recs = self.records if final else self.records[:-1]
-        self.records = [] if final else self.records[-1:]
-        logs = [self._logs.pop(r.step, {}) for r in recs]
-        batches = [self._batches.pop(r.step, None) for r in recs]
+        logs = [self._logs.get(r.step, {}) for r in recs]
+        batches = [self._batches.get(r.step) for r in recs]
         n = len(recs)
         assert all(r.slot == i for i, r in enumerate(recs)), "step rows out of order"
         transfer = _Transfer(self.device)
@@ -112,23 +113,27 @@ class StepBuffer:
         log_vals = [[transfer.value(v) for v in vs] for step_logs in logs for vs in step_logs.values()]
         id_vals = [[transfer.ids(c) for c in chunks] if chunks else None for chunks in batches]
         fetch = transfer.start()
+        events = {c.name: [e.get(c.name) for e in self.events] for c in schema.EVENT_COLUMNS}
+        tables: dict[str, dict[str, list[Any]]] = {"events": events}
+        if not self._components_written:
+            tables["components"] = component_rows(self.components)
+        steps = np.asarray([r.step for r in recs], dtype=np.int64)
+        valid = np.stack([r.valid for r in recs]) if recs else np.zeros(
+            (0, len(self.components), len(schema.HEALTH_METRICS)), dtype=bool)
+        seg = Segment(steps, [c.name for c in self.components], np.zeros(valid.shape), valid, tables)
+        names = [list(step_logs) for step_logs in logs]
+        # the segment holds the steps: the buffer gives them up
+        self.records = [] if final else self.records[-1:]
+        for r in recs:
+            self._logs.pop(r.step, None)
+            self._batches.pop(r.step, None)
+        self.events, self._components_written = [], True
         if self.records:  # the kept step moves to row 0 (after the copy above, in stream order)
             kept = self.records[0]
             if kept.slot != 0:
                 self.stats[0].copy_(self.stats[kept.slot])
                 self.scalars[0].copy_(self.scalars[kept.slot])
                 kept.slot = 0
-        events = {c.name: [e.get(c.name) for e in self.events] for c in schema.EVENT_COLUMNS}
-        self.events = []
-        tables: dict[str, dict[str, list[Any]]] = {"events": events}
-        if not self._components_written:
-            tables["components"] = component_rows(self.components)
-            self._components_written = True
-        steps = np.asarray([r.step for r in recs], dtype=np.int64)
-        valid = np.stack([r.valid for r in recs]) if recs else np.zeros(
-            (0, len(self.components), len(schema.HEALTH_METRICS)), dtype=bool)
-        seg = Segment(steps, [c.name for c in self.components], np.zeros(valid.shape), valid, tables)
-        names = [list(step_logs) for step_logs in logs]
 
         def finish() -> None:  # on the writer thread
             host = fetch()

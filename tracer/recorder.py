@@ -26,6 +26,7 @@ records the steps completed so far (the checkpoint holds the weights after that 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import dataclasses
 import json
 import numbers
@@ -35,7 +36,7 @@ import threading
 import time
 import uuid
 import warnings
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from types import FrameType, TracebackType
 from typing import Any
 
@@ -150,6 +151,8 @@ class Recorder:
         self.buffer = StepBuffer(self.components, self.device, min(self.flush_every_steps, _BUFFER_ROWS) + 2)
         self._backward_queued = False
         self._backward_seen = False  # a backward pass ended since the last training forward began
+        self._busy = 0  # `_sigterm_deferred` depth
+        self._sigterm_pending: tuple[int, FrameType | None] | None = None
         self._in_step = False
         self._micro_batches = 0
         self._order = 0
@@ -260,17 +263,18 @@ class Recorder:
         """Stop recording and write everything still buffered. Safe to call twice."""
         if self._closed:
             return
-        self._closed, self._noting = True, False
-        for h in self._handles:
-            h.remove()
-        if self.replicas is not None:
-            self.replicas.close()
-        self._restore_sigterm()
-        atexit.unregister(self._at_exit)
-        self._event("stop", detail=reason)
-        self._flush(final=True)
-        self.writer.close(reason)
-        self._check_writer()
+        with self._sigterm_deferred():
+            self._closed, self._noting = True, False
+            for h in self._handles:
+                h.remove()
+            if self.replicas is not None:
+                self.replicas.close()
+            atexit.unregister(self._at_exit)
+            self._event("stop", detail=reason)
+            self._flush(final=True)
+            self.writer.close(reason)
+            self._check_writer()
+            self._restore_sigterm()  # last: a SIGTERM until here waits for the flush
         if self._monitor is not None:
             self._monitor.close()
             self._monitor.deliver()  # the last alarms' on_alarm: close() is the last step boundary
@@ -457,12 +461,30 @@ class Recorder:
         if self._closed:
             return
         now = time.time()
-        self._record_step(now)
-        self._flush_if_due(now)
+        with self._sigterm_deferred():
+            self._record_step(now)
+            self._flush_if_due(now)
+
+    @contextlib.contextmanager
+    def _sigterm_deferred(self) -> Iterator[None]:
+        """A SIGTERM handled on this thread while the step's end or `close()` run (reducing the
+        queued steps, taking them out of the buffer) closes the recorder when they are done:
+        closing in their middle would write rows they had not filled."""
+        self._busy += 1
+        try:
+            yield
+        finally:
+            self._busy -= 1
+            if not self._busy and self._sigterm_pending is not None:
+                signum, frame = self._sigterm_pending
+                self._sigterm_pending = None
+                self._on_sigterm(signum, frame)
 
     def _record_step(self, now: float) -> None:
-        """Count the step and queue its values for the buffer; a failure loses this step only."""
+        """Count the step and queue its values for the buffer; a failure loses this step only.
+        A record in the buffer whose values were not all queued is made null (an interrupt)."""
         self.step_count += 1
+        queued = False
         try:
             if self.fwd.from_graph:
                 self._absorb_graph_samples()
@@ -477,13 +499,21 @@ class Recorder:
                     "model's class, e.g. an unwatched copy, and does not guard against hooks), or "
                     "the forward ran in eval() mode or under no_grad")
             self._buffer_step(now)
+            queued = True
             if self.replicas is not None:
                 self.replicas.end_step(self.step_count, self.params.end_sums)
             if max(len(self.fwd.pending), len(self.params.pending)) >= FORWARD_BATCH_STEPS:
-                self._reduce_pending()
-        except Exception as exc:
+                self._reduce_pending()  # nulls the rows it leaves unfilled
+        except BaseException as exc:  # an interrupt too (KeyboardInterrupt), then raised again
+            recs = self.buffer.records
+            if not queued and recs and recs[-1].step == self.step_count:  # its values may never come
+                r = recs[-1]
+                r.valid, r.present = np.zeros_like(r.valid), (False, False, r.present[2])
+            elif isinstance(exc, Exception) and not queued:
+                self.writer.record_failure(f"step {self.step_count} not recorded", 1)
+            if not isinstance(exc, Exception):
+                raise
             self._probe_failed(exc)
-            self.writer.record_failure(f"step {self.step_count} not recorded", 1)
         finally:
             self.fwd.reset()
             self.loop.step_ended()
@@ -558,28 +588,34 @@ class Recorder:
         self.fwd.absorb_graph_samples()
 
     def _reduce_pending(self) -> None:
-        """Parameter and forward statistics of the queued steps, computed together, into their rows."""
+        """Parameter and forward statistics of the queued steps, computed together, into their rows.
+        A failure, or an interrupt (KeyboardInterrupt, raised wherever the training thread is),
+        leaves the rows it did not fill null: they hold another step's values."""
         pslots = {s.slot for s in self.params.pending}
         fslots = {s.slot for s in self.fwd.pending}
         failed: Exception | None = None
         try:
             self._put_params(self.params.reduce())
-        except Exception as exc:  # those rows hold stale values: make them null, then report
-            failed = exc
+        except BaseException as exc:  # those rows hold stale values: make them null, then report
             for r in self.buffer.records:
                 if r.slot in pslots:
                     r.valid = r.valid.copy()  # shared with other steps (`_step_validity`)
                     r.valid[:, _PARAM_POS] = False
                     r.present = (False, False, r.present[2])
+            if not isinstance(exc, Exception):
+                raise  # the forward statistics stay queued, for close()
+            failed = exc
         try:
             for first, block in self.fwd.compute():
                 self.buffer.put(slice(first, first + block.shape[0]), _FORWARD_RUNS, block)
-        except Exception as exc:
-            failed = failed or exc
+        except BaseException as exc:
             for r in self.buffer.records:
                 if r.slot in fslots:
                     r.valid = r.valid.copy()
                     r.valid[:, _FORWARD_POS] = False
+            if not isinstance(exc, Exception):
+                raise
+            failed = failed or exc
         if failed is not None:
             raise failed
 
@@ -680,9 +716,13 @@ class Recorder:
                 if self._closed:
                     return
             segment = self.buffer.take_segment(final)
-            if self.replicas is not None:
-                segment.tables["replicas"] = self.replicas.take(segment.steps)
-            self.writer.submit(segment, final=final)
+            try:
+                if self.replicas is not None:
+                    segment.tables["replicas"] = self.replicas.take(segment.steps)
+            except Exception as exc:  # the segment goes without its replicas rows
+                self._probe_failed(exc)
+            finally:  # taken out of the buffer: submitted even on an interrupt
+                self.writer.submit(segment, final=final)
         except Exception as exc:  # the steps taken out of the buffer are gone: say how many
             self._probe_failed(exc)
             self.writer.record_failure(f"segment of {pending} steps not written: "
@@ -705,6 +745,9 @@ class Recorder:
             signal.signal(signal.SIGTERM, self._prev_sigterm)
 
     def _on_sigterm(self, signum: int, frame: FrameType | None) -> None:
+        if self._busy:  # at the end of what runs (`_sigterm_deferred`)
+            self._sigterm_pending = (signum, frame)
+            return
         prev = self._prev_sigterm
         self.close("sigterm")
         if callable(prev):

@@ -273,6 +273,9 @@ class TraceWriter:
             import pyarrow.parquet  # noqa: F401
         while (seg := self._queue.get()) is not None:
             self._guard(self._write_segment, len(seg.steps), seg)
+            # the segment is committed or dropped by now: a manifest that fails to follow
+            # loses no step (the next write, or close's, brings it up to date)
+            self._guard(self._write_manifest, 0)
             self._finished += 1
             if self.on_segment is not None:
                 self._guard(self.on_segment, 0, seg)
@@ -321,7 +324,6 @@ class TraceWriter:
             self._entry["last_step"] = int(seg.steps[-1])
             self._entry["steps_recorded"] += len(seg.steps)  # type: ignore[operator]
         self._entry["segments"] += 1  # type: ignore[operator]
-        self._write_manifest()
 
     def _write_table(self, table: str, data: pa.Table, seq: int,
                      span: tuple[int, int] | None) -> Path:

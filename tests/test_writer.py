@@ -474,3 +474,26 @@ def test_a_manifest_that_fails_to_follow_a_committed_segment_drops_no_step(tmp_p
     entry = manifest["incarnations"][-1]
     assert calls[0] > 3 and entry["dropped_steps"] == 0 and entry["steps_recorded"] == 24
     assert sorted({s for s, _ in _values(tmp_path)}) == list(range(1, 25))
+
+
+def test_writers_of_one_file_at_once_each_replace_it_whole(tmp_path: Path) -> None:
+    # two writers of one trace directory (a writer thread and close(), or two processes) write
+    # the same manifest: each through a temporary file of its own, so no rename takes another's
+    from warninglight.tracer.writer import _atomic_write
+
+    target, failures = tmp_path / "manifest" / "rank=0.json", []
+    payloads = [json.dumps({"writer": w, "pad": "x" * 4096}).encode() for w in range(4)]
+
+    def write(w: int) -> None:
+        try:
+            for _ in range(200):
+                _atomic_write(target, payloads[w])
+        except OSError as exc:
+            failures.append(exc)
+    threads = [threading.Thread(target=write, args=(w,)) for w in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert failures == [] and target.read_bytes() in payloads
+    assert [p.name for p in target.parent.iterdir()] == [target.name]

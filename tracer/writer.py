@@ -159,10 +159,17 @@ def _remove(path: Path) -> None:
 
 
 def _atomic_write(path: Path, data: bytes) -> None:
+    """`path` replaced whole by `data`, through a temporary file of this process and thread's
+    own: writers of one file at once (a writer thread and `close()`, two processes on one trace
+    directory) never rename one another's."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + schema.TMP_SUFFIX)
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
+    tmp = path.with_name(f"{path.name}.{os.getpid()}-{threading.get_ident()}{schema.TMP_SUFFIX}")
+    try:
+        tmp.write_bytes(data)
+        os.replace(tmp, path)
+    except BaseException:
+        _remove(tmp)
+        raise
 
 
 class TraceWriter:

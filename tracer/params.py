@@ -451,12 +451,11 @@ class ParamProbe:
         whatever the counters say (writes into `.data` and memory faults move none); in the
         other steps the weights are those the last step left, so their norms are those of `end`."""
         if self.params:
-            # `p.data = other` moves no counter, but the views would read the old tensor
-            swapped = not self._sharded and any(p.data_ptr() != f.data_ptr() for p, f in zip(
-                self.params, self._flat, strict=True))
-            if swapped:
-                self.refresh()
+            # `p.data = other` moves no counter: the memory check takes the views again
+            # (`refresh` makes a new address list), and the norms are taken exactly
+            before = self._weight_ptrs
             addrs = self._weight_memory()
+            swapped = self._weight_ptrs is not before
             self._sketch_into("fwd_sketch", addrs)
             self._exact_fwd = (swapped or self._end_versions is None or self._ends % EXACT_DRIFT_EVERY == 0
                                or self._weight_versions() != self._end_versions)

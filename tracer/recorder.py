@@ -394,8 +394,8 @@ class Recorder:
                 self._probe_failed(exc)
 
     def _make_hook(self, comp: Any) -> Any:
-        idx, noted, notable, own = comp.index, self.fwd.noted, self.fwd.notable(), comp.module
-        fwd = self.fwd
+        fwd, idx, own = self.fwd, comp.index, comp.module
+        noted, notable = fwd.noted, fwd.notable()
 
         def hook(module: nn.Module, args: Any, out: Any) -> None:
             if module is not own:  # a copy of the model (`__deepcopy__`): not watched
@@ -410,7 +410,7 @@ class Recorder:
                 # traced by torch.compile: the sample and the non-finite count become outputs of
                 # the graph, appended to a list after it ran (no graph break: fullgraph=True works)
                 if self._in_graph and self._recording(module):
-                    self.fwd.observe_in_graph(comp, out)
+                    fwd.observe_in_graph(comp, out)
                 return
             # (a checkpointed module's forward run again in the backward pass: observed there
             # only if its first run was not, under a reentrant checkpoint's no_grad)
@@ -423,7 +423,7 @@ class Recorder:
                 self._begin_step()
                 if comp.forward_index is None and self.step_count < self._first_step:
                     comp.forward_index, self._order = self._order, self._order + 1
-                self.fwd.observe(comp, out)
+                fwd.observe(comp, out)
             except Exception as exc:  # a probe must never break the forward pass
                 self._probe_failed(exc)
         # "eager": dynamo calls the hook outside the graph (a graph break per component)

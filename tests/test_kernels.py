@@ -185,3 +185,62 @@ def test_a_count_is_read_again_when_the_address_cache_started_again(monkeypatch:
     out, comp2 = np.zeros(n * 4 * steps, np.float32), comp.copy()
     kernels.sketch_sums(rows, k, steps, cu.copy(), cs.copy(), scale, comp2, n, out)  # `out` fills it
     assert np.array_equal(out, want) and len(kernels._addresses) == 2
+
+
+def test_a_pass_over_many_values_gives_the_same_norms_on_any_number_of_threads() -> None:
+    # past SPLIT_FROM values the norm kernels run in parts that torch's OpenMP threads claim:
+    # the same norms and word sums as numpy, bit for bit on one thread and on two
+    rng = np.random.default_rng(6)
+    ts = _tensors(rng) + [rng.standard_normal(n).astype(np.float32) for n in (kernels.SPLIT_FROM, 3 * kernels._PART + 5)]
+    addrs, lens = _addrs(ts)
+    assert kernels._plan(lens) is not None and len(kernels._plan(lens).arrays[2]) > len(ts)  # tensors cut
+    want = np.array([np.sqrt(np.sum(t.astype(np.float64) ** 2)) for t in ts]).astype(np.float32)
+    threads = torch.get_num_threads()
+    got = {}
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            norms, fused, sums = np.zeros(len(ts), np.float32), np.zeros(len(ts), np.float32), np.zeros(len(ts), np.int64)
+            assert not kernels.tensor_norms(addrs, lens, norms)  # one NaN
+            assert not kernels.norms_word_sums(addrs, lens, fused, sums)
+            got[n] = norms, fused, sums
+    finally:
+        torch.set_num_threads(threads)
+    for norms, fused, sums in got.values():
+        np.testing.assert_array_equal(norms, want)
+        np.testing.assert_array_equal(fused, want)
+        assert list(sums) == [_words(t) for t in ts]
+    finite = [i for i, t in enumerate(ts) if np.isfinite(t).all()]
+    norms = np.zeros(len(finite), np.float32)
+    assert kernels.tensor_norms(np.ascontiguousarray(addrs[finite]), np.ascontiguousarray(lens[finite]), norms)
+    np.testing.assert_array_equal(norms, want[finite])
+
+
+@pytest.mark.skipif(not torch.__config__.parallel_info().count("parallel backend: OpenMP"),
+                    reason="torch runs on another threading backend")
+def test_the_parts_run_on_torchs_openmp_threads() -> None:
+    assert kernels._state["openmp"] is not None
+
+
+def test_the_parts_cover_every_tensor_in_order() -> None:
+    rng = np.random.default_rng(7)
+    for _ in range(200):
+        counts = [int(c) for c in rng.choice([0, 1, 2047, 2048, 5000, 70_000, 300_000], size=rng.integers(1, 9))]
+        plan = kernels._cut(counts, 1, int(rng.choice([kernels._BLOCK, 10_000, 1 << 17])))
+        if not sum(counts):
+            assert plan is None
+            continue
+        assert plan is not None
+        task, bounds, tensor, first, length, _, _, firsts = plan.arrays
+        parts = int(task[1])
+        assert bounds[0] == 0 and bounds[-1] == len(tensor) and len(bounds) == parts + 1
+        assert (np.diff(bounds) >= 0).all() and list(firsts) == list(np.searchsorted(tensor, range(len(counts) + 1)))
+        for i, n in enumerate(counts):  # each tensor: one run of segments, end to end
+            segs = range(firsts[i], firsts[i + 1])
+            assert len(segs) >= 1 and first[segs[0]] == 0 and sum(length[s] for s in segs) == n
+            assert all(first[s + 1] == first[s] + length[s] for s in segs[:-1])
+            assert all(length[s] > 0 for s in segs) or n == 0
+        starts = np.cumsum([0, *counts])[tensor] + first  # every cut falls on a block
+        part_of = np.searchsorted(bounds, np.arange(len(tensor)), side="right") - 1
+        assert all(starts[s] % kernels._BLOCK == 0 for s in range(1, len(tensor)) if part_of[s] != part_of[s - 1])
+    assert kernels._cut([100, 200], 1000, kernels._PART) is None  # under the threshold: one piece

@@ -103,8 +103,11 @@ exit:
 }}
 """
 
-# tensor_norms: the sum of squares reassociated, so that it vectorises
-_TENSOR_NORMS = _NORMS.format(name="tensor_norms", params="", tail="", loop=r"""first:
+# the norm kernels' loops over one tensor's %n values at %p (entered at %first from %body, left
+# for %tail from %last with the float64 sum of squares in %acc_end): the plain one, its sum of
+# squares reassociated so that it vectorises; and the one that also sums the 32-bit words (mod
+# 2^32, into %sum_w), each block of 2048 values summed as squares, then as words, while in L1
+_SQUARES_LOOP = r"""first:
   br label %last
 last:
   %j = phi i64 [0, %first], [%j1, %last]
@@ -116,11 +119,8 @@ last:
   %acc_end = fadd reassoc contract double %acc, %sq
   %j1 = add nuw nsw i64 %j, 1
   %c = icmp slt i64 %j1, %n
-  br i1 %c, label %last, label %tail""")
-
-# norms_word_sums: also the words' sum of each tensor (into sums[i], mod 2^32) in the same read:
-# each block of 2048 values is summed as squares, then as words, while it is in L1
-_NORMS_WORD_SUMS = _NORMS.format(name="norms_word_sums", params=", ptr noalias nocapture %sums", loop=r"""first:
+  br i1 %c, label %last, label %tail"""
+_WORDS_LOOP = r"""first:
   br label %block
 block:
   %b0 = phi i64 [0, %first], [%b1, %last]
@@ -140,12 +140,173 @@ last:
   %sum_w = phi i32 [%sum1, %words]
   %b1 = phi i64 [%bend, %words]
   %cb = icmp slt i64 %b1, %n
-  br i1 %cb, label %block, label %tail""", tail=r"""  %ws = phi i32 [0, %body], [%sum_w, %last]
+  br i1 %cb, label %block, label %tail"""
+# the words' sum, stored into sums[i] as an int64
+_WORDS_TAIL = r"""  %ws = phi i32 [0, %body], [%sum_w, %last]
   %ws64 = zext i32 %ws to i64
   %sp = getelementptr i64, ptr %sums, i64 %i
-  store i64 %ws64, ptr %sp""")
+  store i64 %ws64, ptr %sp"""
 
-IR = _TENSOR_NORMS + _NORMS_WORD_SUMS + r"""
+_TENSOR_NORMS = _NORMS.format(name="tensor_norms", params="", tail="", loop=_SQUARES_LOOP)
+_NORMS_WORD_SUMS = _NORMS.format(name="norms_word_sums", params=", ptr noalias nocapture %sums",
+                                 loop=_WORDS_LOOP, tail=_WORDS_TAIL)
+
+# one segment's float64 sum of squares (and, with words, its words' sum into sums[i]): the loops
+# above as functions, inlined into `norm_parts`
+_SEGMENT = r"""
+define internal double @{name}(ptr nocapture readonly %p, i64 %n{params}) alwaysinline nounwind {{
+body:
+  %has = icmp sgt i64 %n, 0
+  br i1 %has, label %first, label %tail
+{loop}
+tail:
+  %s = phi double [0.0, %body], [%acc_end, %last]
+{tail}
+  ret double %s
+}}
+"""
+
+# norms_in_parts: the norm kernels' work cut into parts that threads claim one at a time
+# (`norm_parts`), so that any number of threads (one included) computes the same sums, then each
+# tensor's norm (and words' sum) from its segments', in order. `task` holds, as int64: [0] the next
+# part to claim (atomic), [1] the parts, then the addresses of [2] each part's first segment
+# (parts + 1 of them), [3] each segment's tensor, [4] its first value, [5] its length, [6] the
+# tensors' addresses, [7] the segments' float64 sums of squares, [8] their words' sums (0: not
+# wanted), [9] where those go when wanted, [10] each tensor's first segment (tensors + 1 of them),
+# and [11] the tensors. `team` is OpenMP's GOMP_parallel (null: this thread alone)
+_NORM_PARTS = (_SEGMENT.format(name="segment_squares", params="", loop=_SQUARES_LOOP, tail="")
+               + _SEGMENT.format(name="segment_words", params=", ptr noalias nocapture %sums, i64 %i",
+                                 loop=_WORDS_LOOP, tail=_WORDS_TAIL) + r"""
+define void @norm_parts(ptr nocapture %task) nounwind {
+entry:
+""" + "".join(f"  %f{k}p = getelementptr i64, ptr %task, i64 {k}\n  %f{k} = load i64, ptr %f{k}p\n"
+              + ("" if k == 1 else f"  %q{k} = inttoptr i64 %f{k} to ptr\n") for k in range(1, 9)) + r"""  %with_words = icmp ne i64 %f8, 0
+  br label %claim
+claim:
+  %t = atomicrmw add ptr %task, i64 1 monotonic
+  %more = icmp slt i64 %t, %f1
+  br i1 %more, label %part, label %done
+part:
+  %s0p = getelementptr i64, ptr %q2, i64 %t
+  %s0 = load i64, ptr %s0p
+  %t1 = add nuw nsw i64 %t, 1
+  %s1p = getelementptr i64, ptr %q2, i64 %t1
+  %s1 = load i64, ptr %s1p
+  br label %seg
+seg:
+  %s = phi i64 [%s0, %part], [%s_next, %put]
+  %in = icmp slt i64 %s, %s1
+  br i1 %in, label %segment, label %claim
+segment:
+  %tip = getelementptr i64, ptr %q3, i64 %s
+  %ti = load i64, ptr %tip
+  %bp = getelementptr i64, ptr %q6, i64 %ti
+  %base = load i64, ptr %bp
+  %offp = getelementptr i64, ptr %q4, i64 %s
+  %off = load i64, ptr %offp
+  %np = getelementptr i64, ptr %q5, i64 %s
+  %n = load i64, ptr %np
+  %off4 = shl i64 %off, 2
+  %a = add i64 %base, %off4
+  %p = inttoptr i64 %a to ptr
+  br i1 %with_words, label %w, label %nw
+w:
+  %sqw = call double @segment_words(ptr %p, i64 %n, ptr %q8, i64 %s)
+  br label %put
+nw:
+  %sqn = call double @segment_squares(ptr %p, i64 %n)
+  br label %put
+put:
+  %sq = phi double [%sqw, %w], [%sqn, %nw]
+  %op = getelementptr double, ptr %q7, i64 %s
+  store double %sq, ptr %op
+  %s_next = add nuw nsw i64 %s, 1
+  br label %seg
+done:
+  ret void
+}
+
+define i32 @norms_in_parts(ptr nocapture %task, i64 %addrs, ptr noalias nocapture %out, ptr noalias nocapture %sums, ptr %team, i32 %threads) nounwind {
+entry:
+  store i64 0, ptr %task
+  %f6p = getelementptr i64, ptr %task, i64 6
+  store i64 %addrs, ptr %f6p
+  %f9p = getelementptr i64, ptr %task, i64 9
+  %f9 = load i64, ptr %f9p
+  %with_words = icmp ne ptr %sums, null
+  %w = select i1 %with_words, i64 %f9, i64 0
+  %f8p = getelementptr i64, ptr %task, i64 8
+  store i64 %w, ptr %f8p
+  %alone = icmp eq ptr %team, null
+  br i1 %alone, label %here, label %spread
+here:
+  call void @norm_parts(ptr %task)
+  br label %sum
+spread:
+  call void %team(ptr @norm_parts, ptr %task, i32 %threads, i32 0)
+  br label %sum
+sum:
+  %f7p = getelementptr i64, ptr %task, i64 7
+  %f7 = load i64, ptr %f7p
+  %squares = inttoptr i64 %f7 to ptr
+  %words = inttoptr i64 %f9 to ptr
+  %f10p = getelementptr i64, ptr %task, i64 10
+  %f10 = load i64, ptr %f10p
+  %first = inttoptr i64 %f10 to ptr
+  %f11p = getelementptr i64, ptr %task, i64 11
+  %count = load i64, ptr %f11p
+  br label %head
+head:
+  %i = phi i64 [0, %sum], [%i1, %next]
+  %ok = phi i32 [1, %sum], [%ok1, %next]
+  %more = icmp slt i64 %i, %count
+  br i1 %more, label %tensor, label %exit
+tensor:
+  %s0p = getelementptr i64, ptr %first, i64 %i
+  %s0 = load i64, ptr %s0p
+  %i1 = add nuw nsw i64 %i, 1
+  %s1p = getelementptr i64, ptr %first, i64 %i1
+  %s1 = load i64, ptr %s1p
+  br label %seg
+seg:
+  %s = phi i64 [%s0, %tensor], [%s_next, %seg_body]
+  %acc = phi double [0.0, %tensor], [%acc1, %seg_body]
+  %ws = phi i64 [0, %tensor], [%ws1, %seg_body]
+  %in = icmp slt i64 %s, %s1
+  br i1 %in, label %seg_body, label %tensor_end
+seg_body:
+  %sqp = getelementptr double, ptr %squares, i64 %s
+  %sq = load double, ptr %sqp
+  %acc1 = fadd double %acc, %sq
+  %wp = getelementptr i64, ptr %words, i64 %s
+  %wv = load i64, ptr %wp
+  %wv_used = select i1 %with_words, i64 %wv, i64 0
+  %ws1 = add i64 %ws, %wv_used
+  %s_next = add nuw nsw i64 %s, 1
+  br label %seg
+tensor_end:
+  %r = call double @llvm.sqrt.f64(double %acc)
+  %v = fptrunc double %r to float
+  %op = getelementptr float, ptr %out, i64 %i
+  store float %v, ptr %op
+  %d = fsub float %v, %v
+  %fin = fcmp oeq float %d, 0.0
+  %fin32 = zext i1 %fin to i32
+  %ok1 = and i32 %ok, %fin32
+  br i1 %with_words, label %put_words, label %next
+put_words:
+  %ws32 = and i64 %ws, 4294967295
+  %sp = getelementptr i64, ptr %sums, i64 %i
+  store i64 %ws32, ptr %sp
+  br label %next
+next:
+  br label %head
+exit:
+  ret i32 %ok
+}
+""")
+
+IR = _TENSOR_NORMS + _NORMS_WORD_SUMS + _NORM_PARTS + r"""
 declare double @llvm.sqrt.f64(double)
 declare float @llvm.fabs.f32(float)
 
@@ -561,6 +722,8 @@ SIGNATURES: dict[str, tuple[Any, tuple[Any, ...]]] = {
     "gather_sketch": (None, (_PTR, _PTR, _PTR, _PTR, _PTR, _I64)),
     "word_sums": (None, (_PTR, _PTR, _PTR, _PTR, _I64)),
     "norms_word_sums": (_I32, (_PTR, _PTR, _PTR, _PTR, _I64)),
+    "norm_parts": (None, (_PTR,)),
+    "norms_in_parts": (_I32, (_PTR, _I64, _PTR, _PTR, _PTR, ctypes.c_uint32)),
     "scaled_norms": (None, (_PTR, _I64, _PTR, _PTR, _I64, ctypes.c_float, _PTR)),
     "forward_sums": (None, (_PTR, _I64, _I64, _I64, _PTR, _PTR, _PTR, _I32, ctypes.c_double, _PTR, _I64, _PTR)),
     "copy_rows1": (None, (_I64, _I64, _I64, _I64, _I64, _I64)),

@@ -21,11 +21,12 @@ before it hands their addresses to compiled code.
 
 from __future__ import annotations
 
+import ctypes
 import os
 import threading
 import time
 import weakref
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -82,6 +83,18 @@ def _checked(funcs: dict[str, Any]) -> None:
     scaled_norms(buf, np.array([0, 3]), np.array([2, 1]), 0.5, out)
     if list(out) != [5.0, 1.0] or list(buf) != [1.5, 2.0, 3.5, 0.5, -1.0]:
         raise RuntimeError("the compiled scaled-norm kernel gave a wrong value")
+    # the norm kernels in parts (`norm_parts`), on this thread: small parts over two tensors and an empty one
+    _state["openmp"] = None
+    t = [np.full(10_000, 0.5, _F32), np.zeros(0, _F32), np.full(6_000, 2.0, _F32)]
+    addrs = np.array([a.ctypes.data for a in t])
+    plan = _cut([a.size for a in t], 1, _BLOCK)
+    norms, words = np.zeros(3, _F32), np.zeros(3, _I64)
+    want = [int(a.view(np.uint32).astype(np.uint64).sum()) % 2**32 for a in t]
+    if plan is None or len(plan.arrays[2]) < 8 or not _split_norms(plan, _at(addrs, _I64), _at(norms, _F32),
+                                                                   _at(words, _I64)) \
+            or list(norms) != [50.0, 0.0, np.float32(np.sqrt(24_000.0))] or list(words) != want:
+        raise RuntimeError("the compiled norm kernel in parts gave a wrong value")
+    _state["openmp"] = _openmp()
 
 
 def available() -> bool:
@@ -200,7 +213,10 @@ def tensor_norms(addrs: np.ndarray, lens: np.ndarray, out: np.ndarray) -> bool:
     n = len(addrs)
     if len(lens) != n or len(out) < n:
         raise TypeError("tensor_norms: addresses, counts and norms of different lengths")
-    return bool(_state["tensor_norms"](_at(addrs, _I64), _at(lens, _I64), _at(out, _F32), n))
+    at_lens = _at(lens, _I64)
+    if (plan := _plan(lens)) is not None:
+        return _split_norms(plan, _at(addrs, _I64), _at(out, _F32), None)
+    return bool(_state["tensor_norms"](_at(addrs, _I64), at_lens, _at(out, _F32), n))
 
 
 def gather_sketch(addrs: np.ndarray, offsets: np.ndarray, strides: np.ndarray, ks: np.ndarray,
@@ -235,7 +251,10 @@ def norms_word_sums(addrs: np.ndarray, lens: np.ndarray, out: np.ndarray, sums: 
     n = len(addrs)
     if len(lens) != n or len(out) < n or len(sums) < n:
         raise TypeError("norms_word_sums: arrays of different lengths")
-    return bool(_state["norms_word_sums"](_at(addrs, _I64), _at(lens, _I64), _at(out, _F32),
+    at_lens = _at(lens, _I64)
+    if (plan := _plan(lens)) is not None:
+        return _split_norms(plan, _at(addrs, _I64), _at(out, _F32), _at(sums, _I64))
+    return bool(_state["norms_word_sums"](_at(addrs, _I64), at_lens, _at(out, _F32),
                                           _at(sums, _I64), n))
 
 
@@ -281,6 +300,101 @@ def _sketch_sums_reference(rows: np.ndarray, k: int, cu: np.ndarray, cs: np.ndar
                 out[comp[j], q, s] += p * scale[j]
             pu, pe = u, e[s, j]
     return out
+
+
+# The norm passes over many values (`SPLIT_FROM` or more: the parameters of all but the smallest
+# models) are cut into parts of about `_PART` values that the threads of torch's own OpenMP team
+# claim one at a time (`norm_parts`, tracer/jit.py): the training thread waits for the pass
+# either way, and the team's other threads are idle then. The parts, and so the sums, depend on
+# the tensors' lengths alone: any number of threads, one included, gives the same norms for the
+# same memory (weight drift compares two of them).
+SPLIT_FROM = 1 << 18
+_PART, _MAX_PARTS = 1 << 17, 64
+_BLOCK = 2048  # parts are cut at multiples of the word-summing loop's block
+
+
+class _Plan(NamedTuple):
+    task: int  # the address of `norms_in_parts`'s task (tracer/jit.py)
+    arrays: tuple[np.ndarray, ...]  # the task, and the arrays it points at
+
+
+# one plan per list of lengths and thread (the task holds the pass's scratch)
+_plans: dict[tuple[bytes, int], _Plan | None] = {}
+_PLANS_MAX = 256
+
+
+def _plan(lens: np.ndarray) -> _Plan | None:
+    """How a norm pass over tensors of `lens` values (int64, checked by `_at`) is cut into parts;
+    None if it is one piece (under `SPLIT_FROM` values in all)."""
+    key = (lens.tobytes(), threading.get_ident())
+    plan = _plans.get(key, False)
+    if plan is False:
+        if len(_plans) >= _PLANS_MAX:
+            _plans.clear()
+        plan = _plans[key] = _cut(lens.tolist(), SPLIT_FROM, _PART)
+    return plan
+
+
+def _cut(counts: list[int], split_from: int, part: int) -> _Plan | None:
+    """`_plan` for tensors of `counts` values: parts of about `part` values (cut at multiples of
+    `_BLOCK`, at most `_MAX_PARTS` of them), None under `split_from` values in all."""
+    total = sum(counts)
+    if total < split_from or not counts or min(counts) < 0:
+        return None
+    parts = min(_MAX_PARTS, max(2, total // part))
+    cuts = [total * k // parts // _BLOCK * _BLOCK for k in range(1, parts)]
+    segs: list[tuple[int, int, int, int]] = []  # (tensor, first value, length, part)
+    pos = c = 0
+    for i, n in enumerate(counts):
+        off = 0
+        while c < len(cuts) and cuts[c] <= pos:
+            c += 1
+        while c < len(cuts) and cuts[c] < pos + n:
+            segs.append((i, off, cuts[c] - pos - off, c))
+            off = cuts[c] - pos
+            while c < len(cuts) and cuts[c] <= pos + off:
+                c += 1
+        segs.append((i, off, n - off, c))
+        pos += n
+    tensor, first, length, of_part = (np.array(col, dtype=_I64) for col in zip(*segs, strict=True))
+    bounds = np.searchsorted(of_part, np.arange(parts + 1)).astype(_I64)
+    firsts = np.searchsorted(tensor, np.arange(len(counts) + 1)).astype(_I64)
+    squares, words = np.zeros(len(segs)), np.zeros(len(segs), dtype=_I64)
+    arrays = (bounds, tensor, first, length, squares, words, firsts)
+    at = [int(a.ctypes.data) for a in arrays]
+    task = np.array([0, parts, *at[:4], 0, at[4], 0, at[5], at[6], len(counts)], dtype=_I64)
+    return _Plan(int(task.ctypes.data), (task, *arrays))
+
+
+def _split_norms(plan: _Plan, addrs: int, out: int, sums: int | None) -> bool:
+    """`tensor_norms` (or `norms_word_sums`, with `sums`) of the tensors at `addrs` (the address of
+    their int64 addresses) into `out` (the address of their float32 norms) as `plan` cuts them:
+    on the OpenMP team of torch's threads where there is one, else on this thread alone."""
+    return bool(_state["norms_in_parts"](plan.task, addrs, out, sums, _state["openmp"], 0))
+
+
+def _openmp() -> int | None:
+    """The address of `GOMP_parallel` in the OpenMP runtime that torch's CPU ops run on (Linux:
+    found among the libraries the process has mapped, torch's own first); None if torch runs on
+    another threading backend or it is not found. Called with 0 threads, it runs on as many as
+    torch's ops on the calling thread."""
+    try:
+        import torch
+
+        if "parallel backend: OpenMP" not in torch.__config__.parallel_info():
+            return None
+        with open("/proc/self/maps") as maps:
+            paths = {line.split()[-1] for line in maps if "/lib" in line and "omp" in line}
+        names = sorted(p for p in paths if os.path.basename(p).startswith(("libgomp", "libiomp", "libomp")))
+        own = os.path.dirname(torch.__file__)
+        names.sort(key=lambda p: not p.startswith(own))
+        for path in names:
+            lib = ctypes.CDLL(path)
+            if hasattr(lib, "GOMP_parallel"):
+                return ctypes.cast(lib.GOMP_parallel, ctypes.c_void_p).value
+    except (OSError, AttributeError, ImportError):
+        pass
+    return None
 
 
 def row_copier() -> Any:

@@ -318,19 +318,24 @@ def test_a_cpu_not_known_without_llvm_gets_no_library(tmp_path: Path, monkeypatc
     assert [p.suffix for p in tmp_path.iterdir()] == [".o"]
 
 
-@pytest.mark.parametrize("blas_from", [params.BLAS_FROM, 60])
+@pytest.mark.parametrize("passes", ["whole", "blas", "in parts"])
 @pytest.mark.parametrize("grad_kind", ["dense", "non-contiguous", "non-finite"])
 def test_compiled_parameter_passes_record_what_the_eager_ones_do(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, grad_kind: str, blas_from: int) -> None:
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, grad_kind: str, passes: str) -> None:
     # the compiled norms and sketches (tracer/kernels.py) against the eager ops and against
     # float64, as the trace holds them: per-component norms, the total gradient norm (float64
     # from the per-tensor norms, so a tensor's norm lost to float32's range shows there), the
     # non-finite counts, and the update norms and cosines (from the sketches: equal sketches
     # give equal values); with BLAS taking the tensors of 60 values or more (the zeros and the
-    # matrix) too. (A BLAS-sized tensor's norm comes from float32 squares, as the eager ops'
-    # do: `quiet`'s norm would be lost there.)
+    # matrix) too; and with every pass cut into parts of 64 values that torch's threads take.
+    # (A BLAS-sized tensor's norm comes from float32 squares, as the eager ops' do: `quiet`'s
+    # norm would be lost there.)
     assert kernels.available()
-    monkeypatch.setattr(params, "BLAS_FROM", blas_from)
+    if passes == "blas":
+        monkeypatch.setattr(params, "BLAS_FROM", 60)
+    if passes == "in parts":
+        for name, value in (("SPLIT_FROM", 1), ("_PART", 64), ("_BLOCK", 16), ("_plans", {})):
+            monkeypatch.setattr(kernels, name, value)
     traces, seen = {}, {}
     for compiled in (True, False):
         if not compiled:
@@ -338,6 +343,8 @@ def test_compiled_parameter_passes_record_what_the_eager_ones_do(
         traces[compiled] = tmp_path / str(compiled)
         seen[compiled] = _train_awkward(traces[compiled], grad_kind)
     assert seen[True] == seen[False]  # the same training either way
+    if passes == "in parts":  # the compiled passes went through the parts
+        assert any(plan is not None and len(plan.arrays[2]) > len(_Awkward.NAMES) for plan in kernels._plans.values())
     want = seen[True]
     fast, eager = traces[True], traces[False]
     for trace in (fast, eager):

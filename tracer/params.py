@@ -30,7 +30,8 @@ _PM = {m: i for i, m in enumerate(PARAM_METRICS)}
 # a CPU dot product's norm below this may have lost entries to float32 underflow: taken exactly
 _DOT_SMALLEST = 1e-15
 # CPU: a tensor of at least this many values has its norm taken by a BLAS dot product (which
-# reads a large vector on all of torch's threads) rather than by the compiled pass (one thread)
+# reads a large vector on all of torch's threads) rather than by the compiled pass, where that
+# pass runs on one thread (the parameters hold under `kernels.SPLIT_FROM` values in all)
 BLAS_FROM = 131_072
 # steps between exact weight-norm checks at the first forward when no version counter moved
 EXACT_DRIFT_EVERY = 8
@@ -158,7 +159,8 @@ class ParamProbe:
         self._checked_grads: tuple[list[int], list[int], list[int]] | None = None
         self._scratch = np.zeros(n_p, dtype=np.float32)  # grads_so_far_finite's norms (and a tensor view)
         self._scratch_t = torch.from_numpy(self._scratch)
-        self._blas = self._numel >= BLAS_FROM
+        # past `kernels.SPLIT_FROM` values in all the compiled pass runs on torch's threads too
+        self._blas = (self._numel >= BLAS_FROM) & (int(self._numel.sum()) < kernels.SPLIT_FROM)
         self._blas_list = np.flatnonzero(self._blas).tolist()
         self._blas_idx = torch.tensor(self._blas_list, dtype=torch.long)
         self._compiled_numel = np.where(self._blas, 0, self._numel)  # 0: not in the compiled pass

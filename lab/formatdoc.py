@@ -157,7 +157,9 @@ and past that drops the new segment's steps and counts them rather than hold unw
 memory. A SIGKILL therefore loses the open segment and at most the one segment being written;
 `close()`, leaving the `with` block, SIGTERM (the handler chains to any previous one, then the
 default action ends the process; one that arrives while the recorder ends a step or flushes
-closes it once that is done) and interpreter exit flush everything. A KeyboardInterrupt raised
+closes it once that is done) and interpreter exit flush everything. `close()` called from
+another thread (a watchdog) waits for a step's end or flush in progress on the training thread,
+and that thread's later steps go unrecorded. A KeyboardInterrupt raised
 inside the recorder leaves the values it had not filled null, never another step's. Any write
 error drops that segment's steps, counts them in `dropped_steps` and warns once (a manifest
 that fails to follow a committed segment drops none); training is never interrupted.

@@ -454,6 +454,43 @@ def test_a_sigterm_handled_inside_a_flush_closes_after_it(tmp_path: Path, monkey
     assert all(values == reference[key] for key, values in got.items())
 
 
+def test_a_close_from_another_thread_waits_for_the_training_threads_step_end(tmp_path: Path,
+                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    # a watchdog thread's close() that comes while the training thread ends a step (its record
+    # in the buffer, its forward samples not yet queued) runs once that step's end is done, and
+    # the training thread's next step end finds the recorder closed: every step up to the close
+    # is written once, with its own values
+    from warninglight.tracer import probes, recorder
+
+    _train_until(tmp_path / "reference", 24)
+    reference = _values(tmp_path / "reference")
+    made, watchdog, calls = [], [], [0]
+    init = recorder.Recorder.__init__
+
+    def keep(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        init(self, *args, **kwargs)
+        made.append(self)
+    monkeypatch.setattr(recorder.Recorder, "__init__", keep)
+    take = probes.ForwardProbe.take
+
+    def raced(self, slot):  # type: ignore[no-untyped-def]
+        calls[0] += 1
+        if calls[0] == 7:
+            watchdog.append(threading.Thread(target=made[0].close, args=("watchdog",)))
+            watchdog[0].start()
+            watchdog[0].join(0.5)  # an unguarded close() runs to its end right here
+        return take(self, slot)
+    monkeypatch.setattr(probes.ForwardProbe, "take", raced)
+    _train_until(tmp_path / "raced", 24)
+    watchdog[0].join()
+    got = _values(tmp_path / "raced")
+    steps = sorted({s for s, _ in got})
+    assert made[0]._closed and steps == list(range(1, 8))
+    assert {key: values for key, values in got.items()} == {key: reference[key] for key in got}
+    (entry,) = json.loads(schema.manifest_path(tmp_path / "raced", 0).read_text())["incarnations"]
+    assert (entry["status"], entry["dropped_steps"], entry["steps_recorded"]) == ("watchdog", 0, 7)
+
+
 def test_a_manifest_that_fails_to_follow_a_committed_segment_drops_no_step(tmp_path: Path,
                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
     # the segment is committed before the manifest is rewritten: a failed manifest write is

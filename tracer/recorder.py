@@ -151,7 +151,10 @@ class Recorder:
         self.buffer = StepBuffer(self.components, self.device, min(self.flush_every_steps, _BUFFER_ROWS) + 2)
         self._backward_queued = False
         self._backward_seen = False  # a backward pass ended since the last training forward began
-        self._busy = 0  # `_sigterm_deferred` depth
+        self._busy = 0  # `_sigterm_deferred` depth on the main thread
+        # a step's end and close() run one at a time, whatever threads call them (a watchdog's
+        # close() waits for the training thread's flush, and that thread's next step end sees it)
+        self._lock = threading.RLock()
         self._sigterm_pending: tuple[int, FrameType | None] | None = None
         self._in_step = False
         self._micro_batches = 0
@@ -263,7 +266,9 @@ class Recorder:
         """Stop recording and write everything still buffered. Safe to call twice."""
         if self._closed:
             return
-        with self._sigterm_deferred():
+        with self._lock, self._sigterm_deferred():
+            if self._closed:  # another thread closed it while this one waited
+                return
             self._closed, self._noting = True, False
             for h in self._handles:
                 h.remove()
@@ -461,7 +466,9 @@ class Recorder:
         if self._closed:
             return
         now = time.time()
-        with self._sigterm_deferred():
+        with self._lock, self._sigterm_deferred():
+            if self._closed:  # by another thread, while this one waited
+                return
             self._record_step(now)
             self._flush_if_due(now)
 
@@ -469,7 +476,11 @@ class Recorder:
     def _sigterm_deferred(self) -> Iterator[None]:
         """A SIGTERM handled on this thread while the step's end or `close()` run (reducing the
         queued steps, taking them out of the buffer) closes the recorder when they are done:
-        closing in their middle would write rows they had not filled."""
+        closing in their middle would write rows they had not filled. (Only the main thread
+        handles signals; the handler's close() waits for another thread's on the lock.)"""
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
         self._busy += 1
         try:
             yield

@@ -207,7 +207,11 @@ def render() -> str:
            "do not edit by hand.", "", "```text", *_layout(), "```", "",
            "`rank` and `incarnation` are hive partitions (directory names), read as columns by "
            "DuckDB `read_parquet(..., hive_partitioning=true)` and Polars `hive_partitioning=True`. "
-           "Steps that repeat after a restart from a checkpoint are kept; `incarnation` tells them apart.",
+           "Steps that repeat after a restart from a checkpoint are kept; `incarnation` tells them apart. "
+           "A process takes the next incarnation by making its folder under `commits/`, so two "
+           "processes that start on one directory at once take different ones; each rewrites the "
+           "manifest under a lock (`manifest/rank=R.lock`, where the system has `flock`), keeping "
+           "the other's entry as it stands on disk.",
            ""]
     for table in schema.TABLES:
         out += [f"## `{table}`", "", *_table(schema.COLUMNS[table]), ""]

@@ -22,7 +22,7 @@ from typer.testing import CliRunner
 from warninglight.cli.main import app
 from warninglight.lab import zoo
 from warninglight.tracer import schema, watch
-from warninglight.tracer.writer import next_incarnation
+from warninglight.tracer.writer import claim_incarnation, next_incarnation
 
 # A training script that prints each completed step; `MODE` picks how it ends.
 CHILD = textwrap.dedent("""
@@ -236,6 +236,36 @@ def test_restart_into_the_same_directory_is_a_new_incarnation(tmp_path: Path) ->
     manifest = json.loads(schema.manifest_path(tmp_path, 0).read_text())
     assert [i["incarnation"] for i in manifest["incarnations"]] == [1, 2]
     assert next_incarnation(tmp_path, 0) == 3 and next_incarnation(tmp_path, 1) == 1
+
+
+def test_two_runs_on_one_directory_at_once_keep_their_own_incarnations(tmp_path: Path) -> None:
+    # two recorders given one trace directory at once (two processes, a restarted job whose old
+    # process still flushes): each claims an incarnation of its own, and each manifest write
+    # keeps the other's entry as it stands on disk
+    torch.manual_seed(0)
+    runs = []
+    for steps in (9, 14):
+        model = zoo.mlp(hidden=12, depth=2)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        runs.append((model, opt, watch(model, opt, tmp_path, flush_every_steps=3), steps))
+    assert [rec.writer.incarnation for *_, rec, _ in runs] == [1, 2]
+    batches = zoo.batches(*zoo.teacher_classification(256), 32)
+    for i, (_, x, y) in zip(range(14), batches, strict=False):
+        for model, opt, rec, steps in runs:  # their steps and flushes interleaved
+            if i < steps:
+                F.cross_entropy(model(x), y).backward()
+                opt.step()
+                opt.zero_grad()
+            elif i == steps:
+                rec.close()
+    runs[1][2].close()
+    manifest = json.loads(schema.manifest_path(tmp_path, 0).read_text())
+    assert [(e["incarnation"], e["status"], e["steps_recorded"], e["dropped_steps"])
+            for e in manifest["incarnations"]] == [(1, "normal", 9, 0), (2, "normal", 14, 0)]
+    rows = query(tmp_path, "select incarnation, count(*), max(step) from steps group by incarnation order by incarnation")
+    assert rows == [(1, 9, 9), (2, 14, 14)]
+    # claimed before any manifest says so: two processes that both found 1 free
+    assert [claim_incarnation(tmp_path / "fresh", 0) for _ in range(2)] == [1, 2]
 
 
 def test_unwritable_trace_directory_mid_run_drops_steps_and_training_goes_on(tmp_path: Path) -> None:

@@ -19,7 +19,7 @@ import queue
 import re
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -141,6 +141,47 @@ def next_incarnation(root: Path, rank: int) -> int:
     return max(seen) + 1
 
 
+def claim_incarnation(root: Path, rank: int) -> int:
+    """`next_incarnation`, claimed by making its folder of commit records: of two processes that
+    start on one trace directory at once, the second to make it takes the next number. (A
+    directory that cannot be written keeps the number; the first write reports the problem.)"""
+    incarnation = next_incarnation(root, rank)
+    folder = Path(root) / schema.COMMIT_DIR / f"rank={rank}"
+    for _ in range(10_000):
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            (folder / f"incarnation={incarnation}").mkdir()
+            return incarnation
+        except FileExistsError:
+            incarnation += 1
+        except OSError:
+            break
+    return incarnation
+
+
+@contextlib.contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    """An exclusive lock on the file `path` (made if missing) for the block, between processes;
+    none where the system has no `flock` or the file cannot be made."""
+    try:
+        import fcntl
+    except ImportError:  # not a POSIX system
+        yield
+        return
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError:
+        yield
+        return
+    try:
+        with contextlib.suppress(OSError):
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # lets the lock go
+
+
 def _versions() -> dict[str, str]:
     import torch
 
@@ -183,7 +224,7 @@ class TraceWriter:
         # segment, so live alarms judge the values the trace keeps
         self.significand_bits = dict(significand_bits or {})
         self.rank = rank
-        self.incarnation = next_incarnation(self.root, rank)
+        self.incarnation = claim_incarnation(self.root, rank)
         self.dropped_steps = 0
         self.errors: list[str] = []
         self.max_wait_s = max_wait_s
@@ -348,6 +389,22 @@ class TraceWriter:
         return path
 
     def _write_manifest(self) -> None:
-        with self._lock:
+        """This incarnation's entry into the rank's manifest. Under a lock shared with other
+        processes, the manifest as it stands on disk keeps the run's identity and every other
+        incarnation's entry: another process writing into the same directory loses nothing."""
+        path = schema.manifest_path(self.root, self.rank)
+        with self._lock, _locked(path.with_name(f"rank={self.rank}.lock")):
+            try:
+                disk = json.loads(path.read_text())
+            except (OSError, ValueError):
+                disk = None
+            if isinstance(disk, dict) and isinstance(disk.get("incarnations"), list):
+                others = [e for e in disk["incarnations"]
+                          if isinstance(e, dict) and e.get("incarnation") != self.incarnation]
+                self.manifest["incarnations"] = sorted(
+                    [*others, self._entry], key=lambda e: e.get("incarnation") if isinstance(e.get("incarnation"), int) else 0)
+                for key in ("run_id", "started_at"):
+                    if key in disk:
+                        self.manifest[key] = disk[key]
             text = json.dumps(self.manifest, indent=1, default=str)
-        _atomic_write(schema.manifest_path(self.root, self.rank), text.encode())
+            _atomic_write(path, text.encode())

@@ -318,6 +318,33 @@ def test_a_cpu_not_known_without_llvm_gets_no_library(tmp_path: Path, monkeypatc
     assert [p.suffix for p in tmp_path.iterdir()] == [".o"]
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+def test_large_tensors_are_blas_dot_products_only_where_the_pass_runs_on_one_thread(tmp_path: Path,
+                                                                                     threads: int) -> None:
+    # a model past SPLIT_FROM values with a tensor past BLAS_FROM: on torch's two threads the
+    # compiled pass in parts reads it; on one thread a BLAS dot product does; the same norms
+    assert kernels.available()
+    before = torch.get_num_threads()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(600, 500), nn.Tanh(), nn.Linear(500, 4))
+    assert model[0].weight.numel() >= params.BLAS_FROM and sum(p.numel() for p in model.parameters()) >= kernels.SPLIT_FROM
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    norms = []
+    try:
+        torch.set_num_threads(threads)
+        with watch(model, opt, tmp_path, full_precision=True) as rec:
+            assert rec.params._blas_list == ([] if threads > 1 and kernels.parts_on_threads() else [0])
+            for _ in range(3):
+                model(torch.randn(8, 600)).square().mean().backward()
+                norms.append(math.hypot(*(t.grad.double().norm().item() for t in (model[0].weight, model[0].bias))))
+                opt.step()
+                opt.zero_grad()
+    finally:
+        torch.set_num_threads(before)
+    got = health(tmp_path, "grad_norm_l2")
+    assert [got[(s, "0")] for s in (1, 2, 3)] == pytest.approx(norms, rel=1e-6)
+
+
 @pytest.mark.parametrize("passes", ["whole", "blas", "in parts"])
 @pytest.mark.parametrize("grad_kind", ["dense", "non-contiguous", "non-finite"])
 def test_compiled_parameter_passes_record_what_the_eager_ones_do(

@@ -83,8 +83,11 @@ def _checked(funcs: dict[str, Any]) -> None:
     scaled_norms(buf, np.array([0, 3]), np.array([2, 1]), 0.5, out)
     if list(out) != [5.0, 1.0] or list(buf) != [1.5, 2.0, 3.5, 0.5, -1.0]:
         raise RuntimeError("the compiled scaled-norm kernel gave a wrong value")
-    # the norm kernels in parts (`norm_parts`), on this thread: small parts over two tensors and an empty one
-    _state["openmp"] = None
+    # the norm kernels in parts (`norm_parts`), on this thread, then on torch's team if found:
+    # small parts over two tensors and an empty one
+    import torch
+
+    _state["openmp"], _state["threads"] = None, torch.get_num_threads
     t = [np.full(10_000, 0.5, _F32), np.zeros(0, _F32), np.full(6_000, 2.0, _F32)]
     addrs = np.array([a.ctypes.data for a in t])
     plan = _cut([a.size for a in t], 1, _BLOCK)
@@ -94,7 +97,12 @@ def _checked(funcs: dict[str, Any]) -> None:
                                                                    _at(words, _I64)) \
             or list(norms) != [50.0, 0.0, np.float32(np.sqrt(24_000.0))] or list(words) != want:
         raise RuntimeError("the compiled norm kernel in parts gave a wrong value")
-    _state["openmp"] = _openmp()
+    team = _openmp()
+    if team is not None:  # a team that gives another answer is not used (the parts stay here)
+        on_team = np.zeros(3, _F32), np.zeros(3, _I64)
+        funcs["norms_in_parts"](plan.task, _at(addrs, _I64), _at(on_team[0], _F32), _at(on_team[1], _I64), team, 2)
+        if list(on_team[0]) == list(norms) and list(on_team[1]) == want:
+            _state["openmp"] = team
 
 
 def available() -> bool:
@@ -307,10 +315,11 @@ def _sketch_sums_reference(rows: np.ndarray, k: int, cu: np.ndarray, cs: np.ndar
 # claim one at a time (`norm_parts`, tracer/jit.py): the training thread waits for the pass
 # either way, and the team's other threads are idle then. The parts, and so the sums, depend on
 # the tensors' lengths alone: any number of threads, one included, gives the same norms for the
-# same memory (weight drift compares two of them).
+# same memory (weight drift compares two of them), but for subnormal values under
+# `torch.set_flush_denormal(True)`, which sets the calling thread's floating-point mode alone.
 SPLIT_FROM = 1 << 18
 _PART, _MAX_PARTS = 1 << 17, 64
-_BLOCK = 2048  # parts are cut at multiples of the word-summing loop's block
+_BLOCK = 2048  # tensors are cut at multiples of this many values (aligned vector loads)
 
 
 class _Plan(NamedTuple):
@@ -336,13 +345,14 @@ def _plan(lens: np.ndarray) -> _Plan | None:
 
 
 def _cut(counts: list[int], split_from: int, part: int) -> _Plan | None:
-    """`_plan` for tensors of `counts` values: parts of about `part` values (cut at multiples of
-    `_BLOCK`, at most `_MAX_PARTS` of them), None under `split_from` values in all."""
+    """`_plan` for tensors of `counts` values: parts of about `part` values (at most `_MAX_PARTS`
+    of them; a tensor is cut at multiples of `_BLOCK` values from its start), None under
+    `split_from` values in all."""
     total = sum(counts)
     if total < split_from or not counts or min(counts) < 0:
         return None
     parts = min(_MAX_PARTS, max(2, total // part))
-    cuts = [total * k // parts // _BLOCK * _BLOCK for k in range(1, parts)]
+    cuts = [total * k // parts for k in range(1, parts)]
     segs: list[tuple[int, int, int, int]] = []  # (tensor, first value, length, part)
     pos = c = 0
     for i, n in enumerate(counts):
@@ -350,10 +360,11 @@ def _cut(counts: list[int], split_from: int, part: int) -> _Plan | None:
         while c < len(cuts) and cuts[c] <= pos:
             c += 1
         while c < len(cuts) and cuts[c] < pos + n:
-            segs.append((i, off, cuts[c] - pos - off, c))
-            off = cuts[c] - pos
-            while c < len(cuts) and cuts[c] <= pos + off:
-                c += 1
+            at = (cuts[c] - pos) // _BLOCK * _BLOCK  # a multiple of the block within the tensor
+            if at > off:
+                segs.append((i, off, at - off, c))
+                off = at
+            c += 1
         segs.append((i, off, n - off, c))
         pos += n
     tensor, first, length, of_part = (np.array(col, dtype=_I64) for col in zip(*segs, strict=True))
@@ -369,32 +380,37 @@ def _cut(counts: list[int], split_from: int, part: int) -> _Plan | None:
 def _split_norms(plan: _Plan, addrs: int, out: int, sums: int | None) -> bool:
     """`tensor_norms` (or `norms_word_sums`, with `sums`) of the tensors at `addrs` (the address of
     their int64 addresses) into `out` (the address of their float32 norms) as `plan` cuts them:
-    on the OpenMP team of torch's threads where there is one, else on this thread alone."""
-    return bool(_state["norms_in_parts"](plan.task, addrs, out, sums, _state["openmp"], 0))
+    on as many threads of torch's OpenMP team as torch's ops on this thread would use (where it
+    was found), else on this thread alone."""
+    threads = _state["threads"]()  # torch's count on this thread, as its ops would run
+    team = _state["openmp"] if threads > 1 else None
+    return bool(_state["norms_in_parts"](plan.task, addrs, out, sums, team, threads))
 
 
 def _openmp() -> int | None:
-    """The address of `GOMP_parallel` in the OpenMP runtime that torch's CPU ops run on (Linux:
-    found among the libraries the process has mapped, torch's own first); None if torch runs on
-    another threading backend or it is not found. Called with 0 threads, it runs on as many as
-    torch's ops on the calling thread."""
+    """The address of the `GOMP_parallel` that torch's own CPU ops call, as the dynamic linker
+    resolves it for them: in the process's global scope first (a runtime preloaded, or loaded
+    globally), else among torch's dependencies. None where torch runs on another threading
+    backend or none is found."""
     try:
         import torch
 
         if "parallel backend: OpenMP" not in torch.__config__.parallel_info():
             return None
-        with open("/proc/self/maps") as maps:
-            paths = {line.split()[-1] for line in maps if "/lib" in line and "omp" in line}
-        names = sorted(p for p in paths if os.path.basename(p).startswith(("libgomp", "libiomp", "libomp")))
-        own = os.path.dirname(torch.__file__)
-        names.sort(key=lambda p: not p.startswith(own))
-        for path in names:
-            lib = ctypes.CDLL(path)
-            if hasattr(lib, "GOMP_parallel"):
-                return ctypes.cast(lib.GOMP_parallel, ctypes.c_void_p).value
-    except (OSError, AttributeError, ImportError):
+        for scope in (None, torch._C.__file__):
+            try:
+                return ctypes.cast(ctypes.CDLL(scope).GOMP_parallel, ctypes.c_void_p).value
+            except (OSError, AttributeError):
+                continue
+    except Exception:  # the team is optional: the parts then run on the calling thread
         pass
     return None
+
+
+def parts_on_threads() -> bool:
+    """Whether a pass cut into parts now runs on more than one thread: torch's OpenMP team was
+    found, and torch is set to more than one thread on this thread."""
+    return _state.get("openmp") is not None and _state["threads"]() > 1
 
 
 def row_copier() -> Any:

@@ -31,7 +31,7 @@ _PM = {m: i for i, m in enumerate(PARAM_METRICS)}
 _DOT_SMALLEST = 1e-15
 # CPU: a tensor of at least this many values has its norm taken by a BLAS dot product (which
 # reads a large vector on all of torch's threads) rather than by the compiled pass, where that
-# pass runs on one thread (the parameters hold under `kernels.SPLIT_FROM` values in all)
+# pass runs on one thread (`ParamProbe._share_blas`)
 BLAS_FROM = 131_072
 # steps between exact weight-norm checks at the first forward when no version counter moved
 EXACT_DRIFT_EVERY = 8
@@ -159,11 +159,7 @@ class ParamProbe:
         self._checked_grads: tuple[list[int], list[int], list[int]] | None = None
         self._scratch = np.zeros(n_p, dtype=np.float32)  # grads_so_far_finite's norms (and a tensor view)
         self._scratch_t = torch.from_numpy(self._scratch)
-        # past `kernels.SPLIT_FROM` values in all the compiled pass runs on torch's threads too
-        self._blas = (self._numel >= BLAS_FROM) & (int(self._numel.sum()) < kernels.SPLIT_FROM)
-        self._blas_list = np.flatnonzero(self._blas).tolist()
-        self._blas_idx = torch.tensor(self._blas_list, dtype=torch.long)
-        self._compiled_numel = np.where(self._blas, 0, self._numel)  # 0: not in the compiled pass
+        self._share_blas()
         self._weight_addrs: np.ndarray | None = None  # set by refresh() when the weights qualify
         self._weight_ptrs: list[int] = []                # the same addresses, to compare with
         self._sharded = any(callable(getattr(p, "to_local", None)) for p in self.params)
@@ -261,12 +257,25 @@ class ParamProbe:
         self._scale_np, self._comp_np = self.scale.numpy(), self.coord_comp.numpy()
         self._sketch_out_np = self._sketch_out.numpy()
 
+    def _share_blas(self) -> None:
+        """The tensors whose norms are BLAS dot products, not the compiled pass: those of
+        `BLAS_FROM` values or more, unless the compiled pass runs in parts on torch's threads
+        (`kernels.parts_on_threads`) and so reads them on as many. Decided when the compiled
+        passes are taken, for the rest of the run."""
+        split = (self._compiled and int(self._numel.sum()) >= kernels.SPLIT_FROM
+                 and kernels.parts_on_threads())
+        self._blas = (self._numel >= BLAS_FROM) & (not split)
+        self._blas_list = np.flatnonzero(self._blas).tolist()
+        self._blas_idx = torch.tensor(self._blas_list, dtype=torch.long)
+        self._compiled_numel = np.where(self._blas, 0, self._numel)  # 0: not in the compiled pass
+
     def _take_compiled(self) -> None:
         """The kernels are loaded: the compiled passes from now on. Called at a step's end,
         before its weights are read: drift compares a step's first-forward weight norms with the
         last step's end's, and those two then come from the same kind of pass."""
         self._may_compile = False
         self._compiled = True
+        self._share_blas()
         self._rows_np = self.rows.numpy()
         self._np_views = self._views_of(self._rows_np)
         self._kernel_views()

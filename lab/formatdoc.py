@@ -158,8 +158,9 @@ memory. A SIGKILL therefore loses the open segment and at most the one segment b
 `close()`, leaving the `with` block, SIGTERM (the handler chains to any previous one, then the
 default action ends the process; one that arrives while the recorder ends a step or flushes
 closes it once that is done) and interpreter exit flush everything. `close()` called from
-another thread (a watchdog) waits for a step's end or flush in progress on the training thread,
-and that thread's later steps go unrecorded. A KeyboardInterrupt raised
+another thread (a watchdog) waits for whatever the recorder is doing on the training thread (a
+hook, a step's end, a flush), and that thread's later steps go unrecorded; a SIGTERM meanwhile
+ends the process once that close is done. A KeyboardInterrupt raised
 inside the recorder leaves the values it had not filled null, never another step's. Any write
 error drops that segment's steps, counts them in `dropped_steps` and warns once (a manifest
 that fails to follow a committed segment drops none); training is never interrupted.
@@ -210,8 +211,8 @@ def render() -> str:
            "Steps that repeat after a restart from a checkpoint are kept; `incarnation` tells them apart. "
            "A process takes the next incarnation by making its folder under `commits/`, so two "
            "processes that start on one directory at once take different ones; each rewrites the "
-           "manifest under a lock (`manifest/rank=R.lock`, where the system has `flock`), keeping "
-           "the other's entry as it stands on disk.",
+           "manifest under a lock (`manifest/rank=R.lock`, a POSIX record lock that a forked child "
+           "does not keep, waited for at most a second), keeping the other's entry as it stands on disk.",
            ""]
     for table in schema.TABLES:
         out += [f"## `{table}`", "", *_table(schema.COLUMNS[table]), ""]

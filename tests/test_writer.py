@@ -521,6 +521,132 @@ def test_a_close_from_another_thread_waits_for_the_training_threads_step_end(tmp
     assert (entry["status"], entry["dropped_steps"], entry["steps_recorded"]) == ("watchdog", 0, 7)
 
 
+@pytest.mark.parametrize("where", ["params", "forward"])
+def test_a_close_from_another_thread_waits_for_the_training_threads_hooks(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                          where: str) -> None:
+    # the training thread is held inside a hook of step 8's forward (the first-forward weight
+    # reading, a component's observation) while a watchdog's close() goes as far as it can: it
+    # waits for the hook, so its reduction never reads a row the hook is writing
+    from warninglight.tracer import params, probes, recorder
+
+    def values(trace: Path) -> dict[tuple[int, str], tuple]:
+        rows = duckdb.sql("select step, component, update_norm_l2, weight_drift_l2, out_rms from "
+                          f"read_parquet('{schema.segment_glob(trace, 'health')}')")
+        return {(s, c): tuple(rest) for s, c, *rest in rows.fetchall()}
+
+    _train_until(tmp_path / "reference", 24)
+    reference = values(tmp_path / "reference")
+    made, watchdog, inside, go, during = [], [], threading.Event(), threading.Event(), []
+    init = recorder.Recorder.__init__
+
+    def keep(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        init(self, *args, **kwargs)
+        made.append(self)
+    monkeypatch.setattr(recorder.Recorder, "__init__", keep)
+    owner, name, reducer = ((params.ParamProbe, "begin", params.ParamProbe) if where == "params"
+                            else (probes.ForwardProbe, "observe", probes.ForwardProbe))
+    hooked, reduce = getattr(owner, name), reducer._reduce
+
+    def reduce_in_watchdog(self, *args):  # type: ignore[no-untyped-def]
+        if threading.current_thread() is not threading.main_thread():
+            inside.set()  # the watchdog's close() reached its reduction
+            go.wait(5)
+        return reduce(self, *args)
+
+    def held(self, *args):  # type: ignore[no-untyped-def]
+        if made[0].step_count == 7 and not watchdog:  # step 8's forward, inside the hook
+            watchdog.append(threading.Thread(target=made[0].close, args=("watchdog",)))
+            watchdog[0].start()
+            during.append(inside.wait(1))  # an unguarded close() reaches its reduction here
+            out = hooked(self, *args)
+            go.set()
+            return out
+        return hooked(self, *args)
+    monkeypatch.setattr(reducer, "_reduce", reduce_in_watchdog)
+    monkeypatch.setattr(owner, name, held)
+    _train_until(tmp_path / "raced", 24)
+    watchdog[0].join()
+    got = values(tmp_path / "raced")
+    steps = sorted({s for s, _ in got})
+    assert during == [False]  # the watchdog's reduction came only after the hook
+    assert steps == list(range(1, steps[-1] + 1)) and steps[-1] >= 7
+    assert got == {key: reference[key] for key in got}
+
+
+def test_a_sigterm_while_another_thread_closes_ends_the_process_after_that_close(tmp_path: Path,
+                                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    # the handler's close() waits for a watchdog's close() in progress (a slow final write)
+    # before the default action would end the process: the trace is whole when it does
+    from warninglight.tracer import recorder, writer
+
+    made, watchdog, ended = [], [], []
+    init, close = recorder.Recorder.__init__, writer.TraceWriter.close
+
+    def keep(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        init(self, *args, **kwargs)
+        self._prev_sigterm = lambda *_: ended.append(json.loads(  # what the process leaves
+            schema.manifest_path(tmp_path, 0).read_text())["incarnations"][0]["status"])
+        made.append(self)
+
+    def slow_close(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        time.sleep(0.5)
+        close(self, *args, **kwargs)
+    monkeypatch.setattr(recorder.Recorder, "__init__", keep)
+    monkeypatch.setattr(writer.TraceWriter, "close", slow_close)
+    torch.manual_seed(0)
+    model = zoo.mlp(hidden=12, depth=2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with watch(model, opt, tmp_path, flush_every_steps=5):
+        for i, (_, x, y) in zip(range(12), zoo.batches(*zoo.teacher_classification(256), 32), strict=False):
+            F.cross_entropy(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+            if i == 6:
+                watchdog.append(threading.Thread(target=made[0].close, args=("watchdog",)))
+                watchdog[0].start()
+                time.sleep(0.1)  # the watchdog is in its close()
+                made[0]._on_sigterm(signal.SIGTERM, None)  # as if delivered here
+    watchdog[0].join()
+    assert ended == ["watchdog"]
+
+
+def test_the_manifest_lock_is_waited_for_a_bounded_time_and_no_forked_child_keeps_it(tmp_path: Path) -> None:
+    # another process holding the lock delays a manifest write by at most MANIFEST_LOCK_WAIT_S
+    # (then it is written without the lock): no training thread waits on a file for long. A
+    # child forked while the lock is held (a DataLoader worker) does not keep it
+    from warninglight.tracer import writer
+
+    lock = tmp_path / "rank=0.lock"
+    holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+        import fcntl, os, time
+        fd = os.open({str(lock)!r}, os.O_RDWR | os.O_CREAT)
+        fcntl.lockf(fd, fcntl.LOCK_EX)
+        print("held", flush=True)
+        time.sleep(60)""")], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
+        t0 = time.monotonic()
+        with writer._locked(lock):
+            waited = time.monotonic() - t0
+    finally:
+        holder.kill()
+        holder.wait()
+    assert writer.MANIFEST_LOCK_WAIT_S * 0.9 <= waited < writer.MANIFEST_LOCK_WAIT_S + 5
+    with writer._locked(lock):
+        pid = os.fork()
+        if pid == 0:  # the child sleeps on, holding whatever it inherited
+            time.sleep(20)
+            os._exit(0)
+    try:
+        t0 = time.monotonic()
+        with writer._locked(lock):  # free again once the parent let it go
+            waited = time.monotonic() - t0
+    finally:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+    assert waited < writer.MANIFEST_LOCK_WAIT_S * 0.5
+
+
 def test_a_manifest_that_fails_to_follow_a_committed_segment_drops_no_step(tmp_path: Path,
                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
     # the segment is committed before the manifest is rewritten: a failed manifest write is

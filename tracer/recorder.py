@@ -226,14 +226,14 @@ class Recorder:
 
     def log(self, **values: float | torch.Tensor) -> None:
         """Step-level scalars (`loss=...`, anything else goes to `scalars`); tensors are not synced."""
-        if self._closed:
-            return
         # checked now: a value that float() rejects would fail the whole segment at flush time
         bad = [k for k, v in values.items() if not _is_scalar(v)]
         for k in bad:
             self._warn_once(f"rec.log({k}=...) ignored: expected a number or tensor, got "
                             f"{type(values.pop(k)).__name__}")
-        self.buffer.log(self._target_step(), values)
+        with self._lock:
+            if not self._closed:
+                self.buffer.log(self._target_step(), values)
 
     def batch(self, ids: Any) -> None:
         """The sample ids (or batch indices) this step consumed: an int, or a list or tensor of ints."""
@@ -246,12 +246,15 @@ class Recorder:
                 self._warn_once(f"rec.batch(...) ignored: expected a list or tensor of int sample "
                                 f"ids, got {type(ids).__name__} ({exc})")
                 return
-        self.buffer.batch(self._target_step(), ids)
+        with self._lock:
+            if not self._closed:
+                self.buffer.batch(self._target_step(), ids)
 
     def checkpoint(self, path: str | os.PathLike[str], detail: str | None = None) -> None:
         """Record that a checkpoint holding the weights after `step_count` steps was saved."""
-        if not self._closed:
-            self._event("checkpoint", path=os.fspath(path), detail=detail)
+        with self._lock:
+            if not self._closed:
+                self._event("checkpoint", path=os.fspath(path), detail=detail)
 
     def step(self) -> None:
         """End a step by hand, when no optimizer was given to `watch`."""
@@ -263,11 +266,10 @@ class Recorder:
         self._post_step()
 
     def close(self, reason: str = "normal") -> None:
-        """Stop recording and write everything still buffered. Safe to call twice."""
-        if self._closed:
-            return
+        """Stop recording and write everything still buffered. Safe to call twice, and from any
+        thread: a call while another thread closes it returns once that close is done."""
         with self._lock, self._sigterm_deferred():
-            if self._closed:  # another thread closed it while this one waited
+            if self._closed:
                 return
             self._closed, self._noting = True, False
             for h in self._handles:
@@ -327,19 +329,22 @@ class Recorder:
         if (module is not self.model or torch.compiler.is_compiling() or self._closed
                 or not torch.is_grad_enabled()):  # a copy of the model (`__deepcopy__`): not watched
             return
-        self.loop.forward(module.training, args, kwargs)  # eval() mode too: a fact of its own
-        if not module.training:
-            return
-        self._micro_batches += 1
-        self._noting = self.fwd.device.type == "cpu"
-        try:
-            self._begin_step()
-            if self.fwd.held:  # another micro-batch: judge the previous one by its gradients, if
-                # a backward pass made them since (two forward passes, then one backward: not yet)
-                self.fwd.settle(self.params.grads_so_far_finite() if self._backward_seen else None)
-        except Exception as exc:
-            self._probe_failed(exc)
-        self._backward_seen = False
+        with self._lock:  # (each entry point: a close() from another thread waits for it)
+            if self._closed:
+                return
+            self.loop.forward(module.training, args, kwargs)  # eval() mode too: a fact of its own
+            if not module.training:
+                return
+            self._micro_batches += 1
+            self._noting = self.fwd.device.type == "cpu"
+            try:
+                self._begin_step()
+                if self.fwd.held:  # another micro-batch: judge the previous one by its gradients,
+                    # if a backward pass made them since (two forward passes, then one backward: not yet)
+                    self.fwd.settle(self.params.grads_so_far_finite() if self._backward_seen else None)
+            except Exception as exc:
+                self._probe_failed(exc)
+            self._backward_seen = False
 
     def _root_hook(self, module: nn.Module, args: Any, out: Any) -> None:
         """End of the forward pass: take the samples the hooks left, and arrange calls at the start
@@ -347,19 +352,26 @@ class Recorder:
         if (module is not self.model or torch.compiler.is_compiling() or self._closed
                 or not torch.is_grad_enabled()):
             return
-        t = first_tensor(out)
-        self._noting = False
-        if module.training:
-            try:
-                self.fwd.copy_deferred()
-                self.fwd.end_forward(t, self.params.grads_so_far_finite)
-            except Exception as exc:
-                self._probe_failed(exc)
-        if t is not None and t.requires_grad:
-            t.register_hook(self._on_output_grad)
+        with self._lock:
+            if self._closed:
+                return
+            t = first_tensor(out)
+            self._noting = False
+            if module.training:
+                try:
+                    self.fwd.copy_deferred()
+                    self.fwd.end_forward(t, self.params.grads_so_far_finite)
+                except Exception as exc:
+                    self._probe_failed(exc)
+            if t is not None and t.requires_grad:
+                t.register_hook(self._on_output_grad)
 
     def _on_output_grad(self, grad: torch.Tensor) -> None:
-        if not self._backward_queued:  # once per backward pass, however many outputs
+        if self._backward_queued:  # once per backward pass, however many outputs
+            return
+        with self._lock:
+            if self._closed:
+                return
             self._backward_queued = True
             try:  # before any gradient of this pass accumulates: were the last step's cleared?
                 self.loop.backward_begins(self.params.backward_versions)
@@ -375,10 +387,12 @@ class Recorder:
         `.grad` there, FSDP reduces its shards. The gradients as the backward pass leaves them
         are those after every such callback, so `_after_backward` is queued behind them."""
         if self.replicas is not None:
-            try:  # DDP's copy has not happened yet: `.grad` holds this rank's own gradients
-                self.replicas.backward_ending()
-            except Exception as exc:
-                self._probe_failed(exc)
+            with self._lock:
+                try:  # DDP's copy has not happened yet: `.grad` holds this rank's own gradients
+                    if not self._closed:
+                        self.replicas.backward_ending()
+                except Exception as exc:
+                    self._probe_failed(exc)
         try:
             torch.autograd.Variable._execution_engine.queue_callback(self._after_backward)
         except Exception:  # no backward pass in progress on this thread to queue into
@@ -386,17 +400,18 @@ class Recorder:
 
     def _after_backward(self) -> None:
         self._backward_queued, self._backward_seen = False, True
-        if self._closed:
-            return
-        try:
-            self.params.after_backward()
-        except Exception as exc:
-            self._probe_failed(exc)
-        if self.replicas is not None:
+        with self._lock:
+            if self._closed:
+                return
             try:
-                self.replicas.backward_ended()
+                self.params.after_backward()
             except Exception as exc:
                 self._probe_failed(exc)
+            if self.replicas is not None:
+                try:
+                    self.replicas.backward_ended()
+                except Exception as exc:
+                    self._probe_failed(exc)
 
     def _make_hook(self, comp: Any) -> Any:
         fwd, idx, own = self.fwd, comp.index, comp.module
@@ -419,18 +434,19 @@ class Recorder:
                 return
             # (a checkpointed module's forward run again in the backward pass: observed there
             # only if its first run was not, under a reentrant checkpoint's no_grad)
-            if not self._recording(module) or (fwd.sampled[idx] and _graph_task() != -1):
-                if (not module.training and self.model.training and not self._closed
-                        and torch.is_grad_enabled()):
-                    self._component_in_eval(comp)
-                return
-            try:
-                self._begin_step()
-                if comp.forward_index is None and self.step_count < self._first_step:
-                    comp.forward_index, self._order = self._order, self._order + 1
-                fwd.observe(comp, out)
-            except Exception as exc:  # a probe must never break the forward pass
-                self._probe_failed(exc)
+            with self._lock:
+                if not self._recording(module) or (fwd.sampled[idx] and _graph_task() != -1):
+                    if (not module.training and self.model.training and not self._closed
+                            and torch.is_grad_enabled()):
+                        self._component_in_eval(comp)
+                    return
+                try:
+                    self._begin_step()
+                    if comp.forward_index is None and self.step_count < self._first_step:
+                        comp.forward_index, self._order = self._order, self._order + 1
+                    fwd.observe(comp, out)
+                except Exception as exc:  # a probe must never break the forward pass
+                    self._probe_failed(exc)
         # "eager": dynamo calls the hook outside the graph (a graph break per component)
         return torch.compiler.disable(hook) if self._eager_under_compile else hook
 
@@ -451,15 +467,18 @@ class Recorder:
     def _pre_step(self) -> None:
         if self._closed:
             return
-        try:
-            self.params.grads()
-            self._step_facts = self.loop.step_facts(self.params.param_has_grad)
-            # forward outputs held on CPU are counted only if the gradients say something was
-            # not finite; a non-finite output that never reaches the gradients goes uncounted
-            if self.fwd.held or self.fwd.released:
-                self.fwd.settle(None if self.params.has_grad is None else self.params.grads_finite)
-        except Exception as exc:
-            self._probe_failed(exc)
+        with self._lock:
+            if self._closed:
+                return
+            try:
+                self.params.grads()
+                self._step_facts = self.loop.step_facts(self.params.param_has_grad)
+                # forward outputs held on CPU are counted only if the gradients say something was
+                # not finite; a non-finite output that never reaches the gradients goes uncounted
+                if self.fwd.held or self.fwd.released:
+                    self.fwd.settle(None if self.params.has_grad is None else self.params.grads_finite)
+            except Exception as exc:
+                self._probe_failed(exc)
 
     def _post_step(self) -> None:
         """optimizer.step's post-hook (or `rec.step()`): the step ends here."""

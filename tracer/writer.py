@@ -133,7 +133,7 @@ def next_incarnation(root: Path, rank: int) -> int:
         seen += [int(i["incarnation"]) for i in manifest.get("incarnations", [])]
     except (OSError, ValueError, KeyError, TypeError):
         pass
-    for table in schema.TABLES:
+    for table in (*schema.TABLES, schema.COMMIT_DIR):  # a folder claimed and not yet written too
         rank_dir = Path(root) / table / f"rank={rank}"
         if rank_dir.is_dir():
             seen += [int(m.group(1)) for d in rank_dir.iterdir()
@@ -159,27 +159,47 @@ def claim_incarnation(root: Path, rank: int) -> int:
     return incarnation
 
 
+# the writers of each manifest in this process, one at a time (a record lock below excludes
+# other processes, not other threads)
+_manifest_locks: dict[str, threading.Lock] = {}
+_manifest_locks_guard = threading.Lock()
+MANIFEST_LOCK_WAIT_S = 1.0
+
+
 @contextlib.contextmanager
 def _locked(path: Path) -> Iterator[None]:
-    """An exclusive lock on the file `path` (made if missing) for the block, between processes;
-    none where the system has no `flock` or the file cannot be made."""
+    """The block run alone among this process's writers of the manifest whose lock file is
+    `path`, and among other processes' (a POSIX record lock on `path`, made if missing, which a
+    forked child does not inherit). Each lock is waited for at most `MANIFEST_LOCK_WAIT_S`;
+    past that, or where the system or the file system has no such lock, the block runs without
+    it (a manifest written late or unmerged beats a training thread held)."""
+    with _manifest_locks_guard:
+        own = _manifest_locks.setdefault(str(path), threading.Lock())
+    held = own.acquire(timeout=MANIFEST_LOCK_WAIT_S)
+    fd = None
     try:
-        import fcntl
-    except ImportError:  # not a POSIX system
-        yield
-        return
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-    except OSError:
-        yield
-        return
-    try:
-        with contextlib.suppress(OSError):
-            fcntl.flock(fd, fcntl.LOCK_EX)
+        try:
+            import fcntl
+
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+            deadline = time.monotonic() + MANIFEST_LOCK_WAIT_S
+            while True:
+                try:
+                    fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except (BlockingIOError, PermissionError):  # another process holds it
+                    if time.monotonic() >= deadline:
+                        break
+                    time.sleep(0.005)
+        except (ImportError, OSError):  # not POSIX, or no record locks here
+            pass
         yield
     finally:
-        os.close(fd)  # lets the lock go
+        if fd is not None:
+            os.close(fd)  # lets the record lock go
+        if held:
+            own.release()
 
 
 def _versions() -> dict[str, str]:
@@ -390,21 +410,24 @@ class TraceWriter:
 
     def _write_manifest(self) -> None:
         """This incarnation's entry into the rank's manifest. Under a lock shared with other
-        processes, the manifest as it stands on disk keeps the run's identity and every other
-        incarnation's entry: another process writing into the same directory loses nothing."""
+        processes (`_locked`), the manifest as it stands on disk keeps the run's identity and
+        every other incarnation's entry: another process writing into the same directory loses
+        nothing. The training thread's `record_failure` never waits for the file."""
         path = schema.manifest_path(self.root, self.rank)
-        with self._lock, _locked(path.with_name(f"rank={self.rank}.lock")):
+        with _locked(path.with_name(f"rank={self.rank}.lock")):
             try:
                 disk = json.loads(path.read_text())
             except (OSError, ValueError):
                 disk = None
-            if isinstance(disk, dict) and isinstance(disk.get("incarnations"), list):
-                others = [e for e in disk["incarnations"]
-                          if isinstance(e, dict) and e.get("incarnation") != self.incarnation]
-                self.manifest["incarnations"] = sorted(
-                    [*others, self._entry], key=lambda e: e.get("incarnation") if isinstance(e.get("incarnation"), int) else 0)
-                for key in ("run_id", "started_at"):
-                    if key in disk:
-                        self.manifest[key] = disk[key]
-            text = json.dumps(self.manifest, indent=1, default=str)
+            with self._lock:
+                if isinstance(disk, dict) and isinstance(disk.get("incarnations"), list):
+                    others = [e for e in disk["incarnations"]
+                              if isinstance(e, dict) and e.get("incarnation") != self.incarnation]
+                    self.manifest["incarnations"] = sorted(
+                        [*others, self._entry],
+                        key=lambda e: e.get("incarnation") if isinstance(e.get("incarnation"), int) else 0)
+                    for key in ("run_id", "started_at"):
+                        if key in disk:
+                            self.manifest[key] = disk[key]
+                text = json.dumps(self.manifest, indent=1, default=str)
             _atomic_write(path, text.encode())

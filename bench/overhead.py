@@ -18,6 +18,9 @@ with `--fresh-process`, each a new process timed from its start to its exit, as 
 (see `measure_whole_runs`). The models are bench/cases.py's; `--nanogpt` adds one in nanoGPT's
 layout and loop (bench/nanogpt.py) to the interleaved and whole-run measurements.
 
+`--split-from N` moves the size from which the norm passes run in parts on torch's threads
+(`kernels.SPLIT_FROM`; a huge N turns that off), in this process only.
+
 `--without PART[,PART...]` leaves parts of the recorder's work out of the watched copy, so that
 the same bench prints what each part costs in the step (in this process only: not with
 `--fresh-process`): `preclip`, `grads` and `weights` replace that pass over the tensors with a
@@ -383,6 +386,9 @@ def main() -> None:
                          "optimizer step (as when the model's output is not judged at the forward's end)")
     ap.add_argument("--without", default="", metavar="PART[,PART...]",
                     help=f"leave these parts out of the watched copy, in this process: {', '.join(_PARTS)}")
+    ap.add_argument("--split-from", type=int, default=None, metavar="N",
+                    help="cut the norm passes into parts on torch's threads from N values in all "
+                         f"(kernels.SPLIT_FROM, default {kernels.SPLIT_FROM}; a huge N: never), in this process")
     args = ap.parse_args()
     without = {p for p in args.without.split(",") if p}
     if without - set(_PARTS):
@@ -399,6 +405,11 @@ def main() -> None:
     if without:
         leave_out(without)
         print(f"the watched copy without: {', '.join(sorted(without))}")
+    if args.split_from is not None:
+        if args.fresh_process:
+            ap.error("--split-from sets this process: it cannot reach --fresh-process runs")
+        kernels.SPLIT_FROM = args.split_from
+        print(f"norm passes in parts from {args.split_from} values")
     # the steady state: the compiled passes from the first watched step (a process loads them in
     # the background at its first watch(); --fresh-process times that too)
     kernels.available()

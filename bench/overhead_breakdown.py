@@ -7,6 +7,9 @@ indented under their caller, and counted in it too), their total, and the proces
 faults per step each way (getrusage). Run:
 `python bench/overhead_breakdown.py [--steps N] [--threads T] [--model bench|small] [--plain-first]`.
 
+`--split-from N` moves the size from which the norm passes run in parts on torch's threads
+(`kernels.SPLIT_FROM`; a huge N turns that off).
+
 `--norms-ab [--blas-from N]` instead times the parameter probe's three entry points in one
 watched run whose steps alternate the CPU norm and sketch passes between the compiled path
 (tracer/kernels.py; tensors of `--blas-from` values or more as BLAS dot products, default
@@ -81,7 +84,12 @@ def main() -> None:
                     help="time the parameter probe with compiled and eager norm passes, steps alternated")
     ap.add_argument("--blas-from", type=int, default=None,
                     help="with --norms-ab: tensors of this many values or more through BLAS")
+    ap.add_argument("--split-from", type=int, default=None, metavar="N",
+                    help="the norm passes in parts on torch's threads from N values in all "
+                         f"(kernels.SPLIT_FROM, default {kernels.SPLIT_FROM}; a huge N: never)")
     args = ap.parse_args()
+    if args.split_from is not None:
+        kernels.SPLIT_FROM = args.split_from
     # the steady state: the compiled passes from the first watched step (a process loads them in
     # the background at its first watch(); --fresh-process times that too)
     kernels.available()

@@ -49,6 +49,14 @@ def _block_bounds(end: str) -> str:
 """
 
 
+def _span(array: str, at: str) -> str:
+    """A block's body: %s0 and %s1, entries `at` and `at` + 1 (the IR value `at`1) of the int64
+    `array`, the ends of a range of segments; then on to %seg."""
+    return (f"  %s0p = getelementptr i64, ptr {array}, i64 {at}\n  %s0 = load i64, ptr %s0p\n"
+            f"  {at}1 = add nuw nsw i64 {at}, 1\n  %s1p = getelementptr i64, ptr {array}, i64 {at}1\n"
+            "  %s1 = load i64, ptr %s1p\n  br label %seg\n")
+
+
 def _add_into_sums(rows: tuple[tuple[int, str], ...]) -> str:
     """forward_sums: each float32 value of `rows` ((row of sums, IR value) pairs) added, as
     float64, into that row's column %s of the row-major sums (rows %S apart)."""
@@ -187,13 +195,7 @@ claim:
   %more = icmp slt i64 %t, %f1
   br i1 %more, label %part, label %done
 part:
-  %s0p = getelementptr i64, ptr %q2, i64 %t
-  %s0 = load i64, ptr %s0p
-  %t1 = add nuw nsw i64 %t, 1
-  %s1p = getelementptr i64, ptr %q2, i64 %t1
-  %s1 = load i64, ptr %s1p
-  br label %seg
-seg:
+""" + _span("%q2", "%t") + r"""seg:
   %s = phi i64 [%s0, %part], [%s_next, %put]
   %in = icmp slt i64 %s, %s1
   br i1 %in, label %segment, label %claim
@@ -262,13 +264,7 @@ head:
   %more = icmp slt i64 %i, %count
   br i1 %more, label %tensor, label %exit
 tensor:
-  %s0p = getelementptr i64, ptr %first, i64 %i
-  %s0 = load i64, ptr %s0p
-  %i1 = add nuw nsw i64 %i, 1
-  %s1p = getelementptr i64, ptr %first, i64 %i1
-  %s1 = load i64, ptr %s1p
-  br label %seg
-seg:
+""" + _span("%first", "%i") + r"""seg:
   %s = phi i64 [%s0, %tensor], [%s_next, %seg_body]
   %acc = phi double [0.0, %tensor], [%acc1, %seg_body]
   %ws = phi i64 [0, %tensor], [%ws1, %seg_body]

@@ -514,11 +514,11 @@ def test_a_close_from_another_thread_waits_for_the_training_threads_step_end(tmp
     _train_until(tmp_path / "raced", 24)
     watchdog[0].join()
     got = _values(tmp_path / "raced")
-    steps = sorted({s for s, _ in got})
-    assert made[0]._closed and steps == list(range(1, 8))
-    assert {key: values for key, values in got.items()} == {key: reference[key] for key in got}
+    steps = sorted({s for s, _ in got})  # the close comes at the first entry point it can take
+    assert made[0]._closed and steps == list(range(1, steps[-1] + 1)) and 7 <= steps[-1] < 24
+    assert got == {key: reference[key] for key in got}
     (entry,) = json.loads(schema.manifest_path(tmp_path / "raced", 0).read_text())["incarnations"]
-    assert (entry["status"], entry["dropped_steps"], entry["steps_recorded"]) == ("watchdog", 0, 7)
+    assert (entry["status"], entry["dropped_steps"], entry["steps_recorded"]) == ("watchdog", 0, steps[-1])
 
 
 @pytest.mark.parametrize("where", ["params", "forward"])
@@ -579,7 +579,7 @@ def test_a_sigterm_while_another_thread_closes_ends_the_process_after_that_close
     # before the default action would end the process: the trace is whole when it does
     from warninglight.tracer import recorder, writer
 
-    made, watchdog, ended = [], [], []
+    made, watchdog, ended, closing = [], [], [], threading.Event()
     init, close = recorder.Recorder.__init__, writer.TraceWriter.close
 
     def keep(self, *args, **kwargs):  # type: ignore[no-untyped-def]
@@ -589,7 +589,8 @@ def test_a_sigterm_while_another_thread_closes_ends_the_process_after_that_close
         made.append(self)
 
     def slow_close(self, *args, **kwargs):  # type: ignore[no-untyped-def]
-        time.sleep(0.5)
+        closing.set()
+        time.sleep(0.5)  # a slow disk: an unguarded handler's close() returns meanwhile
         close(self, *args, **kwargs)
     monkeypatch.setattr(recorder.Recorder, "__init__", keep)
     monkeypatch.setattr(writer.TraceWriter, "close", slow_close)
@@ -604,7 +605,7 @@ def test_a_sigterm_while_another_thread_closes_ends_the_process_after_that_close
             if i == 6:
                 watchdog.append(threading.Thread(target=made[0].close, args=("watchdog",)))
                 watchdog[0].start()
-                time.sleep(0.1)  # the watchdog is in its close()
+                closing.wait(10)  # the watchdog is in its close()
                 made[0]._on_sigterm(signal.SIGTERM, None)  # as if delivered here
     watchdog[0].join()
     assert ended == ["watchdog"]
@@ -626,25 +627,25 @@ def test_the_manifest_lock_is_waited_for_a_bounded_time_and_no_forked_child_keep
     try:
         assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
         t0 = time.monotonic()
-        with writer._locked(lock):
+        with writer._locked(lock) as had:  # given up after the bounded wait: written unlocked
             waited = time.monotonic() - t0
     finally:
         holder.kill()
         holder.wait()
-    assert writer.MANIFEST_LOCK_WAIT_S * 0.9 <= waited < writer.MANIFEST_LOCK_WAIT_S + 5
-    with writer._locked(lock):
+    assert had is False and waited < writer.MANIFEST_LOCK_WAIT_S + 30  # not a hang
+    with writer._locked(lock) as had:
+        assert had is True
         pid = os.fork()
         if pid == 0:  # the child sleeps on, holding whatever it inherited
-            time.sleep(20)
+            time.sleep(60)
             os._exit(0)
     try:
-        t0 = time.monotonic()
-        with writer._locked(lock):  # free again once the parent let it go
-            waited = time.monotonic() - t0
+        with writer._locked(lock) as had:  # free again once the parent let it go
+            pass
     finally:
         os.kill(pid, signal.SIGKILL)
         os.waitpid(pid, 0)
-    assert waited < writer.MANIFEST_LOCK_WAIT_S * 0.5
+    assert had is True
 
 
 def test_a_manifest_that_fails_to_follow_a_committed_segment_drops_no_step(tmp_path: Path,

@@ -167,16 +167,17 @@ MANIFEST_LOCK_WAIT_S = 1.0
 
 
 @contextlib.contextmanager
-def _locked(path: Path) -> Iterator[None]:
+def _locked(path: Path) -> Iterator[bool]:
     """The block run alone among this process's writers of the manifest whose lock file is
     `path`, and among other processes' (a POSIX record lock on `path`, made if missing, which a
     forked child does not inherit). Each lock is waited for at most `MANIFEST_LOCK_WAIT_S`;
     past that, or where the system or the file system has no such lock, the block runs without
-    it (a manifest written late or unmerged beats a training thread held)."""
+    it (a manifest written late or unmerged beats a training thread held). Yields whether both
+    locks are held."""
     with _manifest_locks_guard:
         own = _manifest_locks.setdefault(str(path), threading.Lock())
     held = own.acquire(timeout=MANIFEST_LOCK_WAIT_S)
-    fd = None
+    fd, recorded = None, False
     try:
         try:
             import fcntl
@@ -184,17 +185,17 @@ def _locked(path: Path) -> Iterator[None]:
             path.parent.mkdir(parents=True, exist_ok=True)
             fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
             deadline = time.monotonic() + MANIFEST_LOCK_WAIT_S
-            while True:
+            while not recorded:
                 try:
                     fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                    break
+                    recorded = True
                 except (BlockingIOError, PermissionError):  # another process holds it
                     if time.monotonic() >= deadline:
                         break
                     time.sleep(0.005)
         except (ImportError, OSError):  # not POSIX, or no record locks here
             pass
-        yield
+        yield held and recorded
     finally:
         if fd is not None:
             os.close(fd)  # lets the record lock go

@@ -43,7 +43,10 @@ class RecorderConfig:
     sketch_size: int = 256
     """Coordinates per parameter in the fixed sketch the update and drift norms come from."""
     flush_every_steps: int | None = None
-    """Steps per trace segment; None: 100, or 10 with live alarms (`alarms` or `on_alarm`)."""
+    """Steps per trace segment; None: 100, or 10 with live alarms (`alarms` or `on_alarm`). Each
+    segment costs a fixed amount: its steps reduced on the training thread without the batching
+    of 8, and its files written by the writer thread, whose CPU the training's threads share. A
+    segment every step or few steps costs a small model a large share of its step."""
     flush_every_s: float | None = None
     """Seconds per trace segment at most; None: 30, or 2 with live alarms."""
     start_step: int = 0

@@ -257,6 +257,12 @@ class ParamProbe:
         self._scale_np, self._comp_np = self.scale.numpy(), self.coord_comp.numpy()
         self._sketch_out_np = self._sketch_out.numpy()
 
+    @property
+    def off_compiled(self) -> bool:
+        """Whether the weights could take the compiled passes and do not (a storage freed, a
+        layout the views did not expect): `refresh` may give them back."""
+        return self._compiled and self._weight_addrs is None and not self._sharded
+
     def _share_blas(self) -> None:
         """The tensors whose norms are BLAS dot products, not the compiled pass: those of
         `BLAS_FROM` values or more, unless the compiled pass runs in parts on torch's threads

@@ -93,6 +93,8 @@ assert sorted(_FORWARD_POS + _PARAM_POS) == list(range(len(schema.HEALTH_METRICS
 _MAX_WARNING_EVENTS = 20
 # The first segment closes after this many steps or seconds (if sooner than the flush settings).
 _FIRST_FLUSH_STEPS = 10
+# steps between the flushes' refreshes of the parameters' views (`ParamProbe.refresh`)
+REFRESH_EVERY_STEPS = 100
 _FIRST_FLUSH_S = 5.0
 # The step buffer's first size in steps, at most (it doubles when a segment holds more).
 _BUFFER_ROWS = 256
@@ -151,6 +153,7 @@ class Recorder:
         self.buffer = StepBuffer(self.components, self.device, min(self.flush_every_steps, _BUFFER_ROWS) + 2)
         self._backward_queued = False
         self._backward_seen = False  # a backward pass ended since the last training forward began
+        self._refreshed_at = 0  # the step of the flush that last refreshed the parameters' views
         self._busy = 0  # `_sigterm_deferred` depth on the main thread
         # a step's end and close() run one at a time, whatever threads call them (a watchdog's
         # close() waits for the training thread's flush, and that thread's next step end sees it)
@@ -738,7 +741,11 @@ class Recorder:
             self._last_flush = time.time()
             self._flushed = True
             self._reduce_pending()
-            self.params.refresh()
+            # the parameters' views taken again (a tensor put under one is found at each pass):
+            # at once where the weights are off the compiled passes, else now and then
+            if self.params.off_compiled or self.step_count - self._refreshed_at >= REFRESH_EVERY_STEPS:
+                self.params.refresh()
+                self._refreshed_at = self.step_count
             if not final:
                 # wait for the previous segment before taking these steps out of the buffer: a
                 # SIGTERM during the wait flushes them itself (close() below sets _closed)

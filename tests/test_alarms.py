@@ -321,3 +321,39 @@ def test_a_scheduled_lr_drop_raises_no_live_alarm_as_replay_raises_none(tmp_path
     assert replay(tmp_path / "trace").alarms.is_empty()
     assert rec.alarms == []
     assert not sink.exists() or sink.read_text() == ""
+
+
+def test_on_alarm_runs_without_the_recorders_lock_held(tmp_path: Path) -> None:
+    # the user's on_alarm may close the recorder, whose sinks it then waits for, and a sink may
+    # call the recorder: neither waits on the recorder's lock while on_alarm runs
+    free, box = [], []
+
+    def on_alarm(alarm: dict[str, Any]) -> None:
+        probe = threading.Thread(target=lambda: free.append(box[0]._lock.acquire(timeout=2)
+                                                            and (box[0]._lock.release() or True)))
+        probe.start()
+        probe.join()
+        box[0].close("alarm")
+
+    torch.manual_seed(0)
+    model = zoo.mlp()
+    opt = torch.optim.Adam(model.parameters(), 1e-3)
+    data = zoo.batches(*zoo.teacher_classification(n=1024), 64)
+    drill = WeightCorruption("2", FAULT_STEP, mode="scale", factor=10.0)
+    drill.attach(model, opt)
+    try:
+        box.append(watch(model, opt, tmp_path / "trace", alarms=[Received()], on_alarm=on_alarm))
+        for step in range(1, 3 * STEPS):
+            if box[0]._closed:
+                break
+            _, x, y = next(data)
+            drill.before_step(step, model, opt)
+            F.cross_entropy(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+    finally:
+        drill.detach()
+        box[0].close()
+    assert free and all(free)  # the first call closed it; the others of that boundary too
+    entry = json.loads((tmp_path / "trace" / "manifest" / "rank=0.json").read_text())["incarnations"][0]
+    assert entry["status"] == "alarm"

@@ -633,6 +633,20 @@ def test_the_manifest_lock_is_waited_for_a_bounded_time_and_no_forked_child_keep
         holder.kill()
         holder.wait()
     assert had is False and waited < writer.MANIFEST_LOCK_WAIT_S + 30  # not a hang
+    inside, leave, other = threading.Event(), threading.Event(), []
+
+    def hold() -> None:
+        with writer._locked(lock):
+            inside.set()
+            leave.wait(30)
+    holder_thread = threading.Thread(target=hold)
+    holder_thread.start()
+    inside.wait(30)
+    with writer._locked(Path(os.path.relpath(lock))) as had:  # the same file, spelt otherwise
+        other.append(had)
+    leave.set()
+    holder_thread.join()
+    assert other == [False]  # it waited for the other writer of this process, then went on
     with writer._locked(lock) as had:
         assert had is True
         pid = os.fork()
@@ -646,6 +660,37 @@ def test_the_manifest_lock_is_waited_for_a_bounded_time_and_no_forked_child_keep
         os.kill(pid, signal.SIGKILL)
         os.waitpid(pid, 0)
     assert had is True
+
+
+def test_a_forked_child_passes_sigterm_on_and_leaves_its_parents_recorder_alone(tmp_path: Path) -> None:
+    # a child forked from the training process inherits the recorder's SIGTERM handler and
+    # atexit hook, not the recorder: it ends as the signal's default action says, and never
+    # writes the parent's manifest
+    torch.manual_seed(0)
+    model = zoo.mlp(hidden=12, depth=2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with watch(model, opt, tmp_path, flush_every_steps=3):
+        for _, (_, x, y) in zip(range(4), zoo.batches(*zoo.teacher_classification(256), 32), strict=False):
+            F.cross_entropy(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+        pid = os.fork()
+        if pid == 0:  # the child: SIGTERM to itself, then (were it still alive) an exit via atexit
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(10)
+            sys.exit(0)
+        for _ in range(300):
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                break
+            time.sleep(0.1)
+        else:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+        entry = json.loads(schema.manifest_path(tmp_path, 0).read_text())["incarnations"][0]
+        assert done and os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGTERM
+        assert entry["status"] == "running"  # the parent's, untouched by the child
+    assert json.loads(schema.manifest_path(tmp_path, 0).read_text())["incarnations"][0]["status"] == "normal"
 
 
 def test_a_manifest_that_fails_to_follow_a_committed_segment_drops_no_step(tmp_path: Path,

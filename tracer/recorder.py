@@ -196,6 +196,7 @@ class Recorder:
         self._comp_hooks: dict[int, Any] = {}
         self._noting = False  # in a watched forward pass on CPU: hooks may note outputs (`_make_hook`)
         self._install_hooks()
+        self._pid = os.getpid()  # a forked child inherits the handlers, not the recorder
         self._prev_sigterm = self._install_sigterm()
         atexit.register(self._at_exit)
         self._check_writer()
@@ -229,6 +230,8 @@ class Recorder:
 
     def log(self, **values: float | torch.Tensor) -> None:
         """Step-level scalars (`loss=...`, anything else goes to `scalars`); tensors are not synced."""
+        if self._closed:
+            return
         # checked now: a value that float() rejects would fail the whole segment at flush time
         bad = [k for k, v in values.items() if not _is_scalar(v)]
         for k in bad:
@@ -271,7 +274,7 @@ class Recorder:
     def close(self, reason: str = "normal") -> None:
         """Stop recording and write everything still buffered. Safe to call twice, and from any
         thread: a call while another thread closes it returns once that close is done."""
-        with self._lock, self._sigterm_deferred():
+        with self._sigterm_deferred(), self._lock:  # a deferred SIGTERM handled after the lock is let go
             if self._closed:
                 return
             self._closed, self._noting = True, False
@@ -373,7 +376,7 @@ class Recorder:
         if self._backward_queued:  # once per backward pass, however many outputs
             return
         with self._lock:
-            if self._closed:
+            if self._closed or self._backward_queued:
                 return
             self._backward_queued = True
             try:  # before any gradient of this pass accumulates: were the last step's cleared?
@@ -488,11 +491,15 @@ class Recorder:
         if self._closed:
             return
         now = time.time()
-        with self._lock, self._sigterm_deferred():
+        with self._sigterm_deferred(), self._lock:  # a deferred SIGTERM handled after the lock is let go
             if self._closed:  # by another thread, while this one waited
                 return
             self._record_step(now)
             self._flush_if_due(now)
+        # outside the lock: the user's on_alarm may close the recorder, whose alarm sinks may
+        # wait for it
+        if self._monitor is not None and self._monitor.on_alarm is not None:
+            self._monitor.deliver()
 
     @contextlib.contextmanager
     def _sigterm_deferred(self) -> Iterator[None]:
@@ -554,11 +561,9 @@ class Recorder:
             self._step_facts = (None, 0)
 
     def _flush_if_due(self, now: float) -> None:
-        """At the step boundary: report writer failures, deliver alarms, and hand the finished
-        steps to the writer when a segment is due."""
+        """At the step boundary: report writer failures, and hand the finished steps to the
+        writer when a segment is due."""
         self._check_writer()
-        if self._monitor is not None and self._monitor.on_alarm is not None:
-            self._monitor.deliver()
         pending = len(self.buffer.records)
         every_steps, every_s = self.flush_every_steps, self.flush_every_s
         if not self._flushed:  # the first segment closes early: a short-lived run leaves a trace
@@ -782,11 +787,18 @@ class Recorder:
             signal.signal(signal.SIGTERM, self._prev_sigterm)
 
     def _on_sigterm(self, signum: int, frame: FrameType | None) -> None:
+        if os.getpid() != self._pid:  # a forked child's: the recorder is its parent's
+            self._pass_sigterm_on(signum, frame)
+            return
         if self._busy:  # at the end of what runs (`_sigterm_deferred`)
             self._sigterm_pending = (signum, frame)
             return
-        prev = self._prev_sigterm
         self.close("sigterm")
+        self._pass_sigterm_on(signum, frame)
+
+    def _pass_sigterm_on(self, signum: int, frame: FrameType | None) -> None:
+        """To the handler there was before the recorder's, else the default action."""
+        prev = self._prev_sigterm
         if callable(prev):
             prev(signum, frame)
         elif prev != signal.SIG_IGN:
@@ -794,7 +806,8 @@ class Recorder:
             os.kill(os.getpid(), signal.SIGTERM)
 
     def _at_exit(self) -> None:
-        self.close("normal")
+        if os.getpid() == self._pid:  # not in a forked child that exits through Python
+            self.close("normal")
 
 
 def _group_lrs(groups: list[dict[str, Any]]) -> list[float | None]:

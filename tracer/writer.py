@@ -174,12 +174,14 @@ def _locked(path: Path) -> Iterator[bool]:
     past that, or where the system or the file system has no such lock, the block runs without
     it (a manifest written late or unmerged beats a training thread held). Yields whether both
     locks are held."""
-    with _manifest_locks_guard:
-        own = _manifest_locks.setdefault(str(path), threading.Lock())
+    with _manifest_locks_guard:  # one lock per file, however its path is spelt
+        own = _manifest_locks.setdefault(os.path.realpath(path), threading.Lock())
     held = own.acquire(timeout=MANIFEST_LOCK_WAIT_S)
     fd, recorded = None, False
     try:
         try:
+            if not held:  # a second descriptor's close would let go the holder's record lock
+                raise OSError("the thread lock was not had")
             import fcntl
 
             path.parent.mkdir(parents=True, exist_ok=True)

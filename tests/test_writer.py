@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import random
@@ -664,32 +665,48 @@ def test_the_manifest_lock_is_waited_for_a_bounded_time_and_no_forked_child_keep
 
 def test_a_forked_child_passes_sigterm_on_and_leaves_its_parents_recorder_alone(tmp_path: Path) -> None:
     # a child forked from the training process inherits the recorder's SIGTERM handler and
-    # atexit hook, not the recorder: it ends as the signal's default action says, and never
-    # writes the parent's manifest
+    # atexit hook, not the recorder (nor the threads that held its lock at the fork: a close()
+    # there would wait for ever): it ends as the signal's default action says, and never writes
+    # the parent's manifest
     torch.manual_seed(0)
     model = zoo.mlp(hidden=12, depth=2)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    with watch(model, opt, tmp_path, flush_every_steps=3):
-        for _, (_, x, y) in zip(range(4), zoo.batches(*zoo.teacher_classification(256), 32), strict=False):
-            F.cross_entropy(model(x), y).backward()
-            opt.step()
-            opt.zero_grad()
-        pid = os.fork()
-        if pid == 0:  # the child: SIGTERM to itself, then (were it still alive) an exit via atexit
-            os.kill(os.getpid(), signal.SIGTERM)
-            time.sleep(10)
-            sys.exit(0)
-        for _ in range(300):
-            done, status = os.waitpid(pid, os.WNOHANG)
-            if done:
-                break
-            time.sleep(0.1)
-        else:
-            os.kill(pid, signal.SIGKILL)
-            os.waitpid(pid, 0)
-        entry = json.loads(schema.manifest_path(tmp_path, 0).read_text())["incarnations"][0]
-        assert done and os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGTERM
-        assert entry["status"] == "running"  # the parent's, untouched by the child
+    before = signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    try:
+        with watch(model, opt, tmp_path, flush_every_steps=3) as rec:
+            for _, (_, x, y) in zip(range(4), zoo.batches(*zoo.teacher_classification(256), 32), strict=False):
+                F.cross_entropy(model(x), y).backward()
+                opt.step()
+                opt.zero_grad()
+            holding, release = threading.Event(), threading.Event()
+            holder = threading.Thread(target=lambda: (rec._lock.acquire(), holding.set(), release.wait(30),
+                                                      rec._lock.release()))
+            holder.start()  # another thread in the recorder at the fork (a watchdog's close())
+            holding.wait(30)
+            pid = os.fork()
+            if pid:
+                release.set()
+                holder.join()
+            if pid == 0:  # the child: its exit hooks, then SIGTERM to itself; never back into pytest
+                try:
+                    atexit._run_exitfuncs()
+                    os.kill(os.getpid(), signal.SIGTERM)
+                    time.sleep(10)
+                finally:
+                    os._exit(3)
+            for _ in range(300):
+                done, status = os.waitpid(pid, os.WNOHANG)
+                if done:
+                    break
+                time.sleep(0.1)
+            else:
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+            entry = json.loads(schema.manifest_path(tmp_path, 0).read_text())["incarnations"][0]
+            assert done and os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGTERM
+            assert entry["status"] == "running"  # the parent's, untouched by the child
+    finally:
+        signal.signal(signal.SIGTERM, before)
     assert json.loads(schema.manifest_path(tmp_path, 0).read_text())["incarnations"][0]["status"] == "normal"
 
 

@@ -155,7 +155,8 @@ def _direct(model: torch.nn.Module, rec: Any) -> dict[str, float]:
             p.grad = torch.zeros_like(p) if p.grad is None else p.grad
 
         def read() -> None:
-            probe.backward_ending()
+            probe.backward_ending(rec.params.local_norms)
+            rec.params._checked_grads = None  # each call reads the gradients afresh, as each step does
             probe.backward_ended()
         parts["local gradient norms, read in .grad"] = _cpu_per_call(read)
         for p, g in zip(model.parameters(), held, strict=True):

@@ -232,6 +232,35 @@ def test_local_norms_read_in_grad_refuse_a_gradient_freed_in_place(monkeypatch: 
     assert probe._at_backward is None
 
 
+def test_local_norms_read_through_the_parameter_probe_are_the_replicas_own() -> None:
+    # the recorder hands the parameter probe's reading to the replicas: the same per-component
+    # sums as their own pass, a parameter without a gradient adding nothing, and the address
+    # check kept for the pass after DDP's copy into the same tensors
+    from types import SimpleNamespace
+
+    assert kernels.available()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Linear(5, 3), torch.nn.Linear(3, 2))
+    comps = discover(model)
+    probe, own = ReplicaProbe(comps, model, 2), ReplicaProbe(comps, model, 2)
+    pp = params.ParamProbe(comps, sketch_size=4)
+    assert pp._compiled_grads
+    for p in (probe, own):
+        p._ddp = SimpleNamespace(require_backward_grad_sync=True)
+    model[0].weight.requires_grad_(False)  # no gradient: norm 0, its component's sum the bias's alone
+    model(torch.randn(4, 6)).sum().backward()
+    probe.backward_ending(pp.local_norms)
+    own.backward_ending()
+    got, want = probe._at_backward[1], own._at_backward[1]
+    assert isinstance(got, np.ndarray) and isinstance(want, np.ndarray)
+    assert got.tolist() == pytest.approx(want.tolist(), rel=1e-6)
+    assert got[probe.param_comp_np[0]] == pytest.approx(float(model[0].bias.grad.square().sum()), rel=1e-6)
+    assert probe._at_backward[2] == own._at_backward[2]  # the same versions seen
+    checked = pp._checked_grads
+    assert checked is not None and pp._grad_addresses(pp._grads())  # the same tensors: taken as checked
+    assert pp._checked_grads is checked
+
+
 class _Branchy(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()

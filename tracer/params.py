@@ -154,7 +154,10 @@ class ParamProbe:
         self._np_views = self._views_of(self._rows_np) if self._rows_np is not None else []
         self._grad_addrs = np.zeros(n_p, dtype=np.int64)
         self._grad_lens = np.zeros(n_p, dtype=np.int64)
-        self._grad_lists: tuple[list[int], list[int]] = ([0] * n_p, [0] * n_p)  # what those two hold
+        self._grad_numel = np.zeros(n_p, dtype=np.int64)  # every length, the BLAS-sized ones too
+        self._local_norms = np.zeros(n_p, dtype=np.float32)  # `local_norms`'s output
+        # the addresses and lengths those three hold (set empty: taken again at the next pass)
+        self._grad_lists: tuple[list[int], list[int]] = ([0] * n_p, [0] * n_p)
         # the ids, addresses and lengths of the gradients `_grad_addresses` last checked this step
         self._checked_grads: tuple[list[int], list[int], list[int]] | None = None
         self._scratch = np.zeros(n_p, dtype=np.float32)  # grads_so_far_finite's norms (and a tensor view)
@@ -274,6 +277,7 @@ class ParamProbe:
         self._blas_list = np.flatnonzero(self._blas).tolist()
         self._blas_idx = torch.tensor(self._blas_list, dtype=torch.long)
         self._compiled_numel = np.where(self._blas, 0, self._numel)  # 0: not in the compiled pass
+        self._grad_lists = ([], [])  # the gradients' lengths in the compiled pass are taken again
 
     def _take_compiled(self) -> None:
         """The kernels are loaded: the compiled passes from now on. Called at a step's end,
@@ -379,10 +383,11 @@ class ParamProbe:
             lens = list(ns)
             for i in self._blas_list:
                 lens[i] = 0
-        if (ptrs, lens) != self._grad_lists:  # new gradients often land where the last ones were
+        if (ptrs, ns) != self._grad_lists:  # new gradients often land where the last ones were
             self._grad_addrs[:] = ptrs
             self._grad_lens[:] = lens
-            self._grad_lists = (ptrs, lens)
+            self._grad_numel[:] = ns
+            self._grad_lists = (ptrs, ns)
         self._checked_grads = (ids, ptrs, ns)
         return True
 
@@ -504,6 +509,19 @@ class ParamProbe:
         # plain tensors are read as they are (no detach: this runs under no_grad)
         return [z if g is None else (grad_values(g) if g.is_sparse else g)
                 for g, z in zip(raw, self._no_grad, strict=True)]
+
+    @torch.no_grad()
+    def local_norms(self) -> tuple[list[torch.Tensor | None], np.ndarray | None]:
+        """The parameters' `.grad` as they are now, and, where one compiled pass can read them all,
+        their per-parameter norms (0 for a parameter without one; an array this probe reuses);
+        else None. The gradients' address check stands for this step's next pass over the same
+        tensors (`_grad_addresses`): under DDP, the pre-clip and optimizer-step passes over the
+        gradients it copies the all-reduced values into."""
+        raw = [p.grad for p in self.params]
+        if not self._compiled_grads or not self._grad_addresses(self._grads(raw)):
+            return raw, None
+        kernels.tensor_norms(self._grad_addrs, self._grad_numel, self._local_norms)
+        return raw, self._local_norms
 
     @property
     def backward_versions(self) -> list[int] | None:

@@ -396,7 +396,7 @@ class Recorder:
             with self._lock:
                 try:  # DDP's copy has not happened yet: `.grad` holds this rank's own gradients
                     if not self._closed:
-                        self.replicas.backward_ending()
+                        self.replicas.backward_ending(self.params.local_norms)
                 except Exception as exc:
                     self._probe_failed(exc)
         try:

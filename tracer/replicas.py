@@ -50,6 +50,7 @@ step reads one back to the host.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -209,21 +210,28 @@ class ReplicaProbe:
         if self.hook_note is None and self._ddp is None and not _exact_reciprocal(self.world_size):
             self._grads_at_begin = {id(p): g.data_ptr() for p in self.params if (g := p.grad) is not None}
 
-    def backward_ending(self) -> None:
+    def backward_ending(self, read: Callable[[], tuple[list[torch.Tensor | None], np.ndarray | None]]
+                        | None = None) -> None:
         """The first callback at the end of a backward pass, before DDP's (`_read_local_from`):
         the per-component norms of the local gradients, kept until `backward_ended` says which
-        DDP all-reduced."""
+        DDP all-reduced. `read`: the parameters' `.grad` (this probe's parameters, in its order)
+        and their per-parameter norms if it can take them (`ParamProbe.local_norms`, whose check
+        of the gradients then serves the passes after DDP's copy too)."""
         self._at_backward = None
         # a micro-batch under `no_sync()` (or `require_backward_grad_sync = False`, as nanoGPT
         # sets it): DDP all-reduces nothing after this backward pass, so nothing to read yet
         if (self._ddp is None or self.closed or not self.params
                 or not getattr(self._ddp, "require_backward_grad_sync", True)):
             return
-        grads = [p.grad for p in self.params]
-        have = [i for i, g in enumerate(grads) if g is not None]
-        if not have:
+        grads, taken = ([p.grad for p in self.params], None) if read is None else read()
+        if all(g is None for g in grads):
             return
         seen = [None if g is None else (id(g), g._version) for g in grads]
+        if taken is not None:  # 0 for a parameter without a gradient: adds nothing to its component
+            sq = np.bincount(self.param_comp_np, weights=np.square(taken, dtype=np.float64), minlength=self.n)
+            self._at_backward = (None, sq, seen)
+            return
+        have = [i for i, g in enumerate(grads) if g is not None]
         gs = [grads[i] for i in have]
         comps = self.param_comp_np[have]
         if any(lost_storage(g) for g in gs):  # read by no pass: eager ops would read freed memory too

@@ -158,6 +158,9 @@ class Recorder:
         # a step's end and close() run one at a time, whatever threads call them (a watchdog's
         # close() waits for the training thread's flush, and that thread's next step end sees it)
         self._lock = threading.RLock()
+        # ("log", values) and ("batch", ids) given inside a graph torch.compile traced: the graph's
+        # outputs once it ran, attributed to their step at the recorder's next entry point
+        self._from_graph: list[tuple[str, Any]] = []
         self._sigterm_pending: tuple[int, FrameType | None] | None = None
         self._in_step = False
         self._micro_batches = 0
@@ -237,8 +240,12 @@ class Recorder:
         for k in bad:
             self._warn_once(f"rec.log({k}=...) ignored: expected a number or tensor, got "
                             f"{type(values.pop(k)).__name__}")
+        if torch.compiler.is_compiling():  # no lock in a graph: one list append, no graph break
+            self._from_graph.append(("log", values))
+            return
         with self._lock:
             if not self._closed:
+                self._absorb_from_graph()
                 self.buffer.log(self._target_step(), values)
 
     def batch(self, ids: Any) -> None:
@@ -252,8 +259,12 @@ class Recorder:
                 self._warn_once(f"rec.batch(...) ignored: expected a list or tensor of int sample "
                                 f"ids, got {type(ids).__name__} ({exc})")
                 return
+        if torch.compiler.is_compiling():
+            self._from_graph.append(("batch", ids))
+            return
         with self._lock:
             if not self._closed:
+                self._absorb_from_graph()
                 self.buffer.batch(self._target_step(), ids)
 
     def checkpoint(self, path: str | os.PathLike[str], detail: str | None = None) -> None:
@@ -277,6 +288,7 @@ class Recorder:
         with self._sigterm_deferred(), self._lock:  # a deferred SIGTERM handled after the lock is let go
             if self._closed:
                 return
+            self._absorb_from_graph()
             self._closed, self._noting = True, False
             for h in self._handles:
                 h.remove()
@@ -332,8 +344,12 @@ class Recorder:
         return not self._closed and module.training and torch.is_grad_enabled()
 
     def _root_pre_hook(self, module: nn.Module, args: Any, kwargs: Any) -> None:
-        if (module is not self.model or torch.compiler.is_compiling() or self._closed
+        if (module is not self.model or self._closed
                 or not torch.is_grad_enabled()):  # a copy of the model (`__deepcopy__`): not watched
+            return
+        if torch.compiler.is_compiling():  # traced: a mark for what `log` gives in graphs
+            if module.training:
+                self._from_graph.append(("forward", None))
             return
         with self._lock:  # (each entry point: a close() from another thread waits for it)
             if self._closed:
@@ -463,8 +479,27 @@ class Recorder:
                 {"finding": "component_eval_mode", "component": comp.name,
                  "kind": type(comp.module).__name__, "step": self.step_count + 1}))
 
+    def _absorb_from_graph(self) -> None:
+        """The values `log` and `batch` got inside compiled graphs, which ran since, each to the
+        step it would have gone to had it been given outside them: a graph's training forward
+        (`_root_pre_hook`'s mark) begins a step as an eager one does."""
+        if not self._from_graph:
+            return
+        taken, self._from_graph = self._from_graph, []
+        began = self._in_step
+        for kind, payload in taken:
+            if kind == "forward":
+                began = True
+                continue
+            step = self.step_count + 1 if began or self.step_count < self._first_step else self.step_count
+            if kind == "log":
+                self.buffer.log(step, payload)
+            else:
+                self.buffer.batch(step, payload)
+
     def _begin_step(self) -> None:
         if not self._in_step:
+            self._absorb_from_graph()  # given after the last step's optimizer.step: that step's
             self._in_step = True
             self.params.begin()
             if self.replicas is not None and (note := self.replicas.begin()):
@@ -476,6 +511,7 @@ class Recorder:
         with self._lock:
             if self._closed:
                 return
+            self._absorb_from_graph()
             try:
                 self.params.grads()
                 self._step_facts = self.loop.step_facts(self.params.param_has_grad)

@@ -236,6 +236,40 @@ def test_closing_restores_the_previous_sigterm_handler(tmp_path: Path) -> None:
     assert signal.getsignal(signal.SIGTERM) == before
 
 
+def test_a_recorder_closed_off_the_main_thread_leaves_a_handler_that_passes_sigterm_on(tmp_path: Path) -> None:
+    # only the main thread sets handlers: the one left behind holds the recorder weakly (its
+    # model can be freed), hands a SIGTERM to the handler before it, and the next recorder takes
+    # it out of the chain
+    import gc
+    import signal
+    import threading
+    import weakref
+
+    got: list[int] = []
+    before = signal.signal(signal.SIGTERM, lambda signum, frame: got.append(signum))
+    try:
+        model = zoo.mlp()
+        rec = watch(model, tmp_path / "a")
+        gone = weakref.ref(model)
+        worker = threading.Thread(target=rec.close)
+        worker.start()
+        worker.join()
+        left = signal.getsignal(signal.SIGTERM)
+        assert rec._closed and callable(left) and left is not got.append
+        del rec, model, worker
+        gc.collect()
+        assert gone() is None  # the handler left behind keeps no model alive
+        left(signal.SIGTERM, None)
+        assert got == [signal.SIGTERM]
+        second = watch(zoo.mlp(), tmp_path / "b")
+        assert second._prev_sigterm is not left and second._prev_sigterm(signal.SIGTERM, None) is None
+        assert got == [signal.SIGTERM] * 2  # the test's own handler, with nothing between
+        second.close()
+        assert signal.getsignal(signal.SIGTERM) is second._prev_sigterm
+    finally:
+        signal.signal(signal.SIGTERM, before)
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -36,6 +36,7 @@ import threading
 import time
 import uuid
 import warnings
+import weakref
 from collections.abc import Iterator, Mapping
 from types import FrameType, TracebackType
 from typing import Any
@@ -809,17 +810,27 @@ class Recorder:
     # --- process life -----------------------------------------------------------------------
 
     def _install_sigterm(self) -> Any:
+        """The recorder's SIGTERM handler in place (main thread only: Python sets handlers
+        there); the handler it replaces, less those of recorders closed since (`_SigtermHandler`)."""
+        self._sigterm_handler: _SigtermHandler | None = None
         if threading.current_thread() is not threading.main_thread():
             return None
+        handler = _SigtermHandler(self)
         try:
-            return signal.signal(signal.SIGTERM, self._on_sigterm)
+            prev = signal.signal(signal.SIGTERM, handler)
         except (ValueError, OSError):
             return None
+        while isinstance(prev, _SigtermHandler) and prev.closed():
+            prev = prev.prev
+        handler.prev, self._sigterm_handler = prev, handler
+        return prev
 
     def _restore_sigterm(self) -> None:
+        """The handler there was before the recorder's, if the recorder's is still the one in place.
+        Off the main thread it stays, and passes every signal on (`_SigtermHandler`)."""
         if self._prev_sigterm is None or threading.current_thread() is not threading.main_thread():
             return
-        if signal.getsignal(signal.SIGTERM) == self._on_sigterm:
+        if signal.getsignal(signal.SIGTERM) is self._sigterm_handler:
             signal.signal(signal.SIGTERM, self._prev_sigterm)
 
     def _on_sigterm(self, signum: int, frame: FrameType | None) -> None:
@@ -834,16 +845,43 @@ class Recorder:
 
     def _pass_sigterm_on(self, signum: int, frame: FrameType | None) -> None:
         """To the handler there was before the recorder's, else the default action."""
-        prev = self._prev_sigterm
-        if callable(prev):
-            prev(signum, frame)
-        elif prev != signal.SIG_IGN:
-            signal.signal(signal.SIGTERM, signal.SIG_DFL)
-            os.kill(os.getpid(), signal.SIGTERM)
+        _pass_on(self._prev_sigterm, signum, frame)
 
     def _at_exit(self) -> None:
         if os.getpid() == self._pid:  # not in a forked child that exits through Python
             self.close("normal")
+
+
+class _SigtermHandler:
+    """The recorder's SIGTERM handler. It holds the recorder weakly: a recorder closed on a
+    thread that could not put the previous handler back (only the main thread sets handlers)
+    leaves this behind, which keeps neither the recorder nor its model alive, passes every signal
+    on to the handler before it, and is taken out of the chain by the next recorder's install."""
+
+    def __init__(self, rec: Recorder) -> None:
+        self.rec = weakref.ref(rec)
+        self.prev: Any = None  # the handler before it (the recorder's `_prev_sigterm`, while it lives)
+
+    def closed(self) -> bool:
+        rec = self.rec()
+        return rec is None or rec._closed
+
+    def __call__(self, signum: int, frame: FrameType | None) -> None:
+        rec = self.rec()
+        if rec is not None:
+            rec._on_sigterm(signum, frame)
+        else:
+            _pass_on(self.prev, signum, frame)
+
+
+def _pass_on(prev: Any, signum: int, frame: FrameType | None) -> None:
+    """A SIGTERM to the handler `prev`, else (`SIG_DFL`, or None: not set from Python) the
+    default action; ignored if it was ignored."""
+    if callable(prev):
+        prev(signum, frame)
+    elif prev != signal.SIG_IGN:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 def _group_lrs(groups: list[dict[str, Any]]) -> list[float | None]:

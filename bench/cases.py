@@ -71,6 +71,8 @@ CASES: dict[str, tuple[str, Callable[[], Training]]] = {
               lambda: adamw_loop(gpt_case(16, n_layer=4, n_embd=128, block=64))),
     "nanogpt": ("nanoGPT layout 4 layers, d=128, seq 64, batch 12, clipped, tied head",
                 nanogpt_case),
+    "nanogpt-accum": ("nanoGPT layout as above, 4 micro-batches of 3 sequences a step",
+                      lambda: nanogpt_case(batch=3, accum=4)),
 }
 
 

@@ -98,10 +98,10 @@ def test_on_cpu_the_step_reads_what_is_documented(host_reads: dict[str, int], tm
     reductions = _forward_reductions(tmp_path)
     assert 2 <= reductions <= 5  # every 8 steps, and at each flush
     # norm passes: per step the gradients at the optimizer and the weights after it; the
-    # gradients at each backward's end once the first step showed that the loop modifies them
-    # (clipping); the weights at the first forward on the first step and every 8th (nothing
-    # else wrote them)
-    passes = (2 * steps + micro * (steps - 1)
+    # gradients at the end of the step's last backward pass once the first step showed that the
+    # loop modifies them (clipping); the weights at the first forward on the first step and
+    # every 8th (nothing else wrote them)
+    passes = (2 * steps + (steps - 1)
               + 1 + (steps - 1) // params.EXACT_DRIFT_EVERY)
     if compiled:
         # with BLAS tensors: a verdict per norm pass. (The extra micro-batch's finite check
@@ -222,6 +222,48 @@ def test_pre_clip_gradient_norm_is_recorded_beside_the_clipped_one(tmp_path: Pat
     assert len(clipped) == 4
     for pre, total in clipped[1:]:  # what the optimizer got, and what backward left
         assert total == pytest.approx(0.01, rel=1e-4) and pre > 10 * total
+
+
+def test_accumulated_gradients_take_the_pre_clip_pass_once_a_step(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    # a loop that accumulates over m micro-batches and clips: the pre-clip norms are those the
+    # last backward pass left, taken once a step, not after every micro-batch; a step with fewer
+    # micro-batches than the steps before it has none (null), one with more still has them
+    import duckdb
+    from warninglight.tracer import schema
+
+    taken: list[int] = []
+    norms_into = params.ParamProbe._norms_into
+
+    def counted(self: params.ParamProbe, field: str, *args: object, **kwargs: object) -> object:
+        if field == "pre_norms":
+            taken[-1] += 1
+        return norms_into(self, field, *args, **kwargs)
+    monkeypatch.setattr(params.ParamProbe, "_norms_into", counted)
+    torch.manual_seed(0)
+    model = zoo.mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    data = zoo.batches(*zoo.teacher_classification(512), 16)
+    micro = [3, 3, 3, 3, 2, 4, 3]
+    want = []
+    with watch(model, opt, tmp_path, full_precision=True):
+        for m in micro:
+            taken.append(0)
+            for _ in range(m):
+                _, x, y = next(data)
+                (F.cross_entropy(model(x), y) / m).backward()
+            want.append(math.sqrt(sum(float(p.grad.double().square().sum()) for p in model.parameters())))
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.01)
+            opt.step()
+            opt.zero_grad()
+    glob = schema.segment_glob(tmp_path, "steps")
+    got = [r[0] for r in duckdb.sql(f"select grad_norm_preclip_l2 from read_parquet('{glob}') order by step").fetchall()]
+    # step 1 learns that the loop clips; step 5 ends before the backward pass that would take
+    # them (its 2nd, where the steps before made 3); from then on the 2nd and later take them
+    assert taken == [0, 1, 1, 1, 0, 3, 2]
+    assert got[0] is None and got[4] is None
+    for i in (1, 2, 3, 5, 6):
+        assert got[i] == pytest.approx(want[i], rel=1e-6)
 
 
 @pytest.mark.filterwarnings("ignore:warninglight. no forward hook fired")  # --without forward says so

@@ -13,6 +13,7 @@ of ops here and the derivation's many ops run once per batch of steps.
 
 from __future__ import annotations
 
+import collections
 import math
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -35,6 +36,8 @@ _DOT_SMALLEST = 1e-15
 BLAS_FROM = 131_072
 # steps between exact weight-norm checks at the first forward when no version counter moved
 EXACT_DRIFT_EVERY = 8
+# steps whose numbers of backward passes say which backward pass of a step takes the pre-clip norms
+BACKWARD_COUNT_STEPS = 8
 # where a step's pre-clip total gradient norm comes from
 _NO_PRECLIP, _SAME_AS_TOTAL, _AT_BACKWARD = 0, 1, 2
 
@@ -95,7 +98,10 @@ class ParamProbe:
     did to the gradients (clipping, unscaling). The total norm as the last backward pass left it
     (`preclip_total`) is the same value when nothing modified the gradients in between (seen
     from their version counters); once a modification was seen, the norms are also taken at the
-    end of every backward pass (one more pass over the gradients per micro-batch).
+    end of the backward pass that may be the step's last: from the fewest backward passes any of
+    the last `BACKWARD_COUNT_STEPS` steps made on (a loop that accumulates gradients over m
+    micro-batches takes one more pass over them a step, not m). A step that ends with fewer
+    backward passes than that has no pre-clip norm (null), as a run's first step has none.
     """
 
     def __init__(self, components: list[Component], sketch_size: int, seed: int = 0) -> None:
@@ -208,6 +214,9 @@ class ParamProbe:
         self._bad: torch.Tensor | None = None
         self.modified_after_backward = False  # the loop was seen to change gradients after backward
         self._at_backward: tuple[list[int], bool] | None = None  # versions, norms taken
+        self._backwards = 0  # backward passes ended in this step so far
+        # backward passes of each of the last few steps (the step's last one takes the norms)
+        self._backward_counts: collections.deque[int] = collections.deque(maxlen=BACKWARD_COUNT_STEPS)
         # the weights' checksums (tracer/replicas.py) wanted after each step: taken in the pass
         # that takes their norms once its kernel is loaded (switched on at a step's `end`), and
         # then every weight-norm pass takes them, so that the norms drift compares come from one
@@ -532,7 +541,9 @@ class ParamProbe:
     @torch.no_grad()
     def after_backward(self) -> None:
         """End of a backward pass: note the gradients' versions (and norms, if the loop modifies them)."""
-        taken = self.modified_after_backward and bool(self.params)
+        self._backwards += 1
+        taken = (self.modified_after_backward and bool(self.params)
+                 and self._backwards >= min(self._backward_counts, default=0))
         raw = [p.grad for p in self.params]
         if taken:
             self._norms_into("pre_norms", self._grads(raw), "grads")
@@ -543,6 +554,8 @@ class ParamProbe:
         """optimizer.step pre-hook: per-tensor gradient norms (and non-finite counts if needed)."""
         if not self.begun:
             self.begin()
+        self._backward_counts.append(self._backwards)
+        self._backwards = 0
         raw = [p.grad for p in self.params]
         every = all(g is not None for g in raw)
         has = self._every_param if every else np.fromiter((g is not None for g in raw), dtype=bool,

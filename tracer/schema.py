@@ -171,7 +171,7 @@ STEP_COLUMNS: tuple[Column, ...] = (
     Column("lr", F64, "learning rate", "learning rate of the optimizer's first param group"),
     Column("lr_groups", LIST_F64, "learning rate", "learning rate of every param group, in the optimizer's order (`components.param_group` indexes it)"),
     Column("grad_norm_total_l2", F64, "gradient units", "L2 norm of all parameter gradients together as optimizer.step receives them: after any clipping or unscaling the training loop did (the per-component `grad_norm_l2` are taken at the same point)"),
-    Column("grad_norm_preclip_l2", F64, "gradient units", "L2 norm of all parameter gradients as the step's last backward pass left them, before clipping (what `clip_grad_norm_` sees; with a GradScaler, the scaled norm); null on the first step whose gradients the loop modified after backward, and where no backward pass was seen"),
+    Column("grad_norm_preclip_l2", F64, "gradient units", "L2 norm of all parameter gradients as the step's last backward pass left them, before clipping (what `clip_grad_norm_` sees; with a GradScaler, the scaled norm); null on the first step whose gradients the loop modified after backward, on a step of fewer backward passes (micro-batches) than the steps before it, and where no backward pass was seen"),
     Column("micro_batches", I64, "forward passes", "training forward passes of the root module in this step"),
     Column("batch_ids", LIST_I64, "sample ids", "`rec.batch(ids)`: the samples (or batch indices) this step consumed"),
     Column("eval_forwards", I64, "forward passes", "forward passes of the watched model in eval() mode with gradients enabled in this step (0 when it trains in train() mode)"),

@@ -357,10 +357,14 @@ class ForwardProbe:
         note it. An output written in place after its hook all the same has lost the values its
         hook saw: it is counted for non-finite values, it is no sample of this pass, and its
         component is observed in its hook from then on."""
+        sampled, held = self.sampled, self.held
         try:
             for comp, t, version in self.noted:
                 if t._version == version:
-                    self.observe(comp, t)
+                    if sampled[comp.index]:  # a later call, or micro-batch: held, as `observe` would
+                        held.append((comp.index, t))
+                    else:
+                        self.observe(comp, t)
                     continue
                 self._copy_later.discard(comp.index)
                 self._copy_now.add(comp.index)

@@ -261,6 +261,24 @@ def test_local_norms_read_through_the_parameter_probe_are_the_replicas_own() -> 
     assert pp._checked_grads is checked
 
 
+def test_local_norms_of_a_sparse_gradient_read_values_that_are_still_alive() -> None:
+    # a sparse gradient is read as its coalesced values, a tensor made for the pass: it must
+    # live until the compiled pass has read it (freed, its memory reads as garbage, or faults)
+    assert kernels.available()
+    torch.manual_seed(0)
+    rows = 50_000
+    model = torch.nn.Sequential(torch.nn.Embedding(rows, 64, sparse=True), torch.nn.Linear(64, 2))
+    pp = params.ParamProbe(discover(model), sketch_size=4)
+    model(torch.arange(rows).repeat(2)).sum().backward()  # every row twice: uncoalesced
+    grad = model[0].weight.grad
+    assert grad.is_sparse and not grad.is_coalesced()
+    want = float(grad.coalesce().values().double().norm())
+    for _ in range(3):
+        _, got = pp.local_norms()
+        assert got is not None and float(got[0]) == pytest.approx(want, rel=1e-6)
+        pp._checked_grads = None  # each call checks the gradients afresh, as each step does
+
+
 class _Branchy(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()

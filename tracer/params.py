@@ -527,7 +527,8 @@ class ParamProbe:
         tensors (`_grad_addresses`): under DDP, the pre-clip and optimizer-step passes over the
         gradients it copies the all-reduced values into."""
         raw = [p.grad for p in self.params]
-        if not self._compiled_grads or not self._grad_addresses(self._grads(raw)):
+        grads = self._grads(raw)  # held through the pass: a sparse gradient's values are a new tensor
+        if not self._compiled_grads or not self._grad_addresses(grads):
             return raw, None
         kernels.tensor_norms(self._grad_addrs, self._grad_numel, self._local_norms)
         return raw, self._local_norms

@@ -159,8 +159,8 @@ class Recorder:
         # a step's end and close() run one at a time, whatever threads call them (a watchdog's
         # close() waits for the training thread's flush, and that thread's next step end sees it)
         self._lock = threading.RLock()
-        # ("log", values) and ("batch", ids) given inside a graph torch.compile traced: the graph's
-        # outputs once it ran, attributed to their step at the recorder's next entry point
+        # ("log", values) and ("batch", ids) given inside graphs torch.compile traced: appended
+        # there (dynamo replays it once the graph ran), taken in at the next entry point
         self._from_graph: list[tuple[str, Any]] = []
         self._sigterm_pending: tuple[int, FrameType | None] | None = None
         self._in_step = False
@@ -233,7 +233,9 @@ class Recorder:
         return str(self.writer.root)
 
     def log(self, **values: float | torch.Tensor) -> None:
-        """Step-level scalars (`loss=...`, anything else goes to `scalars`); tensors are not synced."""
+        """Step-level scalars (`loss=...`, anything else goes to `scalars`); tensors are not synced.
+        Inside a graph torch.compile traces (fullgraph=True too) the values are the graph's
+        outputs and go to the step whose optimizer.step comes next."""
         if self._closed:
             return
         # checked now: a value that float() rejects would fail the whole segment at flush time
@@ -345,12 +347,8 @@ class Recorder:
         return not self._closed and module.training and torch.is_grad_enabled()
 
     def _root_pre_hook(self, module: nn.Module, args: Any, kwargs: Any) -> None:
-        if (module is not self.model or self._closed
+        if (module is not self.model or torch.compiler.is_compiling() or self._closed
                 or not torch.is_grad_enabled()):  # a copy of the model (`__deepcopy__`): not watched
-            return
-        if torch.compiler.is_compiling():  # traced: a mark for what `log` gives in graphs
-            if module.training:
-                self._from_graph.append(("forward", None))
             return
         with self._lock:  # (each entry point: a close() from another thread waits for it)
             if self._closed:
@@ -480,19 +478,17 @@ class Recorder:
                 {"finding": "component_eval_mode", "component": comp.name,
                  "kind": type(comp.module).__name__, "step": self.step_count + 1}))
 
-    def _absorb_from_graph(self) -> None:
-        """The values `log` and `batch` got inside compiled graphs, which ran since, each to the
-        step it would have gone to had it been given outside them: a graph's training forward
-        (`_root_pre_hook`'s mark) begins a step as an eager one does."""
+    def _absorb_from_graph(self, step: int | None = None) -> None:
+        """The values `log` and `batch` got inside compiled graphs since the last entry point:
+        to `step`, by default the step they would go to if given now. A graph's values reach the
+        recorder only at its next entry point, so those of a graph that ran after optimizer.step
+        and before the next step's forward go to the next step where no eager forward came
+        between (a compiled model's forward is one)."""
         if not self._from_graph:
             return
         taken, self._from_graph = self._from_graph, []
-        began = self._in_step
+        step = self._target_step() if step is None else step
         for kind, payload in taken:
-            if kind == "forward":
-                began = True
-                continue
-            step = self.step_count + 1 if began or self.step_count < self._first_step else self.step_count
             if kind == "log":
                 self.buffer.log(step, payload)
             else:
@@ -512,7 +508,7 @@ class Recorder:
         with self._lock:
             if self._closed:
                 return
-            self._absorb_from_graph()
+            self._absorb_from_graph(self.step_count + 1)  # given before this optimizer.step
             try:
                 self.params.grads()
                 self._step_facts = self.loop.step_facts(self.params.param_has_grad)
@@ -746,8 +742,11 @@ class Recorder:
     # --- step attribution, events, failures --------------------------------------------------
 
     def _target_step(self) -> int:
-        return self.step_count + 1 if self._in_step or self.step_count < self._first_step \
-            else self.step_count
+        """The step a value given now belongs to: the one in progress once its forward began (an
+        eager forward, or a compiled one whose samples wait, `hooks_under_compile="graph"`),
+        else the one the last optimizer.step ended."""
+        return self.step_count + 1 if (self._in_step or self.fwd.from_graph
+                                       or self.step_count < self._first_step) else self.step_count
 
     def _event(self, kind: str, path: str | None = None, detail: str | None = None) -> None:
         self.buffer.events.append({"step": self.step_count, "wall_time_s": time.time(),

@@ -266,6 +266,12 @@ def test_a_recorder_closed_off_the_main_thread_leaves_a_handler_that_passes_sigt
         assert got == [signal.SIGTERM] * 2  # the test's own handler, with nothing between
         second.close()
         assert signal.getsignal(signal.SIGTERM) is second._prev_sigterm
+        # closed in another order than made: the handler before them both comes back at the end
+        one, two = watch(zoo.mlp(), tmp_path / "c"), watch(zoo.mlp(), tmp_path / "d")
+        one.close()
+        assert signal.getsignal(signal.SIGTERM) is two._sigterm_handler  # the open one stays
+        two.close()
+        assert signal.getsignal(signal.SIGTERM) is second._prev_sigterm
     finally:
         signal.signal(signal.SIGTERM, before)
 

@@ -815,22 +815,26 @@ class Recorder:
         if threading.current_thread() is not threading.main_thread():
             return None
         handler = _SigtermHandler(self)
+        # the handler it passes on to is known before it is in place: a SIGTERM right after
+        # finds it (only this thread sets handlers, so none can come between)
+        prev = _open_handler(signal.getsignal(signal.SIGTERM))
+        handler.prev = self._prev_sigterm = prev
         try:
-            prev = signal.signal(signal.SIGTERM, handler)
+            signal.signal(signal.SIGTERM, handler)
         except (ValueError, OSError):
             return None
-        while isinstance(prev, _SigtermHandler) and prev.closed():
-            prev = prev.prev
-        handler.prev, self._sigterm_handler = prev, handler
+        self._sigterm_handler = handler
         return prev
 
     def _restore_sigterm(self) -> None:
-        """The handler there was before the recorder's, if the recorder's is still the one in place.
-        Off the main thread it stays, and passes every signal on (`_SigtermHandler`)."""
+        """On the main thread, the handlers of closed recorders taken off the top: the handler
+        there was before them back once every recorder above it is closed, in whatever order.
+        Off the main thread the recorder's stays, and passes every signal on (`_SigtermHandler`)."""
         if self._prev_sigterm is None or threading.current_thread() is not threading.main_thread():
             return
-        if signal.getsignal(signal.SIGTERM) is self._sigterm_handler:
-            signal.signal(signal.SIGTERM, self._prev_sigterm)
+        now = signal.getsignal(signal.SIGTERM)
+        if isinstance(now, _SigtermHandler) and now.closed():
+            signal.signal(signal.SIGTERM, _open_handler(now))
 
     def _on_sigterm(self, signum: int, frame: FrameType | None) -> None:
         if os.getpid() != self._pid:  # a forked child's: the recorder is its parent's
@@ -871,6 +875,13 @@ class _SigtermHandler:
             rec._on_sigterm(signum, frame)
         else:
             _pass_on(self.prev, signum, frame)
+
+
+def _open_handler(handler: Any) -> Any:
+    """`handler` less the handlers of closed recorders on top of it."""
+    while isinstance(handler, _SigtermHandler) and handler.closed():
+        handler = handler.prev
+    return handler
 
 
 def _pass_on(prev: Any, signum: int, frame: FrameType | None) -> None:

@@ -590,6 +590,41 @@ def test_log_and_batch_inside_a_fullgraph_compiled_step_go_to_their_steps(tmp_pa
     torch._dynamo.reset()
 
 
+def test_a_compiled_model_over_many_micro_batches_compiles_two_graphs_and_counts_them_all(tmp_path: Path) -> None:
+    # the step's first forward pass gives the samples; the later ones (micro-batches) add only
+    # their non-finite counts, and nothing in their graph grows with them: two graphs for the
+    # run however many micro-batches a step has, where one per micro-batch hit dynamo's limit
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    torch.manual_seed(0)
+    model = zoo.mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    compiled = torch.compile(model, backend="eager", fullgraph=True)
+    data = zoo.batches(*zoo.teacher_classification(2048), 8)
+    with watch(model, opt, tmp_path) as rec:
+        for step in (1, 2, 3):
+            for micro in range(12):
+                _, xb, yb = next(data)
+                if step == 2 and micro == 5:  # a forward pass of the step with one NaN input
+                    xb = xb.clone()
+                    xb[0, 0] = math.nan
+                    compiled(xb)  # no backward: the gradients stay finite
+                    continue
+                (F.cross_entropy(compiled(xb), yb) / 12).backward()
+            opt.step()
+            opt.zero_grad()
+    assert rec.step_count == 3 and counters["stats"]["unique_graphs"] == 2
+    rows = read(tmp_path, "health", "select step, component, out_rms, out_nonfinite_count from t")
+    first = min(c for _, c, _, _ in rows)
+    assert all(rms is not None for _, _, rms, _ in rows)  # every component sampled every step
+    counts = {(s, c): n for s, c, _, n in rows}
+    assert counts[(2, first)] > 0  # the NaN's row, counted in a later micro-batch's graph
+    assert all(counts[(s, c)] == 0 for s, c in counts if s != 2)
+    torch._dynamo.reset()
+
+
 def test_unused_components_are_named_in_a_warning_event(tmp_path: Path) -> None:
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU())
     model.add_module("spare", torch.nn.Linear(4, 4))  # owns parameters, never called

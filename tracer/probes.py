@@ -276,6 +276,12 @@ class ForwardProbe:
         self.pending: list[_StepSamples] = []                # finished steps not yet reduced
         # (component, sample, non-finite count) appended by compiled graphs, absorbed at step end
         self.from_graph: list[tuple[int, torch.Tensor, torch.Tensor]] = []
+        # a compiled forward of this step has run (set in its graph, at its end): the graphs of
+        # the step's later forward passes add their non-finite counts into `graph_bad` and
+        # append nothing (a list that grew with each micro-batch would make dynamo, which guards
+        # on its length, compile again for each)
+        self.graph_sampled = False
+        self.graph_bad = torch.zeros(self.n, dtype=torch.int64, device=device)
         self._layouts: dict[tuple[Key, int], _Layout] = {}
         self._plan: _Plan | None = None   # where this step's samples go (shaped like the last)
         # per component: the shape of its last output and the rows view of such an output
@@ -420,13 +426,18 @@ class ForwardProbe:
                 self.samples = [s for i, s in enumerate(self.samples) if i not in lost]
 
     def observe_in_graph(self, comp: Component, out: object) -> None:
-        """The hook body traced by torch.compile: only tensor ops and one list append."""
+        """The hook body traced by torch.compile: only tensor ops, and one list append or one
+        attribute set (`graph_sampled`)."""
         t = first_tensor(out)
         if t is None or t.numel() == 0:
             return
         t = t.detach()
-        self.from_graph.append((comp.index, subsample(t, self.rows, comp.channel_first),
-                                torch.isfinite(t).logical_not().sum()))
+        bad = torch.isfinite(t).logical_not().sum()
+        if self.graph_sampled:  # a later forward pass of the step: its count only
+            at = torch.full((1,), comp.index, dtype=torch.long, device=self.graph_bad.device)
+            self.graph_bad = self.graph_bad.index_add(0, at, bad.reshape(1).to(self.graph_bad.device))
+            return
+        self.from_graph.append((comp.index, subsample(t, self.rows, comp.channel_first), bad))
 
     def absorb_graph_samples(self) -> None:
         """Take the compiled graphs' observations into this step (first sample per component)."""
@@ -436,6 +447,10 @@ class ForwardProbe:
                 self.sampled[idx] = True
                 self.samples.append((idx, sample))
         self.from_graph.clear()
+        if self.graph_sampled:
+            self._bad_counts().add_(self.graph_bad.to(self.device, torch.float64))
+            self.graph_bad = torch.zeros_like(self.graph_bad)
+            self.graph_sampled = False
 
     def _bad_counts(self) -> torch.Tensor:
         if self.bad is None:
@@ -522,6 +537,9 @@ class ForwardProbe:
         self.samples, self.bad, self._deferred, self._unverified = [], None, [], []
         self.noted.clear()
         self.from_graph.clear()
+        if self.graph_sampled:
+            self.graph_bad = torch.zeros_like(self.graph_bad)
+            self.graph_sampled = False
         self.held.clear()
         self.released = self.unknown = self.tainted = False
         self.sampled = [False] * self.n

@@ -370,14 +370,19 @@ class Recorder:
     def _root_hook(self, module: nn.Module, args: Any, out: Any) -> None:
         """End of the forward pass: take the samples the hooks left, and arrange calls at the start
         (gradient clearing) and the end (pre-clip norms) of the backward pass through this output."""
-        if (module is not self.model or torch.compiler.is_compiling() or self._closed
-                or not torch.is_grad_enabled()):
+        if module is not self.model or self._closed or not torch.is_grad_enabled():
+            return
+        if torch.compiler.is_compiling():  # traced: the step's later forward passes (micro-batches)
+            if module.training:             # give the graph's hooks their counts only
+                self.fwd.graph_sampled = True
             return
         with self._lock:
             if self._closed:
                 return
             t = first_tensor(out)
             self._noting = False
+            if self.fwd.from_graph:  # compiled parts inside an eager forward
+                self.fwd.graph_sampled = True
             if module.training:
                 try:
                     self.fwd.copy_deferred()
@@ -559,7 +564,7 @@ class Recorder:
         self.step_count += 1
         queued = False
         try:
-            if self.fwd.from_graph:
+            if self.fwd.from_graph or self.fwd.graph_sampled:
                 self._absorb_graph_samples()
             if self.step_count == self._first_step:
                 self._settle_components()
@@ -743,9 +748,9 @@ class Recorder:
 
     def _target_step(self) -> int:
         """The step a value given now belongs to: the one in progress once its forward began (an
-        eager forward, or a compiled one whose samples wait, `hooks_under_compile="graph"`),
+        eager forward, or a compiled one),
         else the one the last optimizer.step ended."""
-        return self.step_count + 1 if (self._in_step or self.fwd.from_graph
+        return self.step_count + 1 if (self._in_step or self.fwd.graph_sampled or self.fwd.from_graph
                                        or self.step_count < self._first_step) else self.step_count
 
     def _event(self, kind: str, path: str | None = None, detail: str | None = None) -> None:

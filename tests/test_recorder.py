@@ -625,6 +625,40 @@ def test_a_compiled_model_over_many_micro_batches_compiles_two_graphs_and_counts
     torch._dynamo.reset()
 
 
+@pytest.mark.parametrize("mode", ["graph", "eager"])
+def test_a_compiled_training_step_with_the_optimizer_inside_is_recorded(mode: str, tmp_path: Path) -> None:
+    # forward, backward and optimizer.step in one compiled function (a compiled optimizer
+    # too): dynamo traced the recorder's step hooks and every step was dropped. They run
+    # outside its graphs, and the trace is the one an uncompiled run writes
+    def run(trace: Path, compile_step: bool) -> list[tuple]:
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = zoo.mlp()
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        with watch(model, opt, trace, hooks_under_compile=mode):
+            def step(xb: torch.Tensor, yb: torch.Tensor) -> torch.Tensor:
+                loss = F.cross_entropy(model(xb), yb)
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+                return loss
+            fn = torch.compile(step, backend="eager") if compile_step else step
+            for _, (_, xb, yb) in zip(range(4), zoo.batches(*zoo.teacher_classification(256), 32), strict=False):
+                fn(xb, yb)
+        return read(trace, "health", "select step, component, grad_norm_l2, weight_norm_l2, update_norm_l2 "
+                                     "from t where grad_norm_l2 is not null order by step, component")
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = run(tmp_path / "compiled", True)
+    assert not [w for w in caught if "probe failed" in str(w.message)]
+    want = run(tmp_path / "eager", False)
+    assert [r[:2] for r in got] == [r[:2] for r in want] and {r[0] for r in got} == {1, 2, 3, 4}
+    for g, w in zip(got, want, strict=True):
+        assert g[2:] == pytest.approx(w[2:], rel=1e-5)
+    torch._dynamo.reset()
+
+
 def test_unused_components_are_named_in_a_warning_event(tmp_path: Path) -> None:
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU())
     model.add_module("spare", torch.nn.Linear(4, 4))  # owns parameters, never called

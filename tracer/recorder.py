@@ -334,8 +334,11 @@ class Recorder:
                 handles.append(comp.module.register_forward_hook(self._make_hook(comp)))
                 self._comp_hooks[comp.index] = handles[-1]
             if self.optimizer is not None:
-                handles.append(self.optimizer.register_step_pre_hook(lambda *_: self._pre_step()))
-                handles.append(self.optimizer.register_step_post_hook(lambda *_: self._post_step()))
+                # never traced: an optimizer.step that torch.compile traces (a compiled optimizer,
+                # a compiled training step) calls them outside its graph, at a graph break each
+                pre, post = torch.compiler.disable(self._pre_step), torch.compiler.disable(self._post_step)
+                handles.append(self.optimizer.register_step_pre_hook(lambda *_: pre()))
+                handles.append(self.optimizer.register_step_post_hook(lambda *_: post()))
         except Exception as exc:  # an optimizer-like object without hooks: record nothing, break nothing
             for h in handles:
                 h.remove()

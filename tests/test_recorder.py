@@ -625,6 +625,85 @@ def test_a_compiled_model_over_many_micro_batches_compiles_two_graphs_and_counts
     torch._dynamo.reset()
 
 
+class _TwoHeads(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body, self.head_a, self.head_b = (torch.nn.Linear(32, 64), torch.nn.Linear(64, 10),
+                                               torch.nn.Linear(64, 10))
+
+    def forward(self, x: torch.Tensor, task: str) -> torch.Tensor:
+        h = torch.relu(self.body(x))
+        return self.head_a(h) if task == "a" else self.head_b(h)
+
+
+def test_a_component_first_called_in_a_later_compiled_micro_batch_is_sampled(tmp_path: Path) -> None:
+    # count-only is for the components a graph already sampled in the step, not for every
+    # component once one forward pass ran: a head used only by the second micro-batch has
+    # forward statistics, as it has uncompiled
+    def run(trace: Path, compiled: bool) -> list[tuple]:
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = _TwoHeads()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        fm = torch.compile(model, backend="eager", fullgraph=True) if compiled else model
+        data = zoo.batches(*zoo.teacher_classification(512), 16)
+        with watch(model, opt, trace):
+            for _ in range(3):
+                for task in ("a", "b"):
+                    _, xb, yb = next(data)
+                    (F.cross_entropy(fm(xb, task), yb) / 2).backward()
+                opt.step()
+                opt.zero_grad()
+        return read(trace, "health", "select step, component, out_rms from t where component like 'head%' "
+                                     "order by step, component")
+
+    got, want = run(tmp_path / "compiled", True), run(tmp_path / "eager", False)
+    assert len(got) == 6 and all(rms is not None for _, _, rms in got)
+    assert [r[:2] for r in got] == [r[:2] for r in want]
+    assert [r[2] for r in got] == pytest.approx([r[2] for r in want], rel=1e-5)
+    torch._dynamo.reset()
+
+
+class _Net(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(32, 64), torch.nn.Linear(64, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.relu(self.a(x)))
+
+
+@pytest.mark.parametrize("mode", ["graph", "skip"])
+def test_a_loss_logged_after_a_compiled_forward_goes_to_that_step(mode: str, tmp_path: Path) -> None:
+    # a compiled forward begins its step as an eager one does, however dynamo runs the root
+    # hooks: here a no_grad validation forward makes dynamo run the end-of-forward hook eagerly
+    # from then on, while the one at the start stays compiled
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = _Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    compiled = torch.compile(model, backend="eager")
+    data = zoo.batches(*zoo.teacher_classification(512), 16)
+    want = []
+    with watch(model, opt, tmp_path, hooks_under_compile=mode) as rec:
+        for _ in range(5):
+            _, xb, yb = next(data)
+            loss = F.cross_entropy(compiled(xb), yb)
+            loss.backward()
+            rec.log(loss=loss.item())
+            want.append(loss.item())
+            opt.step()
+            opt.zero_grad()
+            model.eval()
+            with torch.no_grad():
+                compiled(torch.randn(16, 32))
+            model.train()
+    got = read(tmp_path, "steps", "select step, loss from t order by step")
+    assert [s for s, _ in got] == [1, 2, 3, 4, 5]
+    assert [v for _, v in got] == pytest.approx(want, rel=1e-6)
+    torch._dynamo.reset()
+
+
 @pytest.mark.parametrize("mode", ["graph", "eager"])
 def test_a_compiled_training_step_with_the_optimizer_inside_is_recorded(mode: str, tmp_path: Path) -> None:
     # forward, backward and optimizer.step in one compiled function (a compiled optimizer

@@ -276,10 +276,11 @@ class ForwardProbe:
         self.pending: list[_StepSamples] = []                # finished steps not yet reduced
         # (component, sample, non-finite count) appended by compiled graphs, absorbed at step end
         self.from_graph: list[tuple[int, torch.Tensor, torch.Tensor]] = []
-        # a compiled forward of this step has run (set in its graph, at its end): the graphs of
-        # the step's later forward passes add their non-finite counts into `graph_bad` and
+        # the components a compiled graph sampled this step (set there, once it ran): their
+        # later calls (micro-batches) add only their non-finite counts, into `graph_bad`, and
         # append nothing (a list that grew with each micro-batch would make dynamo, which guards
-        # on its length, compile again for each)
+        # on its length, compile again for each); and whether a compiled forward of the step ran
+        self.graph_first: set[int] = set()
         self.graph_sampled = False
         self.graph_bad = torch.zeros(self.n, dtype=torch.int64, device=device)
         self._layouts: dict[tuple[Key, int], _Layout] = {}
@@ -433,10 +434,11 @@ class ForwardProbe:
             return
         t = t.detach()
         bad = torch.isfinite(t).logical_not().sum()
-        if self.graph_sampled:  # a later forward pass of the step: its count only
+        if comp.index in self.graph_first:  # sampled in an earlier call of the step: its count only
             at = torch.full((1,), comp.index, dtype=torch.long, device=self.graph_bad.device)
             self.graph_bad = self.graph_bad.index_add(0, at, bad.reshape(1).to(self.graph_bad.device))
             return
+        self.graph_first.add(comp.index)
         self.from_graph.append((comp.index, subsample(t, self.rows, comp.channel_first), bad))
 
     def absorb_graph_samples(self) -> None:
@@ -447,10 +449,11 @@ class ForwardProbe:
                 self.sampled[idx] = True
                 self.samples.append((idx, sample))
         self.from_graph.clear()
-        if self.graph_sampled:
+        if self.graph_first:
             self._bad_counts().add_(self.graph_bad.to(self.device, torch.float64))
             self.graph_bad = torch.zeros_like(self.graph_bad)
-            self.graph_sampled = False
+            self.graph_first = set()
+        self.graph_sampled = False
 
     def _bad_counts(self) -> torch.Tensor:
         if self.bad is None:
@@ -537,9 +540,10 @@ class ForwardProbe:
         self.samples, self.bad, self._deferred, self._unverified = [], None, [], []
         self.noted.clear()
         self.from_graph.clear()
-        if self.graph_sampled:
+        if self.graph_first:
             self.graph_bad = torch.zeros_like(self.graph_bad)
-            self.graph_sampled = False
+            self.graph_first = set()
+        self.graph_sampled = False
         self.held.clear()
         self.released = self.unknown = self.tainted = False
         self.sampled = [False] * self.n

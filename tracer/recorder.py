@@ -375,8 +375,8 @@ class Recorder:
         (gradient clearing) and the end (pre-clip norms) of the backward pass through this output."""
         if module is not self.model or self._closed or not torch.is_grad_enabled():
             return
-        if torch.compiler.is_compiling():  # traced: the step's later forward passes (micro-batches)
-            if module.training:             # give the graph's hooks their counts only
+        if torch.compiler.is_compiling():  # traced: a compiled forward of the step ran
+            if module.training:
                 self.fwd.graph_sampled = True
             return
         with self._lock:
@@ -384,7 +384,7 @@ class Recorder:
                 return
             t = first_tensor(out)
             self._noting = False
-            if self.fwd.from_graph:  # compiled parts inside an eager forward
+            if module.training and not self._in_step:  # a forward whose pre-hook ran compiled
                 self.fwd.graph_sampled = True
             if module.training:
                 try:
@@ -567,7 +567,7 @@ class Recorder:
         self.step_count += 1
         queued = False
         try:
-            if self.fwd.from_graph or self.fwd.graph_sampled:
+            if self.fwd.from_graph or self.fwd.graph_sampled or self.fwd.graph_first:
                 self._absorb_graph_samples()
             if self.step_count == self._first_step:
                 self._settle_components()

@@ -590,6 +590,43 @@ def test_log_and_batch_inside_a_fullgraph_compiled_step_go_to_their_steps(tmp_pa
     torch._dynamo.reset()
 
 
+def test_a_loss_logged_in_each_compiled_micro_batch_is_their_mean_at_two_graphs(tmp_path: Path) -> None:
+    # a value a graph logs is added to the name's sum there (no list that grows with each
+    # micro-batch, which dynamo would guard on): two graphs, and the step's value is the mean
+    # of its micro-batches', as for values logged outside graphs
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    torch.manual_seed(0)
+    model = zoo.mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    data = zoo.batches(*zoo.teacher_classification(2048), 8)
+    want = []
+    with watch(model, opt, tmp_path) as rec:
+        @torch.compile(backend="eager", fullgraph=True)
+        def micro_step(xb: torch.Tensor, yb: torch.Tensor) -> torch.Tensor:
+            loss = F.cross_entropy(model(xb), yb)
+            rec.log(loss=loss)
+            return loss
+
+        for _ in range(3):
+            losses = []
+            for _ in range(12):
+                _, xb, yb = next(data)
+                loss = micro_step(xb, yb)
+                (loss / 12).backward()
+                losses.append(loss.item())
+            want.append(sum(losses) / len(losses))
+            opt.step()
+            opt.zero_grad()
+    assert counters["stats"]["unique_graphs"] == 2
+    got = read(tmp_path, "steps", "select step, loss from t order by step")
+    assert [s for s, _ in got] == [1, 2, 3]
+    assert [v for _, v in got] == pytest.approx(want, rel=1e-6)
+    torch._dynamo.reset()
+
+
 def test_a_compiled_model_over_many_micro_batches_compiles_two_graphs_and_counts_them_all(tmp_path: Path) -> None:
     # the step's first forward pass gives the samples; the later ones (micro-batches) add only
     # their non-finite counts, and nothing in their graph grows with them: two graphs for the

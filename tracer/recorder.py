@@ -162,6 +162,9 @@ class Recorder:
         # ("log", values) and ("batch", ids) given inside graphs torch.compile traced: appended
         # there (dynamo replays it once the graph ran), taken in at the next entry point
         self._from_graph: list[tuple[str, Any]] = []
+        # tensors `log` got inside graphs, per name: (their sum, how many): a value a graph adds
+        # to one that is there already makes no guard on how many came before (micro-batches)
+        self._graph_logs: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         self._sigterm_pending: tuple[int, FrameType | None] | None = None
         self._in_step = False
         self._micro_batches = 0
@@ -235,7 +238,9 @@ class Recorder:
     def log(self, **values: float | torch.Tensor) -> None:
         """Step-level scalars (`loss=...`, anything else goes to `scalars`); tensors are not synced.
         Inside a graph torch.compile traces (fullgraph=True too) the values are the graph's
-        outputs and go to the step whose optimizer.step comes next."""
+        outputs and go to the step whose optimizer.step comes next; a name's tensors there are
+        summed in the graph, and the step gets their mean, as it gets the mean of a name's values
+        logged outside graphs."""
         if self._closed:
             return
         # checked now: a value that float() rejects would fail the whole segment at flush time
@@ -243,8 +248,18 @@ class Recorder:
         for k in bad:
             self._warn_once(f"rec.log({k}=...) ignored: expected a number or tensor, got "
                             f"{type(values.pop(k)).__name__}")
-        if torch.compiler.is_compiling():  # no lock in a graph: one list append, no graph break
-            self._from_graph.append(("log", values))
+        if torch.compiler.is_compiling():  # no lock in a graph, no graph break
+            for name, value in values.items():
+                if not isinstance(value, torch.Tensor):
+                    self._from_graph.append(("log", {name: value}))
+                    continue
+                value = value.detach()
+                if value.numel() != 1 or not value.is_floating_point():
+                    value = value.float().mean()
+                value = value.reshape(())
+                prev = self._graph_logs.get(name)
+                self._graph_logs[name] = ((value, torch.ones((), device=value.device)) if prev is None
+                                          else (prev[0] + value, prev[1] + 1))
             return
         with self._lock:
             if not self._closed:
@@ -492,15 +507,18 @@ class Recorder:
         recorder only at its next entry point, so those of a graph that ran after optimizer.step
         and before the next step's forward go to the next step where no eager forward came
         between (a compiled model's forward is one)."""
-        if not self._from_graph:
+        if not self._from_graph and not self._graph_logs:
             return
         taken, self._from_graph = self._from_graph, []
+        logs, self._graph_logs = self._graph_logs, {}
         step = self._target_step() if step is None else step
         for kind, payload in taken:
             if kind == "log":
                 self.buffer.log(step, payload)
             else:
                 self.buffer.batch(step, payload)
+        for name, (total, n) in logs.items():  # their mean, as the step's values of a name are
+            self.buffer.log(step, {name: total / n})
 
     def _begin_step(self) -> None:
         if not self._in_step:

@@ -710,6 +710,7 @@ class _Net(torch.nn.Module):
         return self.b(torch.relu(self.a(x)))
 
 
+@pytest.mark.filterwarnings("ignore:warninglight. forward hooks never fired")  # 'skip' says so
 @pytest.mark.parametrize("mode", ["graph", "skip"])
 def test_a_loss_logged_after_a_compiled_forward_goes_to_that_step(mode: str, tmp_path: Path) -> None:
     # a compiled forward begins its step as an eager one does, however dynamo runs the root

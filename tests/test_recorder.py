@@ -7,6 +7,7 @@ import math
 import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import duckdb
 import pytest
@@ -217,7 +218,9 @@ def test_micro_batches_let_go_uncounted_never_give_a_partial_count(
 
     counts = {}
     for compiled in (True, False):
-        if not compiled:
+        if compiled:
+            assert kernels.available()  # loaded now, whatever ran before this test
+        else:
             monkeypatch.setattr(kernels, "ready", lambda: False)
         torch.manual_seed(0)
         model = _MaskedOverflow()
@@ -551,17 +554,23 @@ def test_torch_compile_is_recorded_or_named(mode: str, fullgraph: bool, tmp_path
         assert any("torch.compile" in str(w.message) for w in caught)
 
 
-def test_log_and_batch_inside_a_fullgraph_compiled_step_go_to_their_steps(tmp_path: Path) -> None:
-    # no lock and no graph break in a traced graph: the values come out as the graph's outputs
-    # and go to the step whose optimizer.step comes next; a value logged outside the graph after
-    # a compiled forward goes to that forward's step too. One graph for the whole run
+def _fresh_compiled_mlp() -> tuple[torch.nn.Module, torch.optim.Optimizer, Any]:
+    """A seeded MLP and its SGD, with dynamo's caches and counters emptied (a graph compiled for
+    another test's model must be neither reused nor counted)."""
     from torch._dynamo.utils import counters
 
     torch._dynamo.reset()
     counters.clear()
     torch.manual_seed(0)
     model = zoo.mlp()
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    return model, torch.optim.SGD(model.parameters(), lr=0.01), counters
+
+
+def test_log_and_batch_inside_a_fullgraph_compiled_step_go_to_their_steps(tmp_path: Path) -> None:
+    # no lock and no graph break in a traced graph: the values come out as the graph's outputs
+    # and go to the step whose optimizer.step comes next; a value logged outside the graph after
+    # a compiled forward goes to that forward's step too. One graph for the whole run
+    model, opt, counters = _fresh_compiled_mlp()
     losses = []
     with watch(model, opt, tmp_path) as rec:
         @torch.compile(backend="eager", fullgraph=True)
@@ -594,13 +603,7 @@ def test_a_loss_logged_in_each_compiled_micro_batch_is_their_mean_at_two_graphs(
     # a value a graph logs is added to the name's sum there (no list that grows with each
     # micro-batch, which dynamo would guard on): two graphs, and the step's value is the mean
     # of its micro-batches', as for values logged outside graphs
-    from torch._dynamo.utils import counters
-
-    torch._dynamo.reset()
-    counters.clear()
-    torch.manual_seed(0)
-    model = zoo.mlp()
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    model, opt, counters = _fresh_compiled_mlp()
     data = zoo.batches(*zoo.teacher_classification(2048), 8)
     want = []
     with watch(model, opt, tmp_path) as rec:
@@ -631,13 +634,7 @@ def test_a_compiled_model_over_many_micro_batches_compiles_two_graphs_and_counts
     # the step's first forward pass gives the samples; the later ones (micro-batches) add only
     # their non-finite counts, and nothing in their graph grows with them: two graphs for the
     # run however many micro-batches a step has, where one per micro-batch hit dynamo's limit
-    from torch._dynamo.utils import counters
-
-    torch._dynamo.reset()
-    counters.clear()
-    torch.manual_seed(0)
-    model = zoo.mlp()
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    model, opt, counters = _fresh_compiled_mlp()
     compiled = torch.compile(model, backend="eager", fullgraph=True)
     data = zoo.batches(*zoo.teacher_classification(2048), 8)
     with watch(model, opt, tmp_path) as rec:

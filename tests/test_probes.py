@@ -780,6 +780,46 @@ def test_an_output_first_written_in_place_at_a_later_step_loses_that_steps_sampl
     assert [got[(s, "lin")] for s in kept] == pytest.approx([seen[s] for s in kept], rel=1e-6)
 
 
+class _SharedLateInPlace(nn.Module):
+    """A layer called twice a forward pass whose first output the parent starts to scale in
+    place, after the layer's hook, at a later step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin, self.head = nn.Linear(6, 6), nn.Linear(6, 3)
+        self.in_place = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        if self.in_place:
+            h.mul_(2.0)
+        return self.head(self.lin(h))
+
+
+def test_a_shared_modules_first_output_written_in_place_is_not_stood_in_for(tmp_path: Path) -> None:
+    # a component's sample is its first call's output: when that is lost (written in place after
+    # the hook), the step's values are null, not the second call's
+    torch.manual_seed(0)
+    model = _SharedLateInPlace()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    first: dict[int, float] = {}
+    step = [1]
+
+    def note_first(module: nn.Module, args: object, out: torch.Tensor) -> None:
+        first.setdefault(step[0], float(out.detach().mean()))
+    model.lin.register_forward_hook(note_first)
+    with watch(model, opt, tmp_path, full_precision=True):
+        for s in range(1, 13):
+            step[0], model.in_place = s, s == 6
+            F.mse_loss(model(torch.randn(16, 6)), torch.zeros(16, 3)).backward()
+            opt.step()
+            opt.zero_grad()
+    got = health(tmp_path, "out_mean")
+    assert got[(6, "lin")] is None
+    kept = [s for s in range(1, 13) if s != 6]
+    assert [got[(s, "lin")] for s in kept] == pytest.approx([first[s] for s in kept], rel=1e-6)
+
+
 def _sigmoid_tanh_model() -> nn.Module:
     return nn.Sequential(nn.Linear(8, 24), nn.Tanh(), nn.Linear(24, 24), nn.Sigmoid(),
                          nn.Linear(24, 24), nn.ReLU(), nn.Linear(24, 3))

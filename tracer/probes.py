@@ -362,9 +362,11 @@ class ForwardProbe:
         one loop at the end of the forward pass (each hook runs between the forward's own ops,
         with cold caches), so the hooks of components whose output nothing writes in place only
         note it. An output written in place after its hook all the same has lost the values its
-        hook saw: it is counted for non-finite values, it is no sample of this pass, and its
-        component is observed in its hook from then on."""
+        hook saw: it is counted for non-finite values, it is no sample of this pass (a later call
+        of a shared module does not stand in for it; a later forward pass of the step may give
+        the step's sample), and its component is observed in its hook from then on."""
         sampled, held = self.sampled, self.held
+        lost: list[int] = []
         try:
             for comp, t, version in self.noted:
                 if t._version == version:
@@ -375,8 +377,13 @@ class ForwardProbe:
                     continue
                 self._copy_later.discard(comp.index)
                 self._copy_now.add(comp.index)
-                self.held.append((comp.index, t))
+                held.append((comp.index, t))
+                if not sampled[comp.index]:  # its first call of the pass: the later ones only held
+                    sampled[comp.index] = True
+                    lost.append(comp.index)
         finally:
+            for idx in lost:
+                sampled[idx] = False
             self.noted.clear()  # the list the hooks hold
 
     @torch.no_grad()

@@ -434,8 +434,8 @@ class ForwardProbe:
                 self.samples = [s for i, s in enumerate(self.samples) if i not in lost]
 
     def observe_in_graph(self, comp: Component, out: object) -> None:
-        """The hook body traced by torch.compile: only tensor ops, and one list append or one
-        attribute set (`graph_sampled`)."""
+        """The hook body traced by torch.compile: only tensor ops, and either a list append and a
+        set add (the component's first call in the step) or one attribute set (`graph_bad`)."""
         t = first_tensor(out)
         if t is None or t.numel() == 0:
             return

@@ -399,9 +399,9 @@ class Recorder:
                 return
             t = first_tensor(out)
             self._noting = False
-            if module.training and not self._in_step:  # a forward whose pre-hook ran compiled
-                self.fwd.graph_sampled = True
             if module.training:
+                if not self._in_step:  # a forward whose pre-hook ran compiled: its step began
+                    self.fwd.graph_sampled = True
                 try:
                     self.fwd.copy_deferred()
                     self.fwd.end_forward(t, self.params.grads_so_far_finite)
@@ -502,11 +502,10 @@ class Recorder:
                  "kind": type(comp.module).__name__, "step": self.step_count + 1}))
 
     def _absorb_from_graph(self, step: int | None = None) -> None:
-        """The values `log` and `batch` got inside compiled graphs since the last entry point:
-        to `step`, by default the step they would go to if given now. A graph's values reach the
-        recorder only at its next entry point, so those of a graph that ran after optimizer.step
-        and before the next step's forward go to the next step where no eager forward came
-        between (a compiled model's forward is one)."""
+        """The values `log` and `batch` got inside compiled graphs since the last entry point, to
+        `step` (by default the step a value given now goes to). They reach the recorder only at
+        its next entry point: those of a graph run after optimizer.step go to the next step
+        unless an eager forward, `log` or `batch` comes before that step's optimizer.step."""
         if not self._from_graph and not self._graph_logs:
             return
         taken, self._from_graph = self._from_graph, []
@@ -768,9 +767,8 @@ class Recorder:
     # --- step attribution, events, failures --------------------------------------------------
 
     def _target_step(self) -> int:
-        """The step a value given now belongs to: the one in progress once its forward began (an
-        eager forward, or a compiled one),
-        else the one the last optimizer.step ended."""
+        """The step a value given now belongs to: the one in progress once its forward began
+        (eager or compiled), else the one the last optimizer.step ended."""
         return self.step_count + 1 if (self._in_step or self.fwd.graph_sampled or self.fwd.from_graph
                                        or self.step_count < self._first_step) else self.step_count
 

@@ -742,18 +742,19 @@ def test_an_output_written_in_place_after_its_hook_is_recorded_as_the_layer_left
 
 class _LateInPlace(nn.Module):
     """A layer whose output the parent starts to scale in place, after the layer's hook, at a
-    later step."""
+    later step; `shared`: the layer is called a second time, on that output."""
 
-    def __init__(self) -> None:
+    def __init__(self, shared: bool = False) -> None:
         super().__init__()
-        self.lin, self.head = nn.Linear(6, 12), nn.Linear(12, 3)
-        self.in_place = False
+        width = 6 if shared else 12
+        self.lin, self.head = nn.Linear(6, width), nn.Linear(width, 3)
+        self.in_place, self.shared = False, shared
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.lin(x)
         if self.in_place:
             h.mul_(2.0)
-        return self.head(h)
+        return self.head(self.lin(h) if self.shared else h)
 
 
 def test_an_output_first_written_in_place_at_a_later_step_loses_that_steps_sample_only(tmp_path: Path) -> None:
@@ -780,27 +781,11 @@ def test_an_output_first_written_in_place_at_a_later_step_loses_that_steps_sampl
     assert [got[(s, "lin")] for s in kept] == pytest.approx([seen[s] for s in kept], rel=1e-6)
 
 
-class _SharedLateInPlace(nn.Module):
-    """A layer called twice a forward pass whose first output the parent starts to scale in
-    place, after the layer's hook, at a later step."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.lin, self.head = nn.Linear(6, 6), nn.Linear(6, 3)
-        self.in_place = False
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.lin(x)
-        if self.in_place:
-            h.mul_(2.0)
-        return self.head(self.lin(h))
-
-
 def test_a_shared_modules_first_output_written_in_place_is_not_stood_in_for(tmp_path: Path) -> None:
     # a component's sample is its first call's output: when that is lost (written in place after
     # the hook), the step's values are null, not the second call's
     torch.manual_seed(0)
-    model = _SharedLateInPlace()
+    model = _LateInPlace(shared=True)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     first: dict[int, float] = {}
     step = [1]

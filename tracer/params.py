@@ -162,8 +162,8 @@ class ParamProbe:
         self._grad_lens = np.zeros(n_p, dtype=np.int64)
         self._grad_numel = np.zeros(n_p, dtype=np.int64)  # every length, the BLAS-sized ones too
         self._local_norms = np.zeros(n_p, dtype=np.float32)  # `local_norms`'s output
-        # the addresses and lengths those three hold (set empty: taken again at the next pass)
-        self._grad_lists: tuple[list[int], list[int]] = ([0] * n_p, [0] * n_p)
+        # the addresses and lengths those three hold (set by `_share_blas`, empty: taken again)
+        self._grad_lists: tuple[list[int], list[int]] = ([], [])
         # the ids, addresses and lengths of the gradients `_grad_addresses` last checked this step
         self._checked_grads: tuple[list[int], list[int], list[int]] | None = None
         self._scratch = np.zeros(n_p, dtype=np.float32)  # grads_so_far_finite's norms (and a tensor view)

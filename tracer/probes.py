@@ -458,6 +458,12 @@ class ForwardProbe:
         self.from_graph.clear()
         if self.graph_first:
             self._bad_counts().add_(self.graph_bad.to(self.device, torch.float64))
+        self._forget_graph_step()
+
+    def _forget_graph_step(self) -> None:
+        """The compiled graphs' per-step state back to a step's start (a new tensor only where a
+        graph gave counts: nothing on the eager path)."""
+        if self.graph_first:
             self.graph_bad = torch.zeros_like(self.graph_bad)
             self.graph_first = set()
         self.graph_sampled = False
@@ -547,10 +553,7 @@ class ForwardProbe:
         self.samples, self.bad, self._deferred, self._unverified = [], None, [], []
         self.noted.clear()
         self.from_graph.clear()
-        if self.graph_first:
-            self.graph_bad = torch.zeros_like(self.graph_bad)
-            self.graph_first = set()
-        self.graph_sampled = False
+        self._forget_graph_step()
         self.held.clear()
         self.released = self.unknown = self.tainted = False
         self.sampled = [False] * self.n

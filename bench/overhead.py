@@ -349,7 +349,7 @@ def leave_out(parts: set[str], patch: Callable[[object, str, object], None] = se
                 raise AttributeError(f"--without work: the recorder has no {name}")
         for name in entries:
             patch(rec, name, lambda *_, **__: None)
-        patch(rec, "_make_hook", lambda self, comp: (lambda *_: None))
+        patch(rec, "_make_hook", lambda self: (lambda *_: None))
 
 
 def main() -> None:

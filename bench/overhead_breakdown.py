@@ -108,8 +108,8 @@ def main() -> None:
             continue
         setattr(cls, name, _timed(totals, part_faults, f"{cls.__name__}.{name}", getattr(cls, name)))
     make_hook = recorder.Recorder._make_hook
-    recorder.Recorder._make_hook = lambda self, comp: _timed(  # type: ignore[method-assign]
-        totals, part_faults, f"Recorder.{_HOOKS}", make_hook(self, comp))
+    recorder.Recorder._make_hook = lambda self: _timed(  # type: ignore[method-assign]
+        totals, part_faults, f"Recorder.{_HOOKS}", make_hook(self))
     torch.manual_seed(0)
     model, opt, step = CASES[args.model][1]()
 

@@ -53,10 +53,12 @@ _NOTES = """\
   is counted from 1 (`watch(..., start_step=N)` continues from N when resuming). `rec.log` and
   `rec.batch` belong to the step in progress if a training forward ran since the last step, else
   to the step just completed; `rec.checkpoint` records the steps completed so far.
-- **torch.compile.** By default forward hooks do nothing inside compiled code (no graph
-  break, `fullgraph=True` works) and a `warning` event names the components not seen;
-  `watch(..., hooks_under_compile="eager")` runs them outside the graph instead (full
-  statistics, one graph break per component). Gradient and weight metrics work either way.
+- **torch.compile.** By default (`hooks_under_compile="graph"`) the forward hooks run inside
+  compiled graphs (no graph break, `fullgraph=True` works, a model compiled whole or block by
+  block); `"eager"` runs them outside the graph (one graph break per component); `"skip"`
+  records no forward statistics in compiled code, and a `warning` event names the components
+  not seen. Gradient and weight metrics work in every mode; the pre-clip total is null when
+  the whole model's forward is one compiled graph (compiled blocks keep it).
 - **Ranks.** With a world size above 1 every rank writes the `replicas` table: exact weight
   checksums of every component after every step (compare ranks: bit-identical replicas have
   equal checksums, so replicas that part are found at the step they part), the same checksum at

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import warnings
@@ -599,40 +600,43 @@ def test_log_and_batch_inside_a_fullgraph_compiled_step_go_to_their_steps(tmp_pa
     torch._dynamo.reset()
 
 
-def test_a_loss_logged_in_each_compiled_micro_batch_is_their_mean_at_two_graphs(tmp_path: Path) -> None:
-    # a value a graph logs is added to the name's sum there (no list that grows with each
-    # micro-batch, which dynamo would guard on): two graphs, and the step's value is the mean
-    # of its micro-batches', as for values logged outside graphs
+def test_values_logged_in_each_compiled_micro_batch_come_out_of_one_graph(tmp_path: Path) -> None:
+    # a value a graph logs, and the batch ids it gives, are handed over as it runs (no list that
+    # grows with each micro-batch is read in the graph, which dynamo would guard on): one graph,
+    # the step's loss is the mean of its micro-batches', as for values logged outside graphs,
+    # and its batch ids are theirs in order
     model, opt, counters = _fresh_compiled_mlp()
     data = zoo.batches(*zoo.teacher_classification(2048), 8)
     want = []
     with watch(model, opt, tmp_path) as rec:
         @torch.compile(backend="eager", fullgraph=True)
-        def micro_step(xb: torch.Tensor, yb: torch.Tensor) -> torch.Tensor:
+        def micro_step(xb: torch.Tensor, yb: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
             loss = F.cross_entropy(model(xb), yb)
             rec.log(loss=loss)
+            rec.batch(ids)
             return loss
 
-        for _ in range(3):
+        for step in range(3):
             losses = []
-            for _ in range(12):
+            for micro in range(12):
                 _, xb, yb = next(data)
-                loss = micro_step(xb, yb)
+                loss = micro_step(xb, yb, torch.tensor([100 * step + micro]))
                 (loss / 12).backward()
                 losses.append(loss.item())
             want.append(sum(losses) / len(losses))
             opt.step()
             opt.zero_grad()
-    assert counters["stats"]["unique_graphs"] == 2
-    got = read(tmp_path, "steps", "select step, loss from t order by step")
-    assert [s for s, _ in got] == [1, 2, 3]
-    assert [v for _, v in got] == pytest.approx(want, rel=1e-6)
+    assert counters["stats"]["unique_graphs"] == 1
+    got = read(tmp_path, "steps", "select step, loss, batch_ids from t order by step")
+    assert [s for s, _, _ in got] == [1, 2, 3]
+    assert [v for _, v, _ in got] == pytest.approx(want, rel=1e-6)
+    assert [ids for _, _, ids in got] == [[100 * s + m for m in range(12)] for s in range(3)]
     torch._dynamo.reset()
 
 
-def test_a_compiled_model_over_many_micro_batches_compiles_two_graphs_and_counts_them_all(tmp_path: Path) -> None:
+def test_a_compiled_model_over_many_micro_batches_compiles_one_graph_and_counts_them_all(tmp_path: Path) -> None:
     # the step's first forward pass gives the samples; the later ones (micro-batches) add only
-    # their non-finite counts, and nothing in their graph grows with them: two graphs for the
+    # their non-finite counts, and nothing the graph reads grows with them: one graph for the
     # run however many micro-batches a step has, where one per micro-batch hit dynamo's limit
     model, opt, counters = _fresh_compiled_mlp()
     compiled = torch.compile(model, backend="eager", fullgraph=True)
@@ -649,7 +653,7 @@ def test_a_compiled_model_over_many_micro_batches_compiles_two_graphs_and_counts
                 (F.cross_entropy(compiled(xb), yb) / 12).backward()
             opt.step()
             opt.zero_grad()
-    assert rec.step_count == 3 and counters["stats"]["unique_graphs"] == 2
+    assert rec.step_count == 3 and counters["stats"]["unique_graphs"] == 1
     rows = read(tmp_path, "health", "select step, component, out_rms, out_nonfinite_count from t")
     first = min(c for _, c, _, _ in rows)
     assert all(rms is not None for _, _, rms, _ in rows)  # every component sampled every step
@@ -695,6 +699,70 @@ def test_a_component_first_called_in_a_later_compiled_micro_batch_is_sampled(tmp
     assert len(got) == 6 and all(rms is not None for _, _, rms in got)
     assert [r[:2] for r in got] == [r[:2] for r in want]
     assert [r[2] for r in got] == pytest.approx([r[2] for r in want], rel=1e-5)
+    torch._dynamo.reset()
+
+
+class _Block(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm, self.up, self.down = torch.nn.LayerNorm(16), torch.nn.Linear(16, 32), torch.nn.Linear(32, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.relu(self.up(self.norm(x))))
+
+
+class _Deep(torch.nn.Module):
+    """A stem, twelve blocks of one class, a head: more blocks than dynamo compiles graphs for
+    one function (its recompile limit, 8)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem, self.head = torch.nn.Linear(32, 16), torch.nn.Linear(16, 10)
+        self.blocks = torch.nn.ModuleList(_Block() for _ in range(12))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.stem(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def test_blocks_compiled_one_by_one_share_one_graph_and_are_recorded(tmp_path: Path) -> None:
+    # each block compiled on its own (the large-model pattern): a hook that told components apart
+    # by a Python value compiled a graph per block and failed at the ninth under fullgraph. The
+    # trace is the one an uncompiled run writes, micro-batches and a deep copy included
+    from torch._dynamo.utils import counters
+
+    def run(trace: Path, compiled: bool) -> list[tuple]:
+        torch._dynamo.reset()
+        counters.clear()
+        torch.manual_seed(0)
+        model = _Deep()
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        data = zoo.batches(*zoo.teacher_classification(512), 8)
+        with watch(model, opt, trace):
+            shadow = copy.deepcopy(model)  # an EMA-like copy: its hooks run, and record nothing
+            if compiled:
+                for block in (*model.blocks, *shadow.blocks):
+                    block.compile(backend="aot_eager", fullgraph=True)
+            for _ in range(3):
+                for _ in range(3):
+                    _, xb, yb = next(data)
+                    (F.cross_entropy(model(xb), yb) / 3).backward()
+                    shadow(torch.full_like(xb, math.nan))
+                opt.step()
+                opt.zero_grad()
+        if compiled:
+            assert counters["stats"]["unique_graphs"] == 1
+        return read(trace, "health", "select step, component, out_rms, out_absmax, out_nonfinite_count "
+                                     "from t order by step, component")
+
+    got, want = run(tmp_path / "compiled", True), run(tmp_path / "eager", False)
+    assert len(got) == 3 * (2 + 12 * 3) and all(r[2] is not None for r in got)
+    assert not any(r[4] for r in got)  # the copy's non-finite outputs are not the model's
+    assert [r[:2] for r in got] == [r[:2] for r in want]
+    assert [v for r in got for v in r[2:4]] == pytest.approx([v for r in want for v in r[2:4]], rel=1e-5)
+    assert [r[4] for r in got] == [r[4] for r in want]
     torch._dynamo.reset()
 
 

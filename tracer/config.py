@@ -55,7 +55,8 @@ class RecorderConfig:
     """Names the run in the manifest; None: a fresh random id."""
     hooks_under_compile: Literal["graph", "skip", "eager"] = "graph"
     """Inside torch.compile'd code: "graph", the forward hooks take their sample and non-finite
-    count as extra outputs of the graph (no graph break, fullgraph=True works); "skip", they do
+    count inside the graph, which hands them over as it runs (no graph break, fullgraph=True
+    works, one graph for every block of a class compiled one by one); "skip", they do
     nothing there (a warning event names it); "eager", they run outside the graph (one graph
     break per component, incompatible with fullgraph=True)."""
     replicas: bool | None = None

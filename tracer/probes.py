@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from . import kernels, schema
+from . import graphops, kernels, schema
 from .components import SAT_RANGES, Component
 
 DEAD_EPS = 1e-6      # |output| at or below this counts as "no response" for the dead fraction
@@ -274,15 +274,15 @@ class ForwardProbe:
         self._checked = (0, 0)  # what `_check` holds
         self.sampled = [False] * self.n  # per component: sampled this step (a list: read in every hook)
         self.pending: list[_StepSamples] = []                # finished steps not yet reduced
-        # (component, sample, non-finite count) appended by compiled graphs, absorbed at step end
+        # what compiled graphs handed over this step (`take_from_graph`, at their run time):
+        # (component, sample, non-finite count) of each component's first call, the components
+        # among them, and the (component, count) of their later calls (micro-batches); and
+        # whether a compiled forward of the step ran
         self.from_graph: list[tuple[int, torch.Tensor, torch.Tensor]] = []
-        # the components a compiled graph sampled this step (set there, once it ran): their
-        # later calls (micro-batches) add only their non-finite counts, into `graph_bad`, and
-        # append nothing (a list that grew with each micro-batch would make dynamo, which guards
-        # on its length, compile again for each); and whether a compiled forward of the step ran
         self.graph_first: set[int] = set()
+        self.graph_later: list[tuple[int, torch.Tensor]] = []
         self.graph_sampled = False
-        self.graph_bad = torch.zeros(self.n, dtype=torch.int64, device=device)
+        self.tokens = graphops.Tokens(self.take_from_graph)  # given to the modules by the recorder
         self._layouts: dict[tuple[Key, int], _Layout] = {}
         self._plan: _Plan | None = None   # where this step's samples go (shaped like the last)
         # per component: the shape of its last output and the rows view of such an output
@@ -433,39 +433,48 @@ class ForwardProbe:
                     self.sampled[self.samples[pos][0]] = False
                 self.samples = [s for i, s in enumerate(self.samples) if i not in lost]
 
-    def observe_in_graph(self, comp: Component, out: object) -> None:
-        """The hook body traced by torch.compile: only tensor ops, and either a list append and a
-        set add (the component's first call in the step) or one attribute set (`graph_bad`)."""
+    def observe_in_graph(self, module: torch.nn.Module, out: object) -> None:
+        """The hook body traced by torch.compile: tensor ops, and the op that hands their results
+        to `take_from_graph` when the graph runs (tracer/graphops.py). Nothing here depends on
+        which component it is but the module's token, a graph input."""
         t = first_tensor(out)
         if t is None or t.numel() == 0:
             return
         t = t.detach()
-        bad = torch.isfinite(t).logical_not().sum()
-        if comp.index in self.graph_first:  # sampled in an earlier call of the step: its count only
-            at = torch.full((1,), comp.index, dtype=torch.long, device=self.graph_bad.device)
-            self.graph_bad = self.graph_bad.index_add(0, at, bad.reshape(1).to(self.graph_bad.device))
+        token, channel_first = self.tokens.of(module)
+        graphops.hand_over(token, "", [subsample(t, self.rows, channel_first),
+                                       torch.isfinite(t).logical_not().sum()])
+
+    def take_from_graph(self, idx: int, what: str, values: list[torch.Tensor]) -> None:
+        """A compiled graph's observation of component `idx`, `[sample, count]`: copies of the
+        sample of the component's first call in the step and of the counts of every call (the
+        graph may reuse their memory)."""
+        sample, bad = values
+        bad = bad.to(torch.float64, copy=True)
+        if idx in self.graph_first:
+            self.graph_later.append((idx, bad))
             return
-        self.graph_first.add(comp.index)
-        self.from_graph.append((comp.index, subsample(t, self.rows, comp.channel_first), bad))
+        self.graph_first.add(idx)
+        self.from_graph.append((idx, sample.clone(), bad))
 
     def absorb_graph_samples(self) -> None:
-        """Take the compiled graphs' observations into this step (first sample per component)."""
-        for idx, sample, bad in self.from_graph:
-            self._bad_counts()[idx].add_(bad.to(self.device))
+        """Take the compiled graphs' observations into this step (the first sample per component,
+        every count)."""
+        counted = [(idx, bad) for idx, _, bad in self.from_graph] + self.graph_later
+        for idx, sample, _ in self.from_graph:
             if not self.sampled[idx]:
                 self.sampled[idx] = True
                 self.samples.append((idx, sample))
+        if counted:
+            at = to_device(np.array([idx for idx, _ in counted], dtype=np.int64), self.device)
+            self._bad_counts().index_add_(0, at, torch.stack([bad for _, bad in counted]).to(self.device))
         self.from_graph.clear()
-        if self.graph_first:
-            self._bad_counts().add_(self.graph_bad.to(self.device, torch.float64))
         self._forget_graph_step()
 
     def _forget_graph_step(self) -> None:
-        """The compiled graphs' per-step state back to a step's start (a new tensor only where a
-        graph gave counts: nothing on the eager path)."""
-        if self.graph_first:
-            self.graph_bad = torch.zeros_like(self.graph_bad)
-            self.graph_first = set()
+        """The compiled graphs' per-step state back to a step's start."""
+        self.graph_first.clear()
+        self.graph_later.clear()
         self.graph_sampled = False
 
     def _bad_counts(self) -> torch.Tensor:

@@ -45,7 +45,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from . import schema
+from . import graphops, schema
 from .arguments import check_arguments, check_model
 from .buffer import LoopFacts, StepBuffer, StepRecord
 from .components import (
@@ -159,12 +159,10 @@ class Recorder:
         # a step's end and close() run one at a time, whatever threads call them (a watchdog's
         # close() waits for the training thread's flush, and that thread's next step end sees it)
         self._lock = threading.RLock()
-        # ("log", values) and ("batch", ids) given inside graphs torch.compile traced: appended
-        # there (dynamo replays it once the graph ran), taken in at the next entry point
+        # ("log", values) and ("batch", ids) given inside graphs torch.compile traced: handed
+        # over when the graph runs (tracer/graphops.py), taken in at the next entry point
         self._from_graph: list[tuple[str, Any]] = []
-        # tensors `log` got inside graphs, per name: (their sum, how many): a value a graph adds
-        # to one that is there already makes no guard on how many came before (micro-batches)
-        self._graph_logs: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._graph_token = graphops.Tokens(self._take_from_graph).new(None)
         self._sigterm_pending: tuple[int, FrameType | None] | None = None
         self._in_step = False
         self._micro_batches = 0
@@ -237,10 +235,9 @@ class Recorder:
 
     def log(self, **values: float | torch.Tensor) -> None:
         """Step-level scalars (`loss=...`, anything else goes to `scalars`); tensors are not synced.
-        Inside a graph torch.compile traces (fullgraph=True too) the values are the graph's
-        outputs and go to the step whose optimizer.step comes next; a name's tensors there are
-        summed in the graph, and the step gets their mean, as it gets the mean of a name's values
-        logged outside graphs."""
+        Inside a graph torch.compile traces (fullgraph=True too) the values are handed over as
+        the graph runs and go to the step whose optimizer.step comes next; the step gets the mean
+        of a name's values, inside graphs or not."""
         if self._closed:
             return
         # checked now: a value that float() rejects would fail the whole segment at flush time
@@ -248,18 +245,10 @@ class Recorder:
         for k in bad:
             self._warn_once(f"rec.log({k}=...) ignored: expected a number or tensor, got "
                             f"{type(values.pop(k)).__name__}")
-        if torch.compiler.is_compiling():  # no lock in a graph, no graph break
+        if torch.compiler.is_compiling():  # no lock in a graph, no graph break: handed over
             for name, value in values.items():
-                if not isinstance(value, torch.Tensor):
-                    self._from_graph.append(("log", {name: value}))
-                    continue
-                value = value.detach()
-                if value.numel() != 1 or not value.is_floating_point():
-                    value = value.float().mean()
-                value = value.reshape(())
-                prev = self._graph_logs.get(name)
-                self._graph_logs[name] = ((value, torch.ones((), device=value.device)) if prev is None
-                                          else (prev[0] + value, prev[1] + 1))
+                value = value.detach() if isinstance(value, torch.Tensor) else torch.tensor(float(value))
+                graphops.hand_over(self._graph_token, name, [value])
             return
         with self._lock:
             if not self._closed:
@@ -278,7 +267,8 @@ class Recorder:
                                 f"ids, got {type(ids).__name__} ({exc})")
                 return
         if torch.compiler.is_compiling():
-            self._from_graph.append(("batch", ids))
+            ids = ids.detach() if isinstance(ids, torch.Tensor) else torch.tensor(ids, dtype=torch.long)
+            graphops.hand_over(self._graph_token, "", [ids])
             return
         with self._lock:
             if not self._closed:
@@ -308,8 +298,7 @@ class Recorder:
                 return
             self._absorb_from_graph()
             self._closed, self._noting = True, False
-            for h in self._handles:
-                h.remove()
+            self._remove_hooks()
             if self.replicas is not None:
                 self.replicas.close()
             atexit.unregister(self._at_exit)
@@ -345,8 +334,10 @@ class Recorder:
         try:
             handles.append(self.model.register_forward_pre_hook(self._root_pre_hook, with_kwargs=True))
             handles.append(self.model.register_forward_hook(self._root_hook))
+            hook = self._make_hook()
             for comp in self.components:
-                handles.append(comp.module.register_forward_hook(self._make_hook(comp)))
+                self.fwd.tokens.give(comp.module, comp.index, comp.channel_first)
+                handles.append(comp.module.register_forward_hook(hook))
                 self._comp_hooks[comp.index] = handles[-1]
             if self.optimizer is not None:
                 # never traced: an optimizer.step that torch.compile traces (a compiled optimizer,
@@ -355,11 +346,17 @@ class Recorder:
                 handles.append(self.optimizer.register_step_pre_hook(lambda *_: pre()))
                 handles.append(self.optimizer.register_step_post_hook(lambda *_: post()))
         except Exception as exc:  # an optimizer-like object without hooks: record nothing, break nothing
-            for h in handles:
-                h.remove()
-            handles.clear()
+            self._remove_hooks()
             self._warn_once(f"could not install hooks ({type(exc).__name__}: {exc}); nothing will "
                             f"be recorded — pass the torch optimizer itself to watch()")
+
+    def _remove_hooks(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        for comp in self.components:
+            self.fwd.tokens.take_back(comp.module)
+        graphops.Tokens.forget(self._graph_token)
 
     def _recording(self, module: nn.Module) -> bool:
         return not self._closed and module.training and torch.is_grad_enabled()
@@ -457,24 +454,28 @@ class Recorder:
                 except Exception as exc:
                     self._probe_failed(exc)
 
-    def _make_hook(self, comp: Any) -> Any:
-        fwd, idx, own = self.fwd, comp.index, comp.module
+    def _make_hook(self) -> Any:
+        """The forward hook of every component: one function, so that a graph torch.compile
+        traces for one block of a class serves every block (tracer/graphops.py)."""
+        fwd, comps = self.fwd, {c.module: c for c in self.components}
         noted, notable = fwd.noted, fwd.notable()
 
         def hook(module: nn.Module, args: Any, out: Any) -> None:
-            if module is not own:  # a copy of the model (`__deepcopy__`): not watched
+            if torch.compiler.is_compiling():
+                # traced by torch.compile: the sample and the non-finite count are computed in
+                # the graph and handed over by an op when it runs (no graph break: fullgraph=True works)
+                if self._in_graph and self._recording(module):
+                    fwd.observe_in_graph(module, out)
                 return
+            comp = comps.get(module)
+            if comp is None:  # a copy of the model (`__deepcopy__`): not watched
+                return
+            idx = comp.index
             # within a watched forward pass on CPU (`_noting`), a component whose output nothing
             # writes in place: its output noted, observed at the pass's end (`ForwardProbe.drain`)
             if (self._noting and type(out) is torch.Tensor and idx in notable and module.training
-                    and torch.is_grad_enabled() and not torch.compiler.is_compiling()):
+                    and torch.is_grad_enabled()):
                 noted.append((comp, out, out._version))
-                return
-            if torch.compiler.is_compiling():
-                # traced by torch.compile: the sample and the non-finite count become outputs of
-                # the graph, appended to a list after it ran (no graph break: fullgraph=True works)
-                if self._in_graph and self._recording(module):
-                    fwd.observe_in_graph(comp, out)
                 return
             # (a checkpointed module's forward run again in the backward pass: observed there
             # only if its first run was not, under a reentrant checkpoint's no_grad)
@@ -506,18 +507,21 @@ class Recorder:
         `step` (by default the step a value given now goes to). They reach the recorder only at
         its next entry point: those of a graph run after optimizer.step go to the next step
         unless an eager forward, `log` or `batch` comes before that step's optimizer.step."""
-        if not self._from_graph and not self._graph_logs:
+        if not self._from_graph:
             return
         taken, self._from_graph = self._from_graph, []
-        logs, self._graph_logs = self._graph_logs, {}
         step = self._target_step() if step is None else step
         for kind, payload in taken:
             if kind == "log":
                 self.buffer.log(step, payload)
             else:
                 self.buffer.batch(step, payload)
-        for name, (total, n) in logs.items():  # their mean, as the step's values of a name are
-            self.buffer.log(step, {name: total / n})
+
+    def _take_from_graph(self, key: None, what: str, values: list[torch.Tensor]) -> None:
+        """A value `log` (`what`: its name) or `batch` (`what` empty) got inside a compiled graph,
+        handed over as the graph runs (copied: the graph may reuse its memory)."""
+        value = values[0].clone()
+        self._from_graph.append(("log", {what: value}) if what else ("batch", value))
 
     def _begin_step(self) -> None:
         if not self._in_step:
@@ -584,7 +588,7 @@ class Recorder:
         self.step_count += 1
         queued = False
         try:
-            if self.fwd.from_graph or self.fwd.graph_sampled or self.fwd.graph_first:
+            if self.fwd.from_graph or self.fwd.graph_sampled:
                 self._absorb_graph_samples()
             if self.step_count == self._first_step:
                 self._settle_components()

@@ -57,8 +57,8 @@ _NOTES = """\
   compiled graphs (no graph break, `fullgraph=True` works, a model compiled whole or block by
   block); `"eager"` runs them outside the graph (one graph break per component); `"skip"`
   records no forward statistics in compiled code, and a `warning` event names the components
-  not seen. Gradient and weight metrics work in every mode; the pre-clip total is null when
-  the whole model's forward is one compiled graph (compiled blocks keep it).
+  not seen. Gradient and weight metrics work in every mode; a model compiled whole has a
+  pre-clip total from its third step.
 - **Ranks.** With a world size above 1 every rank writes the `replicas` table: exact weight
   checksums of every component after every step (compare ranks: bit-identical replicas have
   equal checksums, so replicas that part are found at the step they part), the same checksum at

@@ -766,6 +766,34 @@ def test_blocks_compiled_one_by_one_share_one_graph_and_are_recorded(tmp_path: P
     torch._dynamo.reset()
 
 
+def test_a_model_compiled_whole_has_its_pre_clip_norm_from_the_third_step(tmp_path: Path) -> None:
+    # dynamo cannot trace the hook on the model's output that starts the backward pass's work:
+    # after a step whose forward ran as one graph, the parameters' gradient hooks start it
+    # instead, and the pre-clip norm is the uncompiled run's from the step after the next
+    def run(trace: Path, compiled: bool) -> list[tuple]:
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = _Deep()
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        forward = torch.compile(model, backend="aot_eager", fullgraph=True) if compiled else model
+        data = zoo.batches(*zoo.teacher_classification(512), 8)
+        with watch(model, opt, trace):
+            for _ in range(5):
+                _, xb, yb = next(data)
+                F.cross_entropy(forward(xb), yb).backward()
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 0.1)
+                opt.step()
+                opt.zero_grad()
+        return read(trace, "steps", "select step, grad_norm_total_l2, grad_norm_preclip_l2 from t order by step")
+
+    got, want = run(tmp_path / "compiled", True), run(tmp_path / "eager", False)
+    assert [r[2] is None for r in want] == [True, False, False, False, False]
+    assert [r[2] is None for r in got] == [True, True, False, False, False]
+    assert [r[2] for r in got[2:]] == pytest.approx([r[2] for r in want[2:]], rel=1e-5)
+    assert all(r[2] > 1 for r in got[2:])  # clipped to 0.1: the norm before it, not after
+    torch._dynamo.reset()
+
+
 class _Net(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()

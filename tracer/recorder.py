@@ -154,6 +154,10 @@ class Recorder:
         self.buffer = StepBuffer(self.components, self.device, min(self.flush_every_steps, _BUFFER_ROWS) + 2)
         self._backward_queued = False
         self._backward_seen = False  # a backward pass ended since the last training forward began
+        self._output_grad_seen = False  # `_on_output_grad` ran in this step
+        # the parameters' own gradient hooks, standing in for the hook on the model's output that
+        # a forward compiled whole cannot register (`_hook_parameters`); None: not installed
+        self._param_hooks: list[Any] | None = None
         self._refreshed_at = 0  # the step of the flush that last refreshed the parameters' views
         self._busy = 0  # `_sigterm_deferred` depth on the main thread
         # a step's end and close() run one at a time, whatever threads call them (a watchdog's
@@ -408,12 +412,14 @@ class Recorder:
                 t.register_hook(self._on_output_grad)
 
     def _on_output_grad(self, grad: torch.Tensor) -> None:
+        """The start of a backward pass through the model's output (or, `_hook_parameters`, the
+        first gradient computed for a parameter in it, before any accumulates)."""
         if self._backward_queued:  # once per backward pass, however many outputs
             return
         with self._lock:
             if self._closed or self._backward_queued:
                 return
-            self._backward_queued = True
+            self._backward_queued = self._output_grad_seen = True
             try:  # before any gradient of this pass accumulates: were the last step's cleared?
                 self.loop.backward_begins(self.params.backward_versions)
                 if self.replicas is not None:
@@ -421,6 +427,18 @@ class Recorder:
             except Exception as exc:
                 self._probe_failed(exc)
             torch.autograd.Variable._execution_engine.queue_callback(self._backward_ending)
+
+    def _hook_parameters(self) -> None:
+        """A step whose forward ran as one compiled graph registered no hook on the model's output
+        (dynamo cannot trace one): from now on every parameter's gradient hook starts the
+        backward pass's work instead, whichever comes first (the pre-clip norm, the loop's checks
+        at the backward's start and end). A parameter's hook runs before its gradient
+        accumulates, so the first of them runs before any does."""
+        self._param_hooks = []
+        for p in self.params.params:
+            if p.requires_grad:
+                self._param_hooks.append(p.register_hook(self._on_output_grad))
+        self._handles.extend(self._param_hooks)
 
     def _backward_ending(self) -> None:
         """The first callback at the end of a backward pass (queued at its start). A wrapper queues
@@ -588,6 +606,9 @@ class Recorder:
         self.step_count += 1
         queued = False
         try:
+            if self.fwd.graph_sampled and not self._output_grad_seen and self._param_hooks is None:
+                self._hook_parameters()
+            self._output_grad_seen = False
             if self.fwd.from_graph or self.fwd.graph_sampled:
                 self._absorb_graph_samples()
             if self.step_count == self._first_step:

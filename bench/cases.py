@@ -73,6 +73,8 @@ CASES: dict[str, tuple[str, Callable[[], Training]]] = {
                 nanogpt_case),
     "nanogpt-accum": ("nanoGPT layout as above, 4 micro-batches of 3 sequences a step",
                       lambda: nanogpt_case(batch=3, accum=4)),
+    "nanogpt-compiled": ("nanoGPT layout as above, the forward through torch.compile (inductor)",
+                         lambda: nanogpt_case(compiled=True)),
 }
 
 

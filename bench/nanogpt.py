@@ -136,16 +136,20 @@ class NanoGPT(nn.Module):
 
 
 def nanogpt_case(batch: int = 12, accum: int = 1, grad_clip: float = 1.0, dropout: float = 0.0,
-                 n_layer: int = 4, n_embd: int = 128, block: int = 64, vocab: int = 96
-                 ) -> tuple[nn.Module, torch.optim.Optimizer, Callable[[], torch.Tensor]]:
+                 n_layer: int = 4, n_embd: int = 128, block: int = 64, vocab: int = 96,
+                 compiled: bool = False) -> tuple[nn.Module, torch.optim.Optimizer, Callable[[], torch.Tensor]]:
     """The model, its optimizer and one training step as train.py makes it (lr schedule, micro-
-    batches, clipping); the step returns the last micro-batch's loss. `vocab`: the head's width
-    (the text's characters use the first 96 ids)."""
+    batches, clipping; `compiled`: the forward through `torch.compile(model)`, train.py's default);
+    the step returns the last micro-batch's loss. `vocab`: the head's width (the text's characters
+    use the first 96 ids)."""
     from warninglight.lab import zoo
 
     cfg = NanoConfig(block_size=block, vocab_size=vocab, n_layer=n_layer, n_head=4, n_embd=n_embd,
                      dropout=dropout)
     model = NanoGPT(cfg)
+    if compiled:  # the two copies' graphs apart, whichever is compiled first (tracer/graphops.py)
+        torch._dynamo.config.skip_nnmodule_hook_guards = False
+    forward = torch.compile(model) if compiled else model
     opt = model.configure_optimizers(weight_decay=0.1, lr=1e-3)
     data = zoo.char_corpus(200_000)
     g = torch.Generator().manual_seed(0)
@@ -171,7 +175,7 @@ def nanogpt_case(batch: int = 12, accum: int = 1, grad_clip: float = 1.0, dropou
         loss = torch.zeros(())
         for _ in range(accum):
             x, y = get_batch()
-            _, loss = model(x, y)
+            _, loss = forward(x, y)
             (loss / accum).backward()
         if grad_clip != 0.0:
             torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)

@@ -16,7 +16,8 @@ keeps its own values). Run: `python bench/overhead.py [--steps N] [--pairs N] [-
 `--whole-runs N` alternates whole runs of N steps, set-up and close included, in this process or,
 with `--fresh-process`, each a new process timed from its start to its exit, as a user times a run
 (see `measure_whole_runs`). The models are bench/cases.py's; `--nanogpt` adds one in nanoGPT's
-layout and loop (bench/nanogpt.py) to the interleaved and whole-run measurements.
+layout and loop (bench/nanogpt.py) to the interleaved and whole-run measurements; `--case NAME`
+(repeatable) measures the named cases instead, e.g. `nanogpt-compiled` (its forward compiled).
 
 `--split-from N` moves the size from which the norm passes run in parts on torch's threads
 (`kernels.SPLIT_FROM`; a huge N turns that off), in this process only.
@@ -361,6 +362,9 @@ def main() -> None:
     ap.add_argument("--pairs", type=int, default=6, help="with/without block pairs")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: leave as is)")
     ap.add_argument("--skip-mlp", action="store_true", help="only the GPT figures")
+    ap.add_argument("--case", action="append", choices=sorted(CASES), default=None,
+                    help="measure this case of bench/cases.py (repeatable) instead of the models the "
+                         "--skip flags and --nanogpt choose")
     ap.add_argument("--skip-bench-gpt", action="store_true", help="not the d=256 GPT")
     ap.add_argument("--skip-small-gpt", action="store_true", help="not the d=128 GPT")
     ap.add_argument("--nanogpt", action="store_true",
@@ -422,7 +426,7 @@ def main() -> None:
     print(f"load average before: {' '.join(f'{x:.1f}' for x in os.getloadavg())} on {os.cpu_count()} "
           "CPUs (a loaded, shared machine moves these figures by several points)")
     cases = [c for c, skip in (("bench", args.skip_bench_gpt), ("small", args.skip_small_gpt),
-                               ("nanogpt", not args.nanogpt)) if not skip]
+                               ("nanogpt", not args.nanogpt)) if not skip] if args.case is None else args.case
     if args.whole_runs:
         for case in cases:
             measure_whole_runs(CASES[case][0], case, args.pairs, args.whole_runs, args.fresh_process,

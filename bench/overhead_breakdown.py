@@ -61,6 +61,8 @@ def _timed(totals: dict[str, float], faults: dict[str, float], name: str,
            f: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(f)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
+        if torch.compiler.is_compiling():  # traced into a graph: its time is the graph's
+            return f(*args, **kwargs)
         t0, f0 = time.perf_counter(), _minflt()
         try:
             return f(*args, **kwargs)

@@ -504,29 +504,40 @@ def test_grad_scaler_after_a_clipped_step_still_gives_the_unscaled_norms(tmp_pat
     assert len(seen) == 4 and got == pytest.approx(seen, rel=1e-5)
 
 
-def test_a_compiled_graph_without_the_hooks_is_named(tmp_path: Path) -> None:
-    # dynamo runs a graph traced for an unwatched instance of the same class for the watched one
-    # too (a graph traced without hooks does not guard against them): from then on no hook fires
+@pytest.mark.parametrize("other_first", [False, True])
+def test_a_graph_compiled_for_an_unwatched_instance_is_not_run_for_the_watched_one(
+        other_first: bool, tmp_path: Path) -> None:
+    # dynamo does not guard against module hooks by default: a graph traced for an unwatched
+    # instance of the class (an EMA or teacher model) was run for the watched one, and no hook
+    # fired. While a recorder watches, dynamo guards on hooks, so the watched model compiles a
+    # graph of its own; a graph traced before watch() (dynamo's default then) still shadows it,
+    # and the recorder says how to avoid that
+    import torch._dynamo.config as dynamo_config
+
     torch._dynamo.reset()
     torch.manual_seed(0)
     model, other = zoo.mlp(), zoo.mlp()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     data = zoo.batches(*zoo.teacher_classification(256), 32)
+    compiled_other = torch.compile(other, backend="eager")
+    if other_first:
+        compiled_other(next(data)[1])
     with warnings.catch_warnings(record=True) as caught, watch(model, opt, tmp_path):
         warnings.simplefilter("always")
-        compiled, compiled_other = torch.compile(model, backend="eager"), torch.compile(other, backend="eager")
-        for step in range(3):
+        compiled = torch.compile(model, backend="eager")
+        for _ in range(3):
             _, xb, yb = next(data)
+            compiled_other(xb)
             F.cross_entropy(compiled(xb), yb).backward()
             opt.step()
             opt.zero_grad()
-            if step == 0:
-                compiled_other(xb)  # traced without hooks, after the watched model's first step
+    assert dynamo_config.skip_nnmodule_hook_guards is True  # as it was before watch()
     rows = read(tmp_path, "health", "select step, count(out_rms) from t group by step order by step")
-    assert rows[0][1] > 0 and rows[1][1] == 0  # the shadowing this test is about
-    warned = [str(w.message) for w in caught if "no forward hook fired in step 2" in str(w.message)]
-    events = read(tmp_path, "events", "select detail from t where kind = 'warning'")
-    assert len(warned) == 1 and any("no forward hook fired in step 2" in d for (d,) in events)
+    warned = [str(w.message) for w in caught if "skip_nnmodule_hook_guards = False" in str(w.message)]
+    if other_first:
+        assert [n for _, n in rows] == [0, 0, 0] and len(warned) == 1
+    else:
+        assert [n for _, n in rows] == [7, 7, 7] and not warned
     torch._dynamo.reset()
 
 
@@ -577,7 +588,7 @@ def test_log_and_batch_inside_a_fullgraph_compiled_step_go_to_their_steps(tmp_pa
         @torch.compile(backend="eager", fullgraph=True)
         def forward(xb: torch.Tensor, yb: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
             loss = F.cross_entropy(model(xb), yb)
-            rec.log(loss=loss)
+            rec.log(loss=loss, tokens_seen=123456789)  # a Python number: kept exactly
             rec.batch(ids)
             return loss
 
@@ -594,6 +605,7 @@ def test_log_and_batch_inside_a_fullgraph_compiled_step_go_to_their_steps(tmp_pa
     assert [r[0] for r in rows] == [1, 2, 3]
     assert [r[1] for r in rows] == pytest.approx(losses, rel=1e-6)
     assert [r[2] for r in rows] == [[0, 1], [32, 33], [64, 65]]
+    assert read(tmp_path, "scalars", "select value from t where name = 'tokens_seen'") == [(123456789.0,)] * 3
     got = read(tmp_path, "scalars", "select step, value from t where name = 'eager' order by step")
     assert [s for s, _ in got] == [1, 2, 3]
     assert [v for _, v in got] == pytest.approx([v + 1 for v in losses], rel=1e-6)
@@ -715,29 +727,33 @@ class _Deep(torch.nn.Module):
     """A stem, twelve blocks of one class, a head: more blocks than dynamo compiles graphs for
     one function (its recompile limit, 8)."""
 
-    def __init__(self) -> None:
+    def __init__(self, checkpointed: bool = False) -> None:
         super().__init__()
         self.stem, self.head = torch.nn.Linear(32, 16), torch.nn.Linear(16, 10)
         self.blocks = torch.nn.ModuleList(_Block() for _ in range(12))
+        self.checkpointed = checkpointed  # each block's forward run again in the backward pass
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.stem(x)
         for block in self.blocks:
-            x = block(x)
+            x = (torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False) if self.checkpointed
+                 else block(x))
         return self.head(x)
 
 
-def test_blocks_compiled_one_by_one_share_one_graph_and_are_recorded(tmp_path: Path) -> None:
+@pytest.mark.parametrize("checkpointed", [False, True])
+def test_blocks_compiled_one_by_one_share_one_graph_and_are_recorded(checkpointed: bool, tmp_path: Path) -> None:
     # each block compiled on its own (the large-model pattern): a hook that told components apart
     # by a Python value compiled a graph per block and failed at the ninth under fullgraph. The
-    # trace is the one an uncompiled run writes, micro-batches and a deep copy included
+    # trace is the one an uncompiled run writes: micro-batches, one with a NaN, a deep copy, and
+    # blocks run again in the backward pass (activation checkpointing) included
     from torch._dynamo.utils import counters
 
-    def run(trace: Path, compiled: bool) -> list[tuple]:
+    def run(trace: Path, compiled: bool) -> tuple[list[tuple], list[tuple]]:
         torch._dynamo.reset()
         counters.clear()
         torch.manual_seed(0)
-        model = _Deep()
+        model = _Deep(checkpointed)
         opt = torch.optim.SGD(model.parameters(), lr=0.05)
         data = zoo.batches(*zoo.teacher_classification(512), 8)
         with watch(model, opt, trace):
@@ -745,21 +761,29 @@ def test_blocks_compiled_one_by_one_share_one_graph_and_are_recorded(tmp_path: P
             if compiled:
                 for block in (*model.blocks, *shadow.blocks):
                     block.compile(backend="aot_eager", fullgraph=True)
-            for _ in range(3):
-                for _ in range(3):
+            for step in range(3):
+                for micro in range(3):
                     _, xb, yb = next(data)
+                    if (step, micro) == (1, 2):  # one NaN input
+                        xb = xb.clone()
+                        xb[0, 0] = math.nan
                     (F.cross_entropy(model(xb), yb) / 3).backward()
                     shadow(torch.full_like(xb, math.nan))
+                if step == 1:  # the loop skips a step whose gradients are not finite
+                    opt.zero_grad()
                 opt.step()
                 opt.zero_grad()
         if compiled:
             assert counters["stats"]["unique_graphs"] == 1
-        return read(trace, "health", "select step, component, out_rms, out_absmax, out_nonfinite_count "
-                                     "from t order by step, component")
+        return (read(trace, "health", "select step, component, out_rms, out_absmax, out_nonfinite_count "
+                                      "from t order by step, component"),
+                read(trace, "components", "select component, forward_index, kind from t order by component"))
 
-    got, want = run(tmp_path / "compiled", True), run(tmp_path / "eager", False)
+    (got, got_components), (want, want_components) = run(tmp_path / "compiled", True), run(tmp_path / "eager", False)
+    assert got_components == want_components  # the forward order, and the head it names
     assert len(got) == 3 * (2 + 12 * 3) and all(r[2] is not None for r in got)
-    assert not any(r[4] for r in got)  # the copy's non-finite outputs are not the model's
+    counts = [sum(r[4] for r in got if r[0] == step) for step in (1, 2, 3)]
+    assert counts[0] == counts[2] == 0 < counts[1]  # the NaN's step; the copy's are not the model's
     assert [r[:2] for r in got] == [r[:2] for r in want]
     assert [v for r in got for v in r[2:4]] == pytest.approx([v for r in want for v in r[2:4]], rel=1e-5)
     assert [r[4] for r in got] == [r[4] for r in want]

@@ -22,6 +22,8 @@ has the tag, so that `mode="reduce-overhead"` leaves it outside the captured gra
 from __future__ import annotations
 
 import itertools
+import sys
+import threading
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -90,11 +92,45 @@ class Tokens:
         """A token for component `key`, kept on its module with its output's layout."""
         module.__dict__[self.attr] = (self.new(key), channel_first)
 
-    def of(self, module: torch.nn.Module) -> tuple[torch.Tensor, bool]:
-        """Inside a traced hook: `module`'s token and whether its output is channel-first."""
-        return getattr(module, self.attr)
+    def of(self, module: torch.nn.Module) -> tuple[torch.Tensor, bool] | None:
+        """Inside a traced hook: `module`'s token and whether its output is channel-first (None:
+        it has none)."""
+        return getattr(module, self.attr, None)
 
     def take_back(self, module: torch.nn.Module) -> None:
         entry = module.__dict__.pop(self.attr, None)
         if entry is not None:
             self.forget(entry[0])
+
+
+_hook_guards = {"holders": 0, "was": True}
+_hook_guards_lock = threading.Lock()
+
+
+def guard_module_hooks() -> bool | None:
+    """Make dynamo guard on module hooks (`torch._dynamo.config.skip_nnmodule_hook_guards` off)
+    until `release_module_hooks`: by default a graph traced for a module without the recorder's
+    hooks (an unwatched instance of the model's class, an EMA copy, or the model compiled and run
+    before `watch()`) is run for one with them, and no hook fires. Done only once the process has
+    imported dynamo (importing it takes about a second, which a run that never compiles should
+    not pay): None until then; else whether it was done (False: a torch without that setting)."""
+    dynamo = sys.modules.get("torch._dynamo")
+    config = getattr(dynamo, "config", None)
+    if config is None:
+        return None
+    if not hasattr(config, "skip_nnmodule_hook_guards"):
+        return False
+    with _hook_guards_lock:
+        if _hook_guards["holders"] == 0:
+            _hook_guards["was"] = config.skip_nnmodule_hook_guards
+        _hook_guards["holders"] += 1
+        config.skip_nnmodule_hook_guards = False
+    return True
+
+
+def release_module_hooks() -> None:
+    """One `guard_module_hooks` undone: the setting as it was once no recorder holds it."""
+    with _hook_guards_lock:
+        _hook_guards["holders"] -= 1
+        if _hook_guards["holders"] == 0:
+            sys.modules["torch._dynamo"].config.skip_nnmodule_hook_guards = _hook_guards["was"]

@@ -49,6 +49,16 @@ def first_tensor(out: object) -> torch.Tensor | None:
     return None
 
 
+def _no_graph_task() -> int:
+    """The id of the backward pass this thread is running, -1 outside one (always -1 where
+    torch does not say). A checkpointed module runs its forward again inside the backward pass,
+    hooks and all: no new forward call of the step."""
+    return -1
+
+
+graph_task = getattr(torch._C, "_current_graph_task_id", _no_graph_task)
+
+
 def to_device(a: np.ndarray, device: torch.device) -> torch.Tensor:
     """A host array on `device` without a host sync (pinned staging, non-blocking copy)."""
     t = torch.from_numpy(np.ascontiguousarray(a))
@@ -283,6 +293,7 @@ class ForwardProbe:
         self.graph_later: list[tuple[int, torch.Tensor]] = []
         self.graph_sampled = False
         self.tokens = graphops.Tokens(self.take_from_graph)  # given to the modules by the recorder
+        self.first_seen: Callable[[int], None] | None = None  # told each component's first call
         self._layouts: dict[tuple[Key, int], _Layout] = {}
         self._plan: _Plan | None = None   # where this step's samples go (shaped like the last)
         # per component: the shape of its last output and the rows view of such an output
@@ -438,10 +449,12 @@ class ForwardProbe:
         to `take_from_graph` when the graph runs (tracer/graphops.py). Nothing here depends on
         which component it is but the module's token, a graph input."""
         t = first_tensor(out)
-        if t is None or t.numel() == 0:
+        given = self.tokens.of(module)  # None: a shallow copy made before watch() (hooks, no token)
+        # (a tensor subclass, e.g. a DTensor, is not read here, as the eager probe reads none)
+        if t is None or t.numel() == 0 or given is None or type(t) is not torch.Tensor:
             return
         t = t.detach()
-        token, channel_first = self.tokens.of(module)
+        token, channel_first = given
         graphops.hand_over(token, "", [subsample(t, self.rows, channel_first),
                                        torch.isfinite(t).logical_not().sum()])
 
@@ -449,6 +462,8 @@ class ForwardProbe:
         """A compiled graph's observation of component `idx`, `[sample, count]`: copies of the
         sample of the component's first call in the step and of the counts of every call (the
         graph may reuse their memory)."""
+        if idx in self.graph_first and graph_task() != -1:
+            return  # a checkpointed block's forward run again in the backward pass: no new call
         sample, bad = values
         bad = bad.to(torch.float64, copy=True)
         if idx in self.graph_first:
@@ -456,6 +471,8 @@ class ForwardProbe:
             return
         self.graph_first.add(idx)
         self.from_graph.append((idx, sample.clone(), bad))
+        if self.first_seen is not None:
+            self.first_seen(idx)
 
     def absorb_graph_samples(self) -> None:
         """Take the compiled graphs' observations into this step (the first sample per component,
@@ -467,7 +484,7 @@ class ForwardProbe:
                 self.samples.append((idx, sample))
         if counted:
             at = to_device(np.array([idx for idx, _ in counted], dtype=np.int64), self.device)
-            self._bad_counts().index_add_(0, at, torch.stack([bad for _, bad in counted]).to(self.device))
+            self._bad_counts().index_add_(0, at, torch.stack([bad.to(self.device) for _, bad in counted]))
         self.from_graph.clear()
         self._forget_graph_step()
 

@@ -67,7 +67,14 @@ from .config import (
 )
 from .loopfacts import LoopProbe
 from .params import ParamProbe
-from .probes import FORWARD_BATCH_STEPS, FORWARD_METRICS, PARAM_METRICS, ForwardProbe, first_tensor
+from .probes import (
+    FORWARD_BATCH_STEPS,
+    FORWARD_METRICS,
+    PARAM_METRICS,
+    ForwardProbe,
+    first_tensor,
+    graph_task,
+)
 from .replicas import ReplicaProbe
 from .writer import TraceWriter
 
@@ -99,16 +106,6 @@ REFRESH_EVERY_STEPS = 100
 _FIRST_FLUSH_S = 5.0
 # The step buffer's first size in steps, at most (it doubles when a segment holds more).
 _BUFFER_ROWS = 256
-
-
-def _graph_task() -> int:
-    """The id of the backward pass this thread is running, -1 outside one (always -1 where
-    torch does not say). A checkpointed module runs its forward again inside the backward pass,
-    hooks and all: no new forward call of the step."""
-    return -1
-
-
-_graph_task = getattr(torch._C, "_current_graph_task_id", _graph_task)
 
 
 class Recorder:
@@ -155,6 +152,9 @@ class Recorder:
         self._backward_queued = False
         self._backward_seen = False  # a backward pass ended since the last training forward began
         self._output_grad_seen = False  # `_on_output_grad` ran in this step
+        # dynamo guards on module hooks while this recorder watches (`graphops.guard_module_hooks`):
+        # None until the process imports dynamo, then whether it does
+        self._hook_guards: bool | None = None
         # the parameters' own gradient hooks, standing in for the hook on the model's output that
         # a forward compiled whole cannot register (`_hook_parameters`); None: not installed
         self._param_hooks: list[Any] | None = None
@@ -251,7 +251,8 @@ class Recorder:
                             f"{type(values.pop(k)).__name__}")
         if torch.compiler.is_compiling():  # no lock in a graph, no graph break: handed over
             for name, value in values.items():
-                value = value.detach() if isinstance(value, torch.Tensor) else torch.tensor(float(value))
+                value = (value.detach() if isinstance(value, torch.Tensor)
+                         else torch.tensor(float(value), dtype=torch.float64))
                 graphops.hand_over(self._graph_token, name, [value])
             return
         with self._lock:
@@ -338,6 +339,8 @@ class Recorder:
         try:
             handles.append(self.model.register_forward_pre_hook(self._root_pre_hook, with_kwargs=True))
             handles.append(self.model.register_forward_hook(self._root_hook))
+            self._hook_guards = graphops.guard_module_hooks()
+            self.fwd.first_seen = self._first_seen
             hook = self._make_hook()
             for comp in self.components:
                 self.fwd.tokens.give(comp.module, comp.index, comp.channel_first)
@@ -358,6 +361,9 @@ class Recorder:
         for h in self._handles:
             h.remove()
         self._handles.clear()
+        if self._hook_guards:
+            graphops.release_module_hooks()
+        self._hook_guards = False
         for comp in self.components:
             self.fwd.tokens.take_back(comp.module)
         graphops.Tokens.forget(self._graph_token)
@@ -498,7 +504,7 @@ class Recorder:
             # (a checkpointed module's forward run again in the backward pass: observed there
             # only if its first run was not, under a reentrant checkpoint's no_grad)
             with self._lock:
-                if not self._recording(module) or (fwd.sampled[idx] and _graph_task() != -1):
+                if not self._recording(module) or (fwd.sampled[idx] and graph_task() != -1):
                     if (not module.training and self.model.training and not self._closed
                             and torch.is_grad_enabled()):
                         self._component_in_eval(comp)
@@ -606,6 +612,8 @@ class Recorder:
         self.step_count += 1
         queued = False
         try:
+            if self._hook_guards is None:  # dynamo imported since: guard on the hooks from now on
+                self._hook_guards = graphops.guard_module_hooks()
             if self.fwd.graph_sampled and not self._output_grad_seen and self._param_hooks is None:
                 self._hook_parameters()
             self._output_grad_seen = False
@@ -619,7 +627,8 @@ class Recorder:
                     f"no forward hook fired in step {self.step_count}, though they did before: its "
                     "forward statistics are null. A torch.compile graph traced without the hooks "
                     "may be running (dynamo reuses a graph compiled for another instance of the "
-                    "model's class, e.g. an unwatched copy, and does not guard against hooks), or "
+                    "model's class, e.g. an unwatched copy, and does not guard against hooks: set "
+                    "torch._dynamo.config.skip_nnmodule_hook_guards = False before compiling), or "
                     "the forward ran in eval() mode or under no_grad")
             self._buffer_step(now)
             queued = True
@@ -702,11 +711,14 @@ class Recorder:
 
     def _absorb_graph_samples(self) -> None:
         """Observations made inside compiled graphs join the step's (first call per component)."""
-        for idx, _, _ in self.fwd.from_graph:
-            comp = self.components[idx]
-            if comp.forward_index is None and self.step_count <= self._first_step:
-                comp.forward_index, self._order = self._order, self._order + 1
         self.fwd.absorb_graph_samples()
+
+    def _first_seen(self, idx: int) -> None:
+        """A component's first call in a step, as a compiled graph runs: its place in the
+        forward order, during the first step (as the eager hook gives it)."""
+        comp = self.components[idx]
+        if comp.forward_index is None and self.step_count < self._first_step:
+            comp.forward_index, self._order = self._order, self._order + 1
 
     def _reduce_pending(self) -> None:
         """Parameter and forward statistics of the queued steps, computed together, into their rows.
@@ -780,8 +792,11 @@ class Recorder:
         if unseen:
             why = ("the model is in eval() mode: outputs are recorded only in train() mode, so "
                    "call model.train() before training" if not self.model.training else
-                   "unused modules, or a torch.compile'd model watched with hooks_under_compile="
-                   "'skip': the default 'graph' records it inside the compiled graph")
+                   "unused modules; a torch.compile'd model watched with hooks_under_compile="
+                   "'skip', where the default 'graph' records it inside the compiled graph; or a "
+                   "graph dynamo compiled for an unwatched instance of the class, which it does "
+                   "not guard against hooks: set torch._dynamo.config.skip_nnmodule_hook_guards "
+                   "= False before compiling")
             msg = (f"forward hooks never fired in the first step for {len(unseen)} of "
                    f"{len(self.components)} components ({why}): {', '.join(unseen[:20])}")
             if len(unseen) * 2 > len(self.components):

@@ -166,7 +166,6 @@ class Recorder:
         # ("log", values) and ("batch", ids) given inside graphs torch.compile traced: handed
         # over when the graph runs (tracer/graphops.py), taken in at the next entry point
         self._from_graph: list[tuple[str, Any]] = []
-        self._graph_token = graphops.Tokens(self._take_from_graph).new(None)
         self._sigterm_pending: tuple[int, FrameType | None] | None = None
         self._in_step = False
         self._micro_batches = 0
@@ -204,6 +203,7 @@ class Recorder:
         self._handles: list[Any] = []
         self._comp_hooks: dict[int, Any] = {}
         self._noting = False  # in a watched forward pass on CPU: hooks may note outputs (`_make_hook`)
+        self._graph_token = graphops.Tokens(self._take_from_graph).new(None)  # `log`, `batch` in graphs
         self._install_hooks()
         self._pid = os.getpid()  # a forked child inherits the handlers, not the recorder
         self._prev_sigterm = self._install_sigterm()

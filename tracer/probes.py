@@ -334,7 +334,8 @@ class ForwardProbe:
         if on_cpu:
             self.held.append((idx, t))  # detached only if it is ever counted
         else:
-            self._bad_counts()[idx].add_(torch.isfinite(t.detach()).logical_not_().sum().to(self.device))
+            # numel minus the finite count: two kernels over the output, not three
+            self._bad_counts()[idx].add_((t.numel() - torch.isfinite(t.detach()).sum()).to(self.device))
         if self.sampled[idx]:
             return
         self.sampled[idx] = True

@@ -509,9 +509,16 @@ def test_a_graph_compiled_for_an_unwatched_instance_is_not_run_for_the_watched_o
         other_first: bool, tmp_path: Path) -> None:
     # dynamo does not guard against module hooks by default: a graph traced for an unwatched
     # instance of the class (an EMA or teacher model) was run for the watched one, and no hook
-    # fired. While a recorder watches, dynamo guards on hooks, so the watched model compiles a
-    # graph of its own; a graph traced before watch() (dynamo's default then) still shadows it,
-    # and the recorder says how to avoid that
+    # fired. From watch() on, dynamo guards on hooks, so the watched model compiles a graph of
+    # its own; a graph traced before watch() (dynamo's default then) still shadows it, and the
+    # recorder says how to avoid that
+    import torch._dynamo.config as dynamo_config
+
+    with dynamo_config.patch(skip_nnmodule_hook_guards=True):  # dynamo's default (a fresh process)
+        _shadowed_or_not(other_first, tmp_path)
+
+
+def _shadowed_or_not(other_first: bool, tmp_path: Path) -> None:
     import torch._dynamo.config as dynamo_config
 
     torch._dynamo.reset()
@@ -531,7 +538,7 @@ def test_a_graph_compiled_for_an_unwatched_instance_is_not_run_for_the_watched_o
             F.cross_entropy(compiled(xb), yb).backward()
             opt.step()
             opt.zero_grad()
-    assert dynamo_config.skip_nnmodule_hook_guards is True  # as it was before watch()
+    assert dynamo_config.skip_nnmodule_hook_guards is False  # left on: the next watch() is safe too
     rows = read(tmp_path, "health", "select step, count(out_rms) from t group by step order by step")
     warned = [str(w.message) for w in caught if "skip_nnmodule_hook_guards = False" in str(w.message)]
     if other_first:

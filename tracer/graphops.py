@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import itertools
 import sys
-import threading
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -103,34 +102,15 @@ class Tokens:
             self.forget(entry[0])
 
 
-_hook_guards = {"holders": 0, "was": True}
-_hook_guards_lock = threading.Lock()
-
-
-def guard_module_hooks() -> bool | None:
+def guard_module_hooks() -> None:
     """Make dynamo guard on module hooks (`torch._dynamo.config.skip_nnmodule_hook_guards` off)
-    until `release_module_hooks`: by default a graph traced for a module without the recorder's
-    hooks (an unwatched instance of the model's class, an EMA copy, or the model compiled and run
-    before `watch()`) is run for one with them, and no hook fires. Done only once the process has
-    imported dynamo (importing it takes about a second, which a run that never compiles should
-    not pay): None until then; else whether it was done (False: a torch without that setting)."""
-    dynamo = sys.modules.get("torch._dynamo")
-    config = getattr(dynamo, "config", None)
-    if config is None:
-        return None
-    if not hasattr(config, "skip_nnmodule_hook_guards"):
-        return False
-    with _hook_guards_lock:
-        if _hook_guards["holders"] == 0:
-            _hook_guards["was"] = config.skip_nnmodule_hook_guards
-        _hook_guards["holders"] += 1
+    on the calling thread: by default a graph traced for a module without the recorder's hooks
+    (an unwatched instance of the model's class, an EMA copy, or the model compiled and run
+    before `watch()`) is run for one with them, and no hook fires. Dynamo's settings are per
+    thread, so the recorder calls this where it is made and at each step's end (the training
+    thread), and leaves the guard on when it closes (a graph compiled without it in between
+    would shadow the next recorder's hooks). Nothing until the process has imported dynamo
+    (importing it takes about a second)."""
+    config = getattr(sys.modules.get("torch._dynamo"), "config", None)
+    if config is not None and getattr(config, "skip_nnmodule_hook_guards", False):
         config.skip_nnmodule_hook_guards = False
-    return True
-
-
-def release_module_hooks() -> None:
-    """One `guard_module_hooks` undone: the setting as it was once no recorder holds it."""
-    with _hook_guards_lock:
-        _hook_guards["holders"] -= 1
-        if _hook_guards["holders"] == 0:
-            sys.modules["torch._dynamo"].config.skip_nnmodule_hook_guards = _hook_guards["was"]

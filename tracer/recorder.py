@@ -152,12 +152,9 @@ class Recorder:
         self._backward_queued = False
         self._backward_seen = False  # a backward pass ended since the last training forward began
         self._output_grad_seen = False  # `_on_output_grad` ran in this step
-        # dynamo guards on module hooks while this recorder watches (`graphops.guard_module_hooks`):
-        # None until the process imports dynamo, then whether it does
-        self._hook_guards: bool | None = None
         # the parameters' own gradient hooks, standing in for the hook on the model's output that
-        # a forward compiled whole cannot register (`_hook_parameters`); None: not installed
-        self._param_hooks: list[Any] | None = None
+        # a forward compiled whole cannot register (`_hook_parameters`): by parameter index
+        self._param_hooks: dict[int, Any] = {}
         self._refreshed_at = 0  # the step of the flush that last refreshed the parameters' views
         self._busy = 0  # `_sigterm_deferred` depth on the main thread
         # a step's end and close() run one at a time, whatever threads call them (a watchdog's
@@ -339,7 +336,7 @@ class Recorder:
         try:
             handles.append(self.model.register_forward_pre_hook(self._root_pre_hook, with_kwargs=True))
             handles.append(self.model.register_forward_hook(self._root_hook))
-            self._hook_guards = graphops.guard_module_hooks()
+            graphops.guard_module_hooks()
             self.fwd.first_seen = self._first_seen
             hook = self._make_hook()
             for comp in self.components:
@@ -361,9 +358,7 @@ class Recorder:
         for h in self._handles:
             h.remove()
         self._handles.clear()
-        if self._hook_guards:
-            graphops.release_module_hooks()
-        self._hook_guards = False
+        self._param_hooks.clear()
         for comp in self.components:
             self.fwd.tokens.take_back(comp.module)
         graphops.Tokens.forget(self._graph_token)
@@ -440,11 +435,10 @@ class Recorder:
         backward pass's work instead, whichever comes first (the pre-clip norm, the loop's checks
         at the backward's start and end). A parameter's hook runs before its gradient
         accumulates, so the first of them runs before any does."""
-        self._param_hooks = []
-        for p in self.params.params:
-            if p.requires_grad:
-                self._param_hooks.append(p.register_hook(self._on_output_grad))
-        self._handles.extend(self._param_hooks)
+        for i, p in enumerate(self.params.params):
+            if i not in self._param_hooks and p.requires_grad:  # (one frozen now may train later)
+                self._param_hooks[i] = handle = p.register_hook(self._on_output_grad)
+                self._handles.append(handle)
 
     def _backward_ending(self) -> None:
         """The first callback at the end of a backward pass (queued at its start). A wrapper queues
@@ -612,11 +606,13 @@ class Recorder:
         self.step_count += 1
         queued = False
         try:
-            if self._hook_guards is None:  # dynamo imported since: guard on the hooks from now on
-                self._hook_guards = graphops.guard_module_hooks()
-            if self.fwd.graph_sampled and not self._output_grad_seen and self._param_hooks is None:
+            graphops.guard_module_hooks()  # on the training thread, once dynamo is imported
+            if (self.fwd.graph_sampled and not self._output_grad_seen
+                    and len(self._param_hooks) < len(self.params.params)):
                 self._hook_parameters()
-            self._output_grad_seen = False
+            # a backward pass whose end never came (it failed, or compiled autograd ran it)
+            # leaves the next one to start afresh
+            self._output_grad_seen = self._backward_queued = False
             if self.fwd.from_graph or self.fwd.graph_sampled:
                 self._absorb_graph_samples()
             if self.step_count == self._first_step:

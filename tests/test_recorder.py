@@ -693,17 +693,24 @@ class _TwoHeads(torch.nn.Module):
         return self.head_a(h) if task == "a" else self.head_b(h)
 
 
+def _seeded(make: Callable[[], torch.nn.Module], lr: float, batch: int, backend: str | None
+            ) -> tuple[torch.nn.Module, torch.optim.Optimizer, Callable[..., torch.Tensor], Iterator[Any]]:
+    """A seeded model, its SGD, its forward (compiled whole with `backend`, fullgraph, unless
+    None) and a batch stream, with dynamo's caches emptied."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = make()
+    forward = torch.compile(model, backend=backend, fullgraph=True) if backend is not None else model
+    return (model, torch.optim.SGD(model.parameters(), lr=lr), forward,
+            zoo.batches(*zoo.teacher_classification(512), batch))
+
+
 def test_a_component_first_called_in_a_later_compiled_micro_batch_is_sampled(tmp_path: Path) -> None:
     # count-only is for the components a graph already sampled in the step, not for every
     # component once one forward pass ran: a head used only by the second micro-batch has
     # forward statistics, as it has uncompiled
     def run(trace: Path, compiled: bool) -> list[tuple]:
-        torch._dynamo.reset()
-        torch.manual_seed(0)
-        model = _TwoHeads()
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        fm = torch.compile(model, backend="eager", fullgraph=True) if compiled else model
-        data = zoo.batches(*zoo.teacher_classification(512), 16)
+        model, opt, fm, data = _seeded(_TwoHeads, 0.1, 16, "eager" if compiled else None)
         with watch(model, opt, trace):
             for _ in range(3):
                 for task in ("a", "b"):
@@ -802,12 +809,7 @@ def test_a_model_compiled_whole_has_its_pre_clip_norm_from_the_third_step(tmp_pa
     # after a step whose forward ran as one graph, the parameters' gradient hooks start it
     # instead, and the pre-clip norm is the uncompiled run's from the step after the next
     def run(trace: Path, compiled: bool) -> list[tuple]:
-        torch._dynamo.reset()
-        torch.manual_seed(0)
-        model = _Deep()
-        opt = torch.optim.SGD(model.parameters(), lr=0.05)
-        forward = torch.compile(model, backend="aot_eager", fullgraph=True) if compiled else model
-        data = zoo.batches(*zoo.teacher_classification(512), 8)
+        model, opt, forward, data = _seeded(_Deep, 0.05, 8, "aot_eager" if compiled else None)
         with watch(model, opt, trace):
             for _ in range(5):
                 _, xb, yb = next(data)

@@ -451,7 +451,7 @@ class ForwardProbe:
         which component it is but the module's token, a graph input."""
         t = first_tensor(out)
         given = self.tokens.of(module)  # None: a shallow copy made before watch() (hooks, no token)
-        # (a tensor subclass, e.g. a DTensor, is not read here, as the eager probe reads none)
+        # (a tensor subclass, e.g. a DTensor, is not read here: the op has no rule for one)
         if t is None or t.numel() == 0 or given is None or type(t) is not torch.Tensor:
             return
         t = t.detach()

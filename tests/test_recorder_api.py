@@ -8,6 +8,7 @@ import re
 import socket
 import warnings
 from pathlib import Path
+from typing import Any
 
 import duckdb
 import pyarrow.parquet as pq
@@ -308,6 +309,44 @@ def test_two_gloo_ranks_write_their_own_partitions(tmp_path: Path) -> None:
     w = rows(tmp_path, "health", "select count(distinct weight_norm_l2), count(distinct out_rms) "
                                  "from t where component = '0' and step = 4")
     assert w == [(1, 2)]
+
+
+class _TensorParallelOut(torch.nn.Module):
+    """A layer whose output is a DTensor (a tensor-parallel layer with use_local_output=False)."""
+
+    def __init__(self, mesh: Any) -> None:
+        super().__init__()
+        self.mesh, self.weight = mesh, torch.nn.Parameter(torch.randn(16, 32) / 6)
+
+    def forward(self, x: torch.Tensor) -> Any:
+        from torch.distributed.tensor import DTensor, Replicate
+
+        return DTensor.from_local(x @ self.weight.t(), self.mesh, [Replicate()])
+
+
+def _dtensor_main(rank: int, port: int, trace: str) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    torch.manual_seed(0)
+    layer = _TensorParallelOut(init_device_mesh("cpu", (1,)))
+    model = torch.nn.ModuleDict({"tp": layer, "head": torch.nn.Linear(16, 10)})
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    with watch(model, opt, trace):
+        for _, (_, x, y) in zip(range(3), zoo.batches(*zoo.teacher_classification(256), 16), strict=False):
+            F.cross_entropy(model["head"](layer(x).to_local()), y).backward()
+            opt.step()
+            opt.zero_grad()
+    dist.destroy_process_group()
+
+
+def test_a_component_whose_output_is_a_dtensor_is_recorded_from_its_local_part(tmp_path: Path) -> None:
+    # the staging copy met a DTensor among plain tensors and failed: every step went unrecorded
+    mp.spawn(_dtensor_main, args=(_free_port(), str(tmp_path)), nprocs=1, join=True)
+    assert rows(tmp_path, "steps", "select count(*) from t") == [(3,)]
+    assert rows(tmp_path, "health", "select component, count(out_rms) from t group by component "
+                                    "order by component") == [("head", 3), ("tp", 3)]
 
 
 class _SparseOut(torch.nn.Linear):

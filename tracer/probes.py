@@ -34,19 +34,19 @@ PARAM_METRICS = schema.metrics_of(schema.GRADIENT, schema.WEIGHTS)  # what `Para
 
 
 def first_tensor(out: object) -> torch.Tensor | None:
-    """The forward output's first floating tensor (outputs may be tuples, lists or dicts)."""
+    """The forward output's first floating tensor (outputs may be tuples, lists or dicts); a
+    DTensor's local part (a tensor-parallel layer's output: this rank's shard or replica)."""
+    t = None
     if isinstance(out, torch.Tensor):
-        return out if out.is_floating_point() else None
-    if isinstance(out, (tuple, list)):
-        items = out
-    elif isinstance(out, dict):
-        items = list(out.values())
-    else:
+        t = out
+    elif isinstance(out, (tuple, list, dict)):
+        for item in (list(out.values()) if isinstance(out, dict) else out):
+            if isinstance(item, torch.Tensor) and item.is_floating_point():
+                t = item
+                break
+    if t is None or not t.is_floating_point():
         return None
-    for item in items:
-        if isinstance(item, torch.Tensor) and item.is_floating_point():
-            return item
-    return None
+    return t.to_local() if type(t) is not torch.Tensor and callable(getattr(t, "to_local", None)) else t
 
 
 def _no_graph_task() -> int:
@@ -451,7 +451,7 @@ class ForwardProbe:
         which component it is but the module's token, a graph input."""
         t = first_tensor(out)
         given = self.tokens.of(module)  # None: a shallow copy made before watch() (hooks, no token)
-        # (a tensor subclass, e.g. a DTensor, is not read here: the op has no rule for one)
+        # (another tensor subclass is not read here: the op has no rule for one)
         if t is None or t.numel() == 0 or given is None or type(t) is not torch.Tensor:
             return
         t = t.detach()

@@ -673,6 +673,8 @@ def test_a_compiled_model_over_many_micro_batches_compiles_one_graph_and_counts_
             opt.step()
             opt.zero_grad()
     assert rec.step_count == 3 and counters["stats"]["unique_graphs"] == 1
+    # the compiled forwards are counted as they run
+    assert read(tmp_path, "steps", "select micro_batches from t order by step") == [(12,)] * 3
     rows = read(tmp_path, "health", "select step, component, out_rms, out_nonfinite_count from t")
     first = min(c for _, c, _, _ in rows)
     assert all(rms is not None for _, _, rms, _ in rows)  # every component sampled every step

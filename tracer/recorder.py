@@ -106,6 +106,7 @@ REFRESH_EVERY_STEPS = 100
 _FIRST_FLUSH_S = 5.0
 # The step buffer's first size in steps, at most (it doubles when a segment holds more).
 _BUFFER_ROWS = 256
+_FORWARD = "\x00forward"  # what a compiled graph hands over at a training forward's start
 
 
 class Recorder:
@@ -367,8 +368,11 @@ class Recorder:
         return not self._closed and module.training and torch.is_grad_enabled()
 
     def _root_pre_hook(self, module: nn.Module, args: Any, kwargs: Any) -> None:
-        if (module is not self.model or torch.compiler.is_compiling() or self._closed
-                or not torch.is_grad_enabled()):  # a copy of the model (`__deepcopy__`): not watched
+        if module is not self.model or self._closed or not torch.is_grad_enabled():
+            return  # a copy of the model (`__deepcopy__`): not watched
+        if torch.compiler.is_compiling():  # traced: the forward is counted as the graph runs
+            if module.training:
+                graphops.hand_over(self._graph_token, _FORWARD, [])
             return
         with self._lock:  # (each entry point: a close() from another thread waits for it)
             if self._closed:
@@ -537,7 +541,11 @@ class Recorder:
 
     def _take_from_graph(self, key: None, what: str, values: list[torch.Tensor]) -> None:
         """A value `log` (`what`: its name) or `batch` (`what` empty) got inside a compiled graph,
-        handed over as the graph runs (copied: the graph may reuse its memory)."""
+        handed over as the graph runs (copied: the graph may reuse its memory), or the start of
+        a compiled training forward (`_FORWARD`)."""
+        if what == _FORWARD:
+            self._micro_batches += 1
+            return
         value = values[0].clone()
         self._from_graph.append(("log", {what: value}) if what else ("batch", value))
 

@@ -64,6 +64,20 @@ def adamw_loop(case: tuple[torch.nn.Module, Callable[[], torch.Tensor]]) -> Trai
 
 
 # name -> (what it is, its factory): the cases --whole-runs and --interleave measure
+def _one_rank() -> bool:
+    """A process group of this process alone (gloo, a free local port), if none is set up."""
+    import socket
+
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    return True
+
+
 CASES: dict[str, tuple[str, Callable[[], Training]]] = {
     "bench": ("bench GPT 4 layers, d=256, seq 128, batch 8",
               lambda: adamw_loop(gpt_case(8, n_layer=4, n_embd=256, block=128))),
@@ -75,6 +89,8 @@ CASES: dict[str, tuple[str, Callable[[], Training]]] = {
                       lambda: nanogpt_case(batch=3, accum=4)),
     "nanogpt-compiled": ("nanoGPT layout as above, the forward through torch.compile (inductor)",
                          lambda: nanogpt_case(compiled=True)),
+    "nanogpt-ddp": ("nanoGPT layout as above, inside DistributedDataParallel (a process group of one "
+                    "gloo rank)", lambda: nanogpt_case(ddp=_one_rank())),
 }
 
 

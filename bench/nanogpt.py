@@ -137,7 +137,8 @@ class NanoGPT(nn.Module):
 
 def nanogpt_case(batch: int = 12, accum: int = 1, grad_clip: float = 1.0, dropout: float = 0.0,
                  n_layer: int = 4, n_embd: int = 128, block: int = 64, vocab: int = 96,
-                 compiled: bool = False) -> tuple[nn.Module, torch.optim.Optimizer, Callable[[], torch.Tensor]]:
+                 compiled: bool = False, ddp: bool = False
+                 ) -> tuple[nn.Module, torch.optim.Optimizer, Callable[[], torch.Tensor]]:
     """The model, its optimizer and one training step as train.py makes it (lr schedule, micro-
     batches, clipping; `compiled`: the forward through `torch.compile(model)`, train.py's default);
     the step returns the last micro-batch's loss. `vocab`: the head's width (the text's characters
@@ -151,6 +152,9 @@ def nanogpt_case(batch: int = 12, accum: int = 1, grad_clip: float = 1.0, dropou
         torch._dynamo.config.skip_nnmodule_hook_guards = False
     forward = torch.compile(model) if compiled else model
     opt = model.configure_optimizers(weight_decay=0.1, lr=1e-3)
+    if ddp:  # inside DistributedDataParallel, in the process group there is (the model returned
+        # is the wrapper, for the recorder to watch)
+        forward = model = nn.parallel.DistributedDataParallel(forward)
     data = zoo.char_corpus(200_000)
     g = torch.Generator().manual_seed(0)
     it = [0]

@@ -7,6 +7,9 @@ indented under their caller, and counted in it too), their total, and the proces
 faults per step each way (getrusage). Run:
 `python bench/overhead_breakdown.py [--steps N] [--threads T] [--model bench|small] [--plain-first]`.
 
+`--model nanogpt-ddp` trains inside DistributedDataParallel (a process group of one gloo rank)
+with the per-rank evidence on (tracer/replicas.py), and adds its parts.
+
 `--split-from N` moves the size from which the norm passes run in parts on torch's threads
 (`kernels.SPLIT_FROM`; a huge N turns that off).
 
@@ -30,7 +33,7 @@ from typing import Any
 import torch
 from cases import CASES
 from overhead import run_block
-from warninglight.tracer import kernels, loopfacts, params, probes, recorder, watch
+from warninglight.tracer import kernels, loopfacts, params, probes, recorder, replicas, watch
 
 # the component hooks `Recorder._make_hook` makes, timed as one line
 _HOOKS = "component hooks"
@@ -51,6 +54,11 @@ PARTS = ((recorder.Recorder, "_root_pre_hook", 0), (params.ParamProbe, "begin", 
          (recorder.Recorder, "_reduce_pending", 1), (params.ParamProbe, "reduce", 2),
          (probes.ForwardProbe, "compute", 2), (recorder.Recorder, "_flush", 1),
          (recorder.Recorder, "log", 0))
+# under DistributedDataParallel (`--model nanogpt-ddp`): the entry point of the per-rank evidence
+# alone, then its parts inside the entry points above (indented: counted in their callers)
+REPLICA_PARTS = ((recorder.Recorder, "_backward_ending", 0), (replicas.ReplicaProbe, "backward_ending", 1),
+                 (params.ParamProbe, "local_norms", 2), (replicas.ReplicaProbe, "begin", 1),
+                 (replicas.ReplicaProbe, "backward_ended", 1), (replicas.ReplicaProbe, "end_step", 1))
 
 
 def _minflt() -> int:
@@ -105,7 +113,9 @@ def main() -> None:
         return
     totals: dict[str, float] = collections.defaultdict(float)
     part_faults: dict[str, float] = collections.defaultdict(float)
-    for cls, name, _ in PARTS:
+    ddp = args.model.endswith("-ddp")
+    parts = PARTS + REPLICA_PARTS if ddp else PARTS
+    for cls, name, _ in parts:
         if name == _HOOKS:
             continue
         setattr(cls, name, _timed(totals, part_faults, f"{cls.__name__}.{name}", getattr(cls, name)))
@@ -126,7 +136,7 @@ def main() -> None:
     train(3)
     without = train(args.steps) if args.plain_first else None
     with tempfile.TemporaryDirectory() as tmp:
-        rec = watch(model, opt, tmp, flush_every_steps=50)
+        rec = watch(model, opt, tmp, flush_every_steps=50, **({"replicas": True} if ddp else {}))
         train(3, rec)
         totals.clear()
         part_faults.clear()
@@ -141,12 +151,18 @@ def main() -> None:
           f"({'before' if args.plain_first else 'after'} the watched pass), {faults[True]:.0f} with the recorder "
           "(of which inside its entry points, below: the nested ones are counted in their callers too)")
     lines = [(f"{cls.__name__}.{name}", indent) for cls, name, indent in PARTS]
+    if ddp:  # the evidence's parts, after everything else (their callers are above)
+        lines += [("the per-rank evidence (begin, backward_ended, end_step: inside the entry points above)", -1)]
+        lines += [(f"{cls.__name__}.{name}", indent) for cls, name, indent in REPLICA_PARTS]
     _print_parts(lines, totals, part_faults, args.steps)
 
 
 def _print_parts(lines: list[tuple[str, int]], totals: dict[str, float], part_faults: dict[str, float],
                  steps: int) -> None:
     for key, indent in lines:
+        if indent < 0:  # a heading
+            print(key)
+            continue
         print(f"{'    ' * indent}{key:<28s} {totals[key] / steps * 1e3:6.2f} ms/step "
               f"{part_faults[key] / steps:7.0f} faults/step")
     outermost = sum(totals[key] for key, indent in lines if indent == 0)

@@ -180,7 +180,7 @@ def _at(a: np.ndarray, dtype: np.dtype[Any]) -> int:
 
 
 def _int_stat(a: np.ndarray, how: str) -> int:
-    """The sum or max (`how`) of an int64 array a kernel was given before (`_at`), taken once:
+    """The sum, min or max (`how`) of an int64 array a kernel was given before (`_at`), taken once:
     the counts and indices the callers pass are made once and never written. (Its entry may be
     gone since: a later `_at` that found the cache full of live arrays started it again.)"""
     known = _addresses.get(id(a))
@@ -245,7 +245,7 @@ def word_sums(addrs: np.ndarray, words: np.ndarray, slots: np.ndarray, out: np.n
     wrapping (mod 2^32) sum of its words read as unsigned integers, added into `out[slots[i]]`
     (all int64). The caller keeps the tensors alive and guarantees what the addresses point at."""
     n = len(addrs)
-    if len(words) != n or len(slots) != n or (n and not 0 <= int(slots.min()) <= int(slots.max()) < len(out)):
+    if len(words) != n or len(slots) != n or (n and not 0 <= _int_stat(slots, "min") <= _int_stat(slots, "max") < len(out)):
         raise TypeError("word_sums: arrays of different lengths, or a slot outside the output")
     _state["word_sums"](_at(addrs, _I64), _at(words, _I64), _at(slots, _I64), _at(out, _I64), n)
 

@@ -226,6 +226,9 @@ class ParamProbe:
         self._sums = np.zeros(len(self.params), dtype=np.int64)
         self._summed = False  # the last weight-norm pass took `_sums`
         self.end_sums: np.ndarray | None = None  # this step's end's, per parameter, else None
+        # the parameters' version counters and addresses as the last `begin` or `end` read them
+        # (unsharded parameters only; else None): what the replicas' checks compare
+        self.weights_seen: tuple[list[int], list[int]] | None = None
         self.refresh()
 
     def refresh(self) -> None:
@@ -481,6 +484,7 @@ class ParamProbe:
         version counter or tensor changed since the last step's end, and every `EXACT_DRIFT_EVERY`-th step
         whatever the counters say (writes into `.data` and memory faults move none); in the
         other steps the weights are those the last step left, so their norms are those of `end`."""
+        self.weights_seen = None
         if self.params:
             # `p.data = other` moves no counter: the memory check takes the views again
             # (`refresh` makes a new address list), and the norms are taken exactly
@@ -488,10 +492,13 @@ class ParamProbe:
             addrs = self._weight_memory()
             swapped = self._weight_ptrs is not before
             self._sketch_into("fwd_sketch", addrs)
+            versions = self._weight_versions()
             self._exact_fwd = (swapped or self._end_versions is None or self._ends % EXACT_DRIFT_EVERY == 0
-                               or self._weight_versions() != self._end_versions)
+                               or versions != self._end_versions)
             if self._exact_fwd:
                 self._norms_into("fwd_norms", self._flat, "weights", addrs)
+            if not self._sharded:
+                self.weights_seen = (versions, self._weight_ptrs)
         self.begun = True
 
     def grads_so_far_finite(self) -> bool | None:
@@ -614,6 +621,7 @@ class ParamProbe:
         if self._summed:
             self.end_sums = self._sums
         self._end_versions = self._weight_versions()
+        self.weights_seen = None if self._sharded else (self._end_versions, self._weight_ptrs)
         self._checked_grads = None  # the next step's gradients are checked afresh
         has_total = self.has_grad is not None
         if self.has_grad is self.is_param:  # every parameter had a gradient (read-only)

@@ -466,13 +466,15 @@ class Recorder:
         with self._lock:
             if self._closed:
                 return
+            now = None  # the gradients' versions as they are now, read by the parameter probe
             try:
                 self.params.after_backward()
+                now = self.params.backward_versions
             except Exception as exc:
                 self._probe_failed(exc)
             if self.replicas is not None:
                 try:
-                    self.replicas.backward_ended()
+                    self.replicas.backward_ended(now)
                 except Exception as exc:
                     self._probe_failed(exc)
 
@@ -554,7 +556,7 @@ class Recorder:
             self._absorb_from_graph()  # given after the last step's optimizer.step: that step's
             self._in_step = True
             self.params.begin()
-            if self.replicas is not None and (note := self.replicas.begin()):
+            if self.replicas is not None and (note := self.replicas.begin(self.params.weights_seen)):
                 self._warn_once(note)
 
     def _pre_step(self) -> None:
@@ -637,7 +639,7 @@ class Recorder:
             self._buffer_step(now)
             queued = True
             if self.replicas is not None:
-                self.replicas.end_step(self.step_count, self.params.end_sums)
+                self.replicas.end_step(self.step_count, self.params.end_sums, self.params.weights_seen)
             if max(len(self.fwd.pending), len(self.params.pending)) >= FORWARD_BATCH_STEPS:
                 self._reduce_pending()  # nulls the rows it leaves unfilled
         except BaseException as exc:  # an interrupt too (KeyboardInterrupt), then raised again

@@ -59,6 +59,7 @@ from torch import nn
 
 from . import kernels
 from .components import Component
+from .loopfacts import versions_of
 
 _INT_VIEW = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int32}  # element bytes -> words
 # steps within which every component's weights are checked at the first forward (the bound on
@@ -144,8 +145,8 @@ class ReplicaProbe:
             self.sharded[c] |= is_sharded(p)
         self.world_size = world_size
         # per step: (checksums after it and at its forward (2, C), local norms (C,), all-reduced
-        # components, components checked at the forward)
-        self.rows: dict[int, tuple[torch.Tensor, torch.Tensor, np.ndarray, np.ndarray]] = {}
+        # components, components checked at the forward); host arrays on the CPU (`end_step`)
+        self.rows: dict[int, tuple[Any, Any, np.ndarray, np.ndarray]] = {}
         self._at_forward: tuple[torch.Tensor, np.ndarray] | None = None
         # per bucket of this step (key -1: the gradients read in `.grad`, `backward_ended`): its
         # per-component squared local norms (a host array from the compiled pass; else a device
@@ -154,7 +155,14 @@ class ReplicaProbe:
         # per bucket layout (its buffer's size, its parameters in order): where its gradients lie
         self._layouts: dict[tuple[int, ...], _BucketLayout] = {}
         self.param_comp_np = np.array([c for c, _ in owned], dtype=np.int64)
+        self.param_comp_list = [c for c, _ in owned]
         self._turns = self._rotation(owned)
+        self._turns.flags.writeable = False  # each step's choice is a copy (`_written`)
+        self._turn_takes = self._turns[:, self.param_comp_np]  # the same, per parameter
+        self._sharded_param = self.sharded & self.is_param
+        self._any_sharded = bool(self._sharded_param.any())
+        # per turn, the compiled word sums' arrays over its parameters (`checksums`)
+        self._turn_args: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
         # where each parameter's gradient was as the backward pass began (`backward_begins`),
         # kept for a communication hook that scales a bucket as DDP would (`_scale_as_ddp`)
         self._grads_at_begin: dict[int, int] = {}
@@ -183,8 +191,8 @@ class ReplicaProbe:
         self._ddp: nn.parallel.DistributedDataParallel | None = None
         # at the end of the backward pass, before DDP's callback: (component of each parameter with
         # a gradient, or None for a host array already per component; their squared local norms;
-        # each gradient's (tensor id, version))
-        self._at_backward: tuple[torch.Tensor | None, Any, list[tuple[int, int] | None]] | None = None
+        # the gradients' `versions_of`)
+        self._at_backward: tuple[torch.Tensor | None, Any, list[int]] | None = None
         ddp = isinstance(model, nn.parallel.DistributedDataParallel)
         # the inner module of a DDP: its wrapper is found at the first forward, which runs inside it
         self._wrapper_unknown = not ddp
@@ -226,7 +234,7 @@ class ReplicaProbe:
         grads, taken = ([p.grad for p in self.params], None) if read is None else read()
         if all(g is None for g in grads):
             return
-        seen = [None if g is None else (id(g), g._version) for g in grads]
+        seen = versions_of(grads)
         if taken is not None:  # 0 for a parameter without a gradient: adds nothing to its component
             sq = np.bincount(self.param_comp_np, weights=np.square(taken, dtype=np.float64), minlength=self.n)
             self._at_backward = (None, sq, seen)
@@ -248,23 +256,30 @@ class ReplicaProbe:
             sq = torch.stack(torch._foreach_norm([grad_values(local_shard(g)) for g in gs])).float().square_()
             self._at_backward = (torch.tensor(comps, dtype=torch.long, device=self.device), sq, seen)
 
-    def backward_ended(self) -> None:
+    def backward_ended(self, now: list[int] | None = None) -> None:
         """The last callback of the backward pass, after DDP's: the gradients it all-reduced are
         those it copied into `.grad` (a version moved, or a new tensor). Their components' local
         norms count for the step; with none all-reduced (no DDP forward, or `no_sync`) a later
-        backward pass of the step may still give them."""
+        backward pass of the step may still give them. `now`: the gradients' `versions_of` as
+        they are now, if already read (`ParamProbe.after_backward`, whose order is this probe's)."""
         taken, self._at_backward = self._at_backward, None
         if taken is None or self.closed:
             return
         idx, sq, seen = taken
+        if now is None:
+            now = versions_of([p.grad for p in self.params])
+        if now == seen:
+            return
         # a gradient where there was none: DDP all-reduced a parameter this rank did not use
-        # (find_unused_parameters), whose local contribution was 0
-        reduced = [(g := p.grad) is not None and (b is None or (id(g), g._version) != b)
-                   for p, b in zip(self.params, seen, strict=True)]
-        if not any(reduced):
+        # (find_unused_parameters), whose local contribution was 0. (A loop, not numpy: each
+        # numpy call costs the step several times its cost in a loop, its code cold here.)
+        comp_of = self.param_comp_list
+        reduced = [comp_of[i >> 1] for i in range(0, len(now), 2)
+                   if now[i + 1] >= 0 and (now[i] != seen[i] or now[i + 1] != seen[i + 1])]
+        if not reduced:
             return
         mask = np.zeros(self.n, dtype=bool)
-        mask[self.param_comp_np[np.flatnonzero(reduced)]] = True
+        mask[reduced] = True
         self._buckets[-1] = (idx, sq, mask)
 
     def _find_wrapper(self) -> str | None:
@@ -422,13 +437,15 @@ class ReplicaProbe:
                      and t.element_size() in (4, 8)
                      and t.untyped_storage().nbytes() >= (t.storage_offset() + t.numel()) * t.element_size()
                      for t, q in zip(flat, self._ptrs, strict=True))
+        self._turn_args = {}
         if usable:
             self._words = np.array([t.numel() * t.element_size() // 4 for t in flat], dtype=np.int64)
             self._addrs = np.array(self._ptrs, dtype=np.int64)
 
-    def checksums(self, take: np.ndarray | None = None) -> torch.Tensor:
+    def checksums(self, take: np.ndarray | None = None, turn: int | None = None) -> torch.Tensor:
         """(C,) int64: per component, the sum of its parameters' wrapping 32-bit bit sums
-        (unsigned); only over the parameters `take` marks (a (P,) bool mask), if given."""
+        (unsigned); only over the parameters `take` marks (a (P,) bool mask), if given: those of
+        the components of `turn` (`_turns`) when `turn` is given, whose arrays are kept."""
         if not self._compiled and self._may_compile and kernels.ready():
             self._compiled = True
             self._refresh()
@@ -438,6 +455,11 @@ class ReplicaProbe:
             out = np.zeros(self.n, dtype=np.int64)
             if take is None:
                 kernels.word_sums(self._addrs, self._words, self.param_comp_np, out)
+            elif turn is not None:  # the arrays of a turn, made once: no numpy call in the step
+                args = self._turn_args.get(turn)
+                if args is None:
+                    args = self._turn_args[turn] = (self._addrs[take], self._words[take], self.param_comp_np[take])
+                kernels.word_sums(*args, out)
             else:
                 kernels.word_sums(self._addrs[take], self._words[take], self.param_comp_np[take], out)
             return torch.from_numpy(out)
@@ -453,62 +475,88 @@ class ReplicaProbe:
         return torch.zeros(self.n, dtype=torch.int64, device=self.device).index_add_(
             0, self.param_comp, sums.long() & 0xFFFFFFFF)  # unsigned: a checksum is never < 0
 
-    def _written(self) -> np.ndarray:
-        """(C,) bool: the components to check at this forward (`weight_checksum_fwd`)."""
+    def _written(self, seen: tuple[list[int], list[int]] | None = None) -> tuple[np.ndarray, int | None]:
+        """(C,) bool: the components to check at this forward (`weight_checksum_fwd`), and the
+        turn (`_turns`) if they are exactly that turn's. `seen`: every parameter's version
+        counter and address now, if already read (`ParamProbe.weights_seen`)."""
         if self._at_end is None:  # no step ended yet: all of them
-            return self.is_param.copy()
-        take = self._turns[self._next_step % FWD_CHECK_EVERY] | (self.sharded & self.is_param)
+            return self.is_param.copy(), None
+        turn = self._next_step % FWD_CHECK_EVERY
+        take = self._turns[turn] | self._sharded_param
         versions, ptrs = self._at_end
-        params = self.params
+        if seen is not None and not self._any_sharded and seen[0] == versions and seen[1] == ptrs:
+            return take, turn  # nothing written since the last step's end
+        params, comp_of = self.params, self.param_comp_list
         for j, i in enumerate(self._watched):
             p = params[i]
             if p._version != versions[j] or p.data_ptr() != ptrs[j]:
-                take[self.param_comp_np[i]] = True
-        return take
+                take[comp_of[i]] = True
+                turn = None
+        return take, (None if self._any_sharded else turn)
 
     # --- per step -----------------------------------------------------------------------------
 
-    def begin(self) -> str | None:
+    def begin(self, seen: tuple[list[int], list[int]] | None = None) -> str | None:
         """First training forward of a step: the checksums of the weights as the step found them,
-        where they may have been written (`_written`); at the first one, for an inner module, a
-        note when its local gradients cannot be had."""
+        where they may have been written (`_written`, given `seen`); at the first one, for an
+        inner module, a note when its local gradients cannot be had."""
         note = self._find_wrapper() if self._wrapper_unknown and not self.closed else None
         if self.params and not self.closed:
-            take = self._written()
-            self._at_forward = (self.checksums(take[self.param_comp_np]), take)
+            take, turn = self._written(seen)
+            per_param = self._turn_takes[turn] if turn is not None else take[self.param_comp_np]
+            self._at_forward = (self.checksums(per_param, turn), take)
         return note
 
-    def end_step(self, step: int, sums: np.ndarray | None = None) -> None:
+    def end_step(self, step: int, sums: np.ndarray | None = None,
+                 seen: tuple[list[int], list[int]] | None = None) -> None:
         """After optimizer.step: the weights' checksums and this step's local gradient norms.
         `sums`: the per-parameter checksums of the weights as they are now, taken in another
-        pass over them (`ParamProbe.end`); else a pass of its own takes them."""
+        pass over them (`ParamProbe.end`); else a pass of its own takes them. `seen`: every
+        parameter's version counter and address now, if already read. On the CPU the row
+        keeps host arrays, left for `take` to finish for many steps at once (each numpy call costs
+        the step several times its cost at a flush, its code cold here); elsewhere, the device's."""
         if not self.params:
             return
+        host = self.device.type == "cpu"
         if sums is None:
             checksum = self.checksums()
-        else:  # each below 2^32, a few per component: exact in float64
-            checksum = torch.from_numpy(np.bincount(self.param_comp_np, weights=sums, minlength=self.n)
-                                        .astype(np.int64)).to(self.device)
+            checksum = checksum.numpy() if host else checksum
+        else:  # each below 2^32, a few per component: exact in float64 (made integers in `take`)
+            checksum = np.bincount(self.param_comp_np, weights=sums, minlength=self.n)
+            checksum = checksum if host else torch.from_numpy(checksum.astype(np.int64)).to(self.device)
         params = self.params
-        self._at_end = ([params[i]._version for i in self._watched],
-                        [params[i].data_ptr() for i in self._watched])
+        if seen is not None and not self._any_sharded:  # every parameter is watched
+            self._at_end = seen
+        else:
+            self._at_end = ([params[i]._version for i in self._watched],
+                            [params[i].data_ptr() for i in self._watched])
         self._next_step = step + 1
-        fwd, taken = self._at_forward or (torch.zeros_like(checksum), np.zeros(self.n, dtype=bool))
+        fwd, taken = self._at_forward if self._at_forward is not None else (None, np.zeros(self.n, dtype=bool))
         self._at_forward = None
+        buckets = list(self._buckets.values())
+        self._buckets.clear()
+        if host and len(buckets) == 1 and buckets[0][0] is None:  # the usual: one pass over `.grad`
+            _, squares, reduced = buckets[0]
+            self.rows[step] = (checksum, None if fwd is None else fwd.numpy(), squares, reduced, taken)
+            return
         on_host = np.zeros(self.n)
         local: torch.Tensor | None = None
         reduced = np.zeros(self.n, dtype=bool)
-        for idx, sq, mask in self._buckets.values():
+        for idx, sq, mask in buckets:
             if idx is None:  # the compiled pass's: already per component, on the host
                 on_host += sq
             else:
                 local = (torch.zeros(self.n, device=self.device) if local is None else local).index_add_(0, idx, sq)
             reduced |= mask
-        self._buckets.clear()
+        if host:  # squared norms, as the usual row has them
+            squares = on_host if local is None else local.add_(torch.from_numpy(on_host.astype(np.float32))).numpy()
+            self.rows[step] = (checksum, None if fwd is None else fwd.numpy(), squares, reduced, taken)
+            return
         if local is None:
             norms = torch.from_numpy(np.sqrt(on_host).astype(np.float32)).to(self.device)
         else:
             norms = local.add_(torch.from_numpy(on_host.astype(np.float32)).to(self.device)).sqrt_()
+        fwd = torch.zeros_like(checksum) if fwd is None else fwd
         self.rows[step] = (torch.stack([checksum, fwd]), norms, reduced, taken)
 
     def take(self, steps: np.ndarray) -> dict[str, list[Any]]:
@@ -518,18 +566,26 @@ class ReplicaProbe:
         if not recs or not len(comps):
             return {k: [] for k in ("step", "component", "weight_checksum", "weight_checksum_fwd",
                                     "local_grad_norm_l2", "grad_allreduced", "sharded")}
-        checks = torch.stack([r[0] for _, r in recs]).cpu().numpy()[:, :, comps]  # one copy each
-        local = torch.stack([r[1] for _, r in recs]).cpu().numpy()[:, comps]
+        if len(recs[0][1]) == 5:  # host rows (`end_step`): (checksum, at the forward, squared local norms, ...)
+            zero = np.zeros(self.n, dtype=np.int64)
+            after = np.stack([r[0] for _, r in recs]).astype(np.int64)[:, comps]
+            at_fwd = np.stack([zero if r[1] is None else r[1] for _, r in recs]).astype(np.int64)[:, comps]
+            local = np.sqrt(np.stack([r[2] for _, r in recs])).astype(np.float32)[:, comps]
+            recs = [(s, (None, None, r[3], r[4])) for s, r in recs]
+        else:  # on the device: one copy each
+            checks = torch.stack([r[0] for _, r in recs]).cpu().numpy()[:, :, comps]
+            after, at_fwd = checks[:, 0], checks[:, 1]
+            local = torch.stack([r[1] for _, r in recs]).cpu().numpy()[:, comps]
         reduced = np.stack([r[2] for _, r in recs])[:, comps]
         taken = np.stack([r[3] for _, r in recs])[:, comps]
         norms = [float(v) if ok else None  # NaN/Inf kept: a non-finite local gradient is evidence
                  for v, ok in zip(local.reshape(-1).tolist(), reduced.reshape(-1).tolist(), strict=True)]
         return {"step": np.repeat([s for s, _ in recs], len(comps)).tolist(),
                 "component": [self.names[c] for c in comps] * len(recs),
-                "weight_checksum": checks[:, 0].reshape(-1).tolist(),
+                "weight_checksum": after.reshape(-1).tolist(),
                 # null where not taken (`_written`), or no training forward ran in the step
                 "weight_checksum_fwd": [v if ok else None for v, ok in zip(
-                    checks[:, 1].reshape(-1).tolist(), taken.reshape(-1).tolist(), strict=True)],
+                    at_fwd.reshape(-1).tolist(), taken.reshape(-1).tolist(), strict=True)],
                 "local_grad_norm_l2": norms,
                 "grad_allreduced": reduced.reshape(-1).tolist(),
                 "sharded": np.tile(self.sharded[comps], len(recs)).tolist()}

@@ -384,6 +384,7 @@ class ReplicaProbe:
         owned = comps >= 0
         mask = np.zeros(self.n, dtype=bool)
         mask[comps[owned]] = True
+        mask.flags.writeable = False  # a step's row may hold it until the flush (`end_step`)
         found = self._offsets(buffer, grads) if grads else None
         return _BucketLayout(
             torch.tensor(np.maximum(comps, 0), dtype=torch.long, device=self.device),
@@ -535,7 +536,8 @@ class ReplicaProbe:
         self._at_forward = None
         buckets = list(self._buckets.values())
         self._buckets.clear()
-        if host and len(buckets) == 1 and buckets[0][0] is None:  # the usual: one pass over `.grad`
+        # the usual: one pass over `.grad`, or one bucket (its arrays are the step's, or read-only)
+        if host and len(buckets) == 1 and buckets[0][0] is None:
             _, squares, reduced = buckets[0]
             self.rows[step] = (checksum, None if fwd is None else fwd.numpy(), squares, reduced, taken)
             return

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from warninglight.lab import zoo
-from warninglight.tracer import codecache, components, kernels, params, schema, watch
+from warninglight.tracer import codecache, components, kernels, params, recorder, schema, watch
 
 
 def health(trace: Path, metric: str) -> dict[tuple[int, str], float | None]:
@@ -438,6 +438,31 @@ def test_a_failed_reduction_nulls_its_own_steps_only(tmp_path: Path, monkeypatch
     # the second batch of steps reduced together (a flush cuts one short), none other
     assert calls[0] > 2 and 0 < len(lost) <= params.FORWARD_BATCH_STEPS
     assert lost == list(range(lost[0], lost[0] + len(lost))) and lost[0] > 1 and lost[-1] < 30
+    assert all(rms[(s, "2")] is not None for s in range(1, 31))  # the forward statistics stay
+
+
+def test_a_reduction_that_fails_at_the_last_flush_nulls_its_steps_and_writes_them(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # the reduction at close() fails: the steps it held are written with null values, and the
+    # segment with them and every other step of it is written, not dropped
+    reduce, closing = params.ParamProbe.reduce, [False]
+
+    def fails_at_close(self: params.ParamProbe):  # type: ignore[no-untyped-def]
+        if closing[0] and self.pending:
+            raise RuntimeError("injected")
+        return reduce(self)
+    close = recorder.Recorder.close
+
+    def closes(self: recorder.Recorder, *args: object) -> None:
+        closing[0] = True
+        close(self, *args)
+    monkeypatch.setattr(params.ParamProbe, "reduce", fails_at_close)
+    monkeypatch.setattr(recorder.Recorder, "close", closes)
+    _thirty_steps_one_failing(tmp_path)
+    grad, rms = health(tmp_path, "grad_norm_l2"), health(tmp_path, "out_rms")
+    assert sorted(s for s, c in grad if c == "2") == list(range(1, 31))
+    lost = [s for s in range(1, 31) if grad[(s, "2")] is None]
+    assert lost == list(range(lost[0], 31)) and 1 < lost[0] < 30 and len(lost) <= params.FORWARD_BATCH_STEPS
     assert all(rms[(s, "2")] is not None for s in range(1, 31))  # the forward statistics stay
 
 

@@ -851,7 +851,10 @@ class Recorder:
         try:
             self._last_flush = time.time()
             self._flushed = True
-            self._reduce_pending()
+            try:
+                self._reduce_pending()
+            except Exception as exc:  # the values it lost are null in their rows: write the segment
+                self._probe_failed(exc)
             # the parameters' views taken again (a tensor put under one is found at each pass):
             # at once where the weights are off the compiled passes, else now and then
             if self.params.off_compiled or self.step_count - self._refreshed_at >= REFRESH_EVERY_STEPS:

@@ -64,8 +64,9 @@ def adamw_loop(case: tuple[torch.nn.Module, Callable[[], torch.Tensor]]) -> Trai
 
 
 # name -> (what it is, its factory): the cases --whole-runs and --interleave measure
-def _one_rank() -> bool:
-    """A process group of this process alone (gloo, a free local port), if none is set up."""
+def _nanogpt_ddp() -> Training:
+    """`nanogpt_case` inside DistributedDataParallel, in a process group of this process alone
+    (gloo, a free local port) if none is set up."""
     import socket
 
     import torch.distributed as dist
@@ -75,7 +76,7 @@ def _one_rank() -> bool:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    return True
+    return nanogpt_case(ddp=True)
 
 
 CASES: dict[str, tuple[str, Callable[[], Training]]] = {
@@ -90,7 +91,7 @@ CASES: dict[str, tuple[str, Callable[[], Training]]] = {
     "nanogpt-compiled": ("nanoGPT layout as above, the forward through torch.compile (inductor)",
                          lambda: nanogpt_case(compiled=True)),
     "nanogpt-ddp": ("nanoGPT layout as above, inside DistributedDataParallel (a process group of one "
-                    "gloo rank)", lambda: nanogpt_case(ddp=_one_rank())),
+                    "gloo rank)", _nanogpt_ddp),
 }
 
 

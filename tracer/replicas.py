@@ -536,21 +536,18 @@ class ReplicaProbe:
         self._at_forward = None
         buckets = list(self._buckets.values())
         self._buckets.clear()
-        # the usual: one pass over `.grad`, or one bucket (its arrays are the step's, or read-only)
-        if host and len(buckets) == 1 and buckets[0][0] is None:
-            _, squares, reduced = buckets[0]
-            self.rows[step] = (checksum, None if fwd is None else fwd.numpy(), squares, reduced, taken)
-            return
-        on_host = np.zeros(self.n)
         local: torch.Tensor | None = None
-        reduced = np.zeros(self.n, dtype=bool)
-        for idx, sq, mask in buckets:
-            if idx is None:  # the compiled pass's: already per component, on the host
-                on_host += sq
-            else:
-                local = (torch.zeros(self.n, device=self.device) if local is None else local).index_add_(0, idx, sq)
-            reduced |= mask
-        if host:  # squared norms, as the usual row has them
+        if len(buckets) == 1 and buckets[0][0] is None:  # the usual: one host array of the step's
+            _, on_host, reduced = buckets[0]  # (its mask read-only: kept as it is)
+        else:
+            on_host, reduced = np.zeros(self.n), np.zeros(self.n, dtype=bool)
+            for idx, sq, mask in buckets:
+                if idx is None:  # the compiled pass's: already per component, on the host
+                    on_host += sq
+                else:
+                    local = (torch.zeros(self.n, device=self.device) if local is None else local).index_add_(0, idx, sq)
+                reduced |= mask
+        if host:  # squared norms: their roots are taken in `take`
             squares = on_host if local is None else local.add_(torch.from_numpy(on_host.astype(np.float32))).numpy()
             self.rows[step] = (checksum, None if fwd is None else fwd.numpy(), squares, reduced, taken)
             return
@@ -568,18 +565,18 @@ class ReplicaProbe:
         if not recs or not len(comps):
             return {k: [] for k in ("step", "component", "weight_checksum", "weight_checksum_fwd",
                                     "local_grad_norm_l2", "grad_allreduced", "sharded")}
-        if len(recs[0][1]) == 5:  # host rows (`end_step`): (checksum, at the forward, squared local norms, ...)
+        host = len(recs[0][1]) == 5  # host rows (`end_step`): checksum, at the forward, squared local norms
+        if host:
             zero = np.zeros(self.n, dtype=np.int64)
             after = np.stack([r[0] for _, r in recs]).astype(np.int64)[:, comps]
             at_fwd = np.stack([zero if r[1] is None else r[1] for _, r in recs]).astype(np.int64)[:, comps]
             local = np.sqrt(np.stack([r[2] for _, r in recs])).astype(np.float32)[:, comps]
-            recs = [(s, (None, None, r[3], r[4])) for s, r in recs]
         else:  # on the device: one copy each
             checks = torch.stack([r[0] for _, r in recs]).cpu().numpy()[:, :, comps]
             after, at_fwd = checks[:, 0], checks[:, 1]
             local = torch.stack([r[1] for _, r in recs]).cpu().numpy()[:, comps]
-        reduced = np.stack([r[2] for _, r in recs])[:, comps]
-        taken = np.stack([r[3] for _, r in recs])[:, comps]
+        reduced = np.stack([r[-2] for _, r in recs])[:, comps]  # the rows end (..., all-reduced, taken)
+        taken = np.stack([r[-1] for _, r in recs])[:, comps]
         norms = [float(v) if ok else None  # NaN/Inf kept: a non-finite local gradient is evidence
                  for v, ok in zip(local.reshape(-1).tolist(), reduced.reshape(-1).tolist(), strict=True)]
         return {"step": np.repeat([s for s, _ in recs], len(comps)).tolist(),

@@ -90,6 +90,9 @@ CASES: dict[str, tuple[str, Callable[[], Training]]] = {
                       lambda: nanogpt_case(batch=3, accum=4)),
     "nanogpt-compiled": ("nanoGPT layout as above, the forward through torch.compile (inductor)",
                          lambda: nanogpt_case(compiled=True)),
+    "nanogpt-eval": ("nanoGPT layout as above, train.py's estimate_loss every 50 steps (40 batches "
+                     "of each split, eval() mode, no_grad)",
+                     lambda: nanogpt_case(eval_interval=50, eval_iters=40)),
     "nanogpt-ddp": ("nanoGPT layout as above, inside DistributedDataParallel (a process group of one "
                     "gloo rank)", _nanogpt_ddp),
 }

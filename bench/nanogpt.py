@@ -7,12 +7,14 @@ beside them), `transformer.ln_f`, a `LayerNorm` of its own with an optional bias
 tied to `wte` (so `lm_head` owns no parameter). The forward takes the targets and returns
 `(logits, loss)`. Its loop (`train_step`) is train.py's: two AdamW param groups (decay for the
 matrices only), the lr set on every group each step, gradient accumulation, `clip_grad_norm_`,
-`zero_grad(set_to_none=True)`.
+`zero_grad(set_to_none=True)`, and, with `eval_interval`, train.py's `estimate_loss`: every so
+many steps, `eval_iters` batches of each split in eval() mode under no_grad.
 """
 
 from __future__ import annotations
 
 import math
+import statistics
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -137,12 +139,13 @@ class NanoGPT(nn.Module):
 
 def nanogpt_case(batch: int = 12, accum: int = 1, grad_clip: float = 1.0, dropout: float = 0.0,
                  n_layer: int = 4, n_embd: int = 128, block: int = 64, vocab: int = 96,
-                 compiled: bool = False, ddp: bool = False
+                 compiled: bool = False, ddp: bool = False, eval_interval: int = 0, eval_iters: int = 0
                  ) -> tuple[nn.Module, torch.optim.Optimizer, Callable[[], torch.Tensor]]:
     """The model, its optimizer and one training step as train.py makes it (lr schedule, micro-
-    batches, clipping; `compiled`: the forward through `torch.compile(model)`, train.py's default);
-    the step returns the last micro-batch's loss. `vocab`: the head's width (the text's characters
-    use the first 96 ids)."""
+    batches, clipping; `compiled`: the forward through `torch.compile(model)`, train.py's default;
+    `eval_interval`: `estimate_loss` before every such step, the first included); the step returns
+    the last micro-batch's loss. `vocab`: the head's width (the text's characters use the first 96
+    ids)."""
     from warninglight.lab import zoo
 
     cfg = NanoConfig(block_size=block, vocab_size=vocab, n_layer=n_layer, n_head=4, n_embd=n_embd,
@@ -171,7 +174,17 @@ def nanogpt_case(batch: int = 12, accum: int = 1, grad_clip: float = 1.0, dropou
         ratio = min(1.0, (i - warmup) / (decay - warmup))
         return min_lr + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (max_lr - min_lr)
 
+    @torch.no_grad()
+    def estimate_loss(iters: int = eval_iters) -> list[float]:
+        forward.eval()
+        losses = [statistics.mean(forward(*get_batch())[1].item() for _ in range(iters))
+                  for _split in ("train", "val")]  # one corpus here: two samples of it
+        forward.train()
+        return losses
+
     def train_step() -> torch.Tensor:
+        if eval_interval and it[0] % eval_interval == 0:
+            estimate_loss()
         lr = lr_at(it[0])
         it[0] += 1
         for group in opt.param_groups:
@@ -186,4 +199,5 @@ def nanogpt_case(batch: int = 12, accum: int = 1, grad_clip: float = 1.0, dropou
         opt.step()
         opt.zero_grad(set_to_none=True)
         return loss.detach()
+    train_step.evaluate = estimate_loss  # type: ignore[attr-defined]  # (bench/overhead.py --evaluations)
     return model, opt, train_step

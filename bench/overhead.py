@@ -15,7 +15,8 @@ keeps its own values). Run: `python bench/overhead.py [--steps N] [--pairs N] [-
 `--interleave N` alternates single steps instead of blocks (see `measure_interleaved`);
 `--whole-runs N` alternates whole runs of N steps, set-up and close included, in this process or,
 with `--fresh-process`, each a new process timed from its start to its exit, as a user times a run
-(see `measure_whole_runs`). The models are bench/cases.py's; `--nanogpt` adds one in nanoGPT's
+(see `measure_whole_runs`); `--evaluations N` alternates evaluation forwards (eval() mode,
+no_grad) of the nanoGPT layout's cases. The models are bench/cases.py's; `--nanogpt` adds one in nanoGPT's
 layout and loop (bench/nanogpt.py) to the interleaved and whole-run measurements; `--case NAME`
 (repeatable) measures the named cases instead, e.g. `nanogpt-compiled` (its forward compiled).
 
@@ -213,6 +214,29 @@ def measure_interleaved(name: str, make: Callable[[], Training], steps: int, chu
     print(f"  load average after: {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
 
 
+def measure_evaluations(name: str, make: Callable[[], Training], passes: int) -> None:
+    """Alternate single evaluation forwards (eval() mode, no_grad: the case's `evaluate`, one
+    batch of each split) of a plain and a watched copy, after a few training steps each; print
+    the ratio of the summed times."""
+    (_, _, plain_step), (model, opt, step) = _twins(make)
+    if not hasattr(step, "evaluate"):
+        raise SystemExit(f"--evaluations: the case {name!r} has no evaluation (the nanoGPT layout has)")
+    times: dict[bool, list[float]] = {False: [], True: []}
+    with tempfile.TemporaryDirectory() as tmp:
+        run_block(plain_step, 3, None)
+        rec = watch(model, opt, f"{tmp}/run")
+        run_block(step, 11, rec)
+        for i in range(passes):
+            for watched in ((False, True) if i % 2 else (True, False)):
+                t0 = time.perf_counter()
+                (step if watched else plain_step).evaluate(1)
+                times[watched].append(time.perf_counter() - t0)
+        rec.close()
+    print(f"{name}: {statistics.median(times[False]) * 1e3:.2f} ms an evaluation (a batch of each split) "
+          f"without the recorder, median ({passes} each way, alternated)")
+    print(f"  wall-clock ratio of the summed evaluation times: {sum(times[True]) / sum(times[False]):.3f}")
+
+
 def _whole_run(make: Callable[[], Training], steps: int, path: str | None) -> float:
     """Wall seconds of one training run of `steps` steps from a fresh model, in this process:
     with `path`, from `watch()` to the end of its `with` block (hooks, the first step's settling,
@@ -374,6 +398,9 @@ def main() -> None:
                          "50304 is GPT-2's, whose logits outweigh the rest of a small model's outputs)")
     ap.add_argument("--wait-quiet", type=float, default=0.0, metavar="S",
                     help="before each pair, wait up to S seconds until no other process is runnable")
+    ap.add_argument("--evaluations", type=int, default=0, metavar="N",
+                    help="instead of training steps: N evaluations (eval() mode, no_grad: a batch of "
+                         "each split) each way, alternated (the nanoGPT layout's cases)")
     ap.add_argument("--interleave", type=int, default=0, metavar="N",
                     help="instead of blocks: N steps each way alternated step by step (the GPTs only)")
     ap.add_argument("--whole-runs", type=int, default=0, metavar="N",
@@ -431,6 +458,10 @@ def main() -> None:
         for case in cases:
             measure_whole_runs(CASES[case][0], case, args.pairs, args.whole_runs, args.fresh_process,
                                torch.get_num_threads(), args.steady_malloc)
+        return
+    if args.evaluations:
+        for case in cases:
+            measure_evaluations(CASES[case][0], CASES[case][1], args.evaluations)
         return
     if args.interleave:
         for case in cases:

@@ -77,6 +77,10 @@ _NOTES = """\
   compared across ranks.
 - **Training forwards only.** Hooks record only when the module is in training mode and
   gradients are enabled: `model.eval()` and `torch.no_grad()` passes are not part of any step.
+  A forward pass of the watched model under no_grad runs with the components' hooks out of their
+  modules (a module with a hook, even one that returns at once, is called through torch's
+  slower path), but for a module that also has hooks of other owners; a forward that turns
+  gradients back on inside such a pass is not observed.
 - **Subsample.** `out_*` statistics (except `out_nonfinite_count`) come from the *first* training
   forward of the step (the first micro-batch under gradient accumulation), on up to
   `sample_size` (default 16) evenly strided rows of the output viewed as (rows, units): units

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import math
@@ -368,6 +369,95 @@ def test_gradient_accumulation_and_eval_passes(tmp_path: Path) -> None:
             model.train()
     steps = read(tmp_path, "steps", "select step, micro_batches, len(batch_ids) from t order by step")
     assert steps == [(s, 3, 48) for s in range(1, 5)]
+
+
+class _Counted(torch.nn.Linear):
+    """A Linear that notes how many forward hooks it has each time it runs."""
+
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        self.hooks_seen: list[int] = []
+        self.fail_in_eval = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.hooks_seen.append(len(self._forward_hooks))
+        if self.fail_in_eval and not self.training:
+            raise ValueError("an evaluation batch the model refuses")
+        return super().forward(x)
+
+
+class _Evaluated(torch.nn.Module):
+    """Two layers; with `nested`, a training forward first runs the model on its input under
+    no_grad (a teacher's pass of the same model inside the step's forward)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.nested = _Counted(8, 16), _Counted(16, 2), False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.nested and self.training and torch.is_grad_enabled():
+            with torch.no_grad():
+                self(x)
+        return self.b(torch.relu(self.a(x)))
+
+
+def _evaluated_run(path: Path, evaluate: str | None) -> tuple[_Evaluated, list[tuple]]:
+    """Eight steps of `_Evaluated`, with an evaluation pass under no_grad after each step
+    (`evaluate`: "plain", "failing" — its first layer raises —, "other hook" — another owner's
+    hook on the second layer —, or "nested"); the trace's per-component rows."""
+    torch.manual_seed(0)
+    model = _Evaluated()
+    model.nested = evaluate == "nested"
+    noted: list[int] = []
+    if evaluate == "other hook":
+        model.b.register_forward_hook(lambda m, a, out: noted.append(out.shape[0]))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    held_out = torch.randn(4, 8)  # drawn in every run: the training batches are the same
+    with watch(model, opt, path) as rec:
+        for _ in range(8):
+            x, y = torch.randn(16, 8), torch.randint(0, 2, (16,))
+            loss = F.cross_entropy(model(x), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            rec.log(loss=loss)
+            if evaluate in (None, "nested"):
+                continue
+            model.eval()
+            model.a.fail_in_eval = evaluate == "failing"
+            with torch.no_grad(), contextlib.suppress(ValueError):  # "failing": it raises
+                model(held_out)
+            model.train()
+    if evaluate == "other hook":  # the other owner's hook ran in every pass, its order kept
+        assert noted == [16, 4] * 8
+    return model, read(path, "health", "select step, component, grad_norm_l2, weight_norm_l2, out_rms, "
+                       "out_nonfinite_count from t order by step, component")
+
+
+@pytest.mark.parametrize("evaluate", ["plain", "failing", "other hook"])
+def test_an_evaluation_pass_runs_without_the_component_hooks(tmp_path: Path, evaluate: str) -> None:
+    # a forward pass under no_grad records nothing: the components' hooks are out of their
+    # modules for it (a module with a hook is called through torch's slower path), and back for
+    # the next training forward, even after an evaluation that raised; a module with another
+    # owner's hook keeps ours in place. The trace is that of the run without evaluations
+    model, rows = _evaluated_run(tmp_path / "evaluated", evaluate)
+    _, plain = _evaluated_run(tmp_path / "plain", None)
+    assert rows == plain and len(rows) == 8 * 2 and all(r[4] is not None for r in rows)
+    training, evaluation = model.a.hooks_seen[0::2], model.a.hooks_seen[1::2]
+    assert training == [1] * 8 and evaluation == [0] * 8
+    if evaluate == "failing":  # the first layer raised: the second ran in training alone
+        assert model.b.hooks_seen == [1] * 8
+    else:
+        # ours stays where another owner's hook is
+        assert model.b.hooks_seen == ([2, 2] if evaluate == "other hook" else [1, 0]) * 8
+
+
+def test_a_pass_under_no_grad_inside_a_training_forward_keeps_the_hooks(tmp_path: Path) -> None:
+    # the model run under no_grad inside its own training forward: the step's forward is under
+    # way, so the hooks stay, and the step's components are all observed
+    model, rows = _evaluated_run(tmp_path / "nested", "nested")
+    assert model.a.hooks_seen == [1] * 16
+    assert len(rows) == 8 * 2 and all(r[4] is not None for r in rows)
 
 
 def test_a_copy_of_the_watched_model_is_not_watched(tmp_path: Path) -> None:

@@ -200,6 +200,10 @@ class Recorder:
         self._in_graph = cfg.hooks_under_compile == "graph"
         self._handles: list[Any] = []
         self._comp_hooks: dict[int, Any] = {}
+        # the component hooks taken out of their modules for a forward pass under no_grad
+        # (`_hooks_aside`), as (hooks dict, id, hook); and the watched forward passes under way
+        self._aside: list[tuple[dict[int, Any], int, Any]] = []
+        self._forwards = 0
         self._noting = False  # in a watched forward pass on CPU: hooks may note outputs (`_make_hook`)
         self._graph_token = graphops.Tokens(self._take_from_graph).new(None)  # `log`, `batch` in graphs
         self._install_hooks()
@@ -356,6 +360,7 @@ class Recorder:
                             f"be recorded — pass the torch optimizer itself to watch()")
 
     def _remove_hooks(self) -> None:
+        self._aside = []  # removed with the others: never put back
         for h in self._handles:
             h.remove()
         self._handles.clear()
@@ -364,12 +369,42 @@ class Recorder:
             self.fwd.tokens.take_back(comp.module)
         graphops.Tokens.forget(self._graph_token)
 
+    def _hooks_aside(self) -> None:
+        """A forward pass of the model under no_grad (an evaluation) records nothing, and a module
+        with a forward hook, even one that returns at once, is called through torch's slower
+        path: the components' hooks are taken out of their modules for the pass (`_hooks_back`
+        puts them back at its end, or at the next entry point if it raised). Not while a watched
+        forward pass is under way on another thread, and not on a module that has hooks of
+        other owners (putting ours back would change their order). A forward that turns
+        gradients back on inside an evaluation's pass is not observed."""
+        with self._lock:
+            if self._closed or self._aside or self._forwards:
+                return
+            aside = self._aside
+            for handle in self._comp_hooks.values():
+                hooks = handle.hooks_dict_ref()
+                if hooks is not None and len(hooks) == 1 and handle.id in hooks:
+                    aside.append((hooks, handle.id, hooks.pop(handle.id)))
+
+    def _hooks_back(self) -> None:
+        """The hooks `_hooks_aside` took out, back into their modules (a module's only hook each)."""
+        with self._lock:
+            aside, self._aside = self._aside, []
+            for hooks, key, hook in aside:
+                hooks[key] = hook
+
     def _recording(self, module: nn.Module) -> bool:
         return not self._closed and module.training and torch.is_grad_enabled()
 
     def _root_pre_hook(self, module: nn.Module, args: Any, kwargs: Any) -> None:
-        if module is not self.model or self._closed or not torch.is_grad_enabled():
+        if module is not self.model or self._closed:
             return  # a copy of the model (`__deepcopy__`): not watched
+        if not torch.is_grad_enabled():
+            if not torch.compiler.is_compiling():
+                self._hooks_aside()
+            return
+        if self._aside:
+            self._hooks_back()
         if torch.compiler.is_compiling():  # traced: the forward is counted as the graph runs
             if module.training:
                 graphops.hand_over(self._graph_token, _FORWARD, [])
@@ -377,6 +412,7 @@ class Recorder:
         with self._lock:  # (each entry point: a close() from another thread waits for it)
             if self._closed:
                 return
+            self._forwards += 1
             self.loop.forward(module.training, args, kwargs)  # eval() mode too: a fact of its own
             if not module.training:
                 return
@@ -394,7 +430,11 @@ class Recorder:
     def _root_hook(self, module: nn.Module, args: Any, out: Any) -> None:
         """End of the forward pass: take the samples the hooks left, and arrange calls at the start
         (gradient clearing) and the end (pre-clip norms) of the backward pass through this output."""
-        if module is not self.model or self._closed or not torch.is_grad_enabled():
+        if module is not self.model or self._closed:
+            return
+        if not torch.is_grad_enabled():
+            if self._aside:
+                self._hooks_back()
             return
         if torch.compiler.is_compiling():  # traced: a compiled forward of the step ran
             if module.training:
@@ -405,6 +445,7 @@ class Recorder:
                 return
             t = first_tensor(out)
             self._noting = False
+            self._forwards = max(0, self._forwards - 1)  # (not below: one that raised ended too)
             if module.training:
                 if not self._in_step:  # a forward whose pre-hook ran compiled: its step began
                     self.fwd.graph_sampled = True
@@ -566,6 +607,8 @@ class Recorder:
             if self._closed:
                 return
             self._absorb_from_graph(self.step_count + 1)  # given before this optimizer.step
+            if self._aside:  # an evaluation's forward raised: its pass never ended
+                self._hooks_back()
             try:
                 self.params.grads()
                 self._step_facts = self.loop.step_facts(self.params.param_has_grad)
@@ -656,6 +699,7 @@ class Recorder:
             self.fwd.reset()
             self.loop.step_ended()
             self._in_step, self._micro_batches, self._last_step_time = False, 0, now
+            self._forwards = 0  # a forward that raised never ended: none is under way now
             self._step_facts = (None, 0)
 
     def _flush_if_due(self, now: float) -> None:
@@ -786,6 +830,7 @@ class Recorder:
         """After the first step: heads, parents, and a warning for components never seen."""
         if not self._heads_given:
             resolve_heads(self.components, None)
+            self._hooks_back()
             for c in release_tied(self.components):  # a tied module is recorded as a head only
                 if (handle := self._comp_hooks.pop(c.index, None)) is not None:
                     handle.remove()

@@ -420,6 +420,9 @@ def main() -> None:
     ap.add_argument("--split-from", type=int, default=None, metavar="N",
                     help="cut the norm passes into parts on torch's threads from N values in all "
                          f"(kernels.SPLIT_FROM, default {kernels.SPLIT_FROM}; a huge N: never), in this process")
+    ap.add_argument("--hooks-under-compile", choices=("graph", "eager", "skip"), default=None,
+                    help="watch(hooks_under_compile=...) for the watched copies, in this process "
+                         "(skip: no forward statistics in compiled code, for comparison)")
     args = ap.parse_args()
     without = {p for p in args.without.split(",") if p}
     if without - set(_PARTS):
@@ -433,6 +436,12 @@ def main() -> None:
             ap.error("--vocab sets the nanoGPT layout (--nanogpt) of runs in this process")
         CASES["nanogpt"] = (f"{CASES['nanogpt'][0]}, vocabulary {args.vocab}",
                             functools.partial(nanogpt_case, vocab=args.vocab))
+    if args.hooks_under_compile is not None:
+        if args.fresh_process:
+            ap.error("--hooks-under-compile sets this process: it cannot reach --fresh-process runs")
+        global watch
+        watch = functools.partial(watch, hooks_under_compile=args.hooks_under_compile)
+        print(f"the watched copies with hooks_under_compile={args.hooks_under_compile!r}")
     if without:
         leave_out(without)
         print(f"the watched copy without: {', '.join(sorted(without))}")

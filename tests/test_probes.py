@@ -1021,3 +1021,31 @@ def test_the_first_ready_starts_the_load_on_a_thread_and_never_waits(monkeypatch
     monkeypatch.setattr(kernels, "_state", {})
     monkeypatch.setattr(kernels, "_loading", {})
     assert not kernels.ready() and kernels._loading == {}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64])
+def test_the_non_finite_count_of_compiled_graphs_is_exact(dtype: torch.dtype) -> None:
+    # what a traced hook counts: NaN, both infinities, values that overflow to infinity in the
+    # graph, the largest finite values and subnormals, eager and through inductor, which must
+    # not fold x - x to 0, and which computes a 16-bit output in float32 (its overflow to
+    # infinity happens only when the output is stored: counted all the same)
+    from warninglight.tracer.probes import nonfinite_count
+
+    torch._dynamo.reset()
+    x = torch.randn(4099, dtype=torch.float64) * 100
+    x[[3, 10, 11, 500]] = torch.tensor([math.nan, math.inf, -math.inf, -math.nan], dtype=torch.float64)
+    x[20:24] = torch.tensor([1e-310, -1e-310, -0.0, 0.0])
+    if dtype.is_floating_point:
+        info = torch.finfo(dtype)
+        x[30:33] = torch.tensor([info.max, -info.max, info.tiny / 4])
+        x[40:42] = info.max  # twice this overflows
+    x = x.to(dtype) if dtype.is_floating_point else torch.arange(4099, dtype=dtype)
+
+    def doubled(v: torch.Tensor) -> torch.Tensor:
+        return nonfinite_count(v * 2)
+
+    want = int((~torch.isfinite(x * 2)).sum())
+    assert want == (0 if dtype == torch.int64 else 8)
+    assert int(doubled(x)) == want
+    assert int(torch.compile(doubled, backend="inductor", fullgraph=True)(x)) == want
+    torch._dynamo.reset()

@@ -919,6 +919,46 @@ def test_a_model_compiled_whole_has_its_pre_clip_norm_from_the_third_step(tmp_pa
     torch._dynamo.reset()
 
 
+def test_a_compiled_models_samples_go_straight_to_their_staging_places(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # from the third step (the samples' shapes seen twice) a compiled graph's sample is copied
+    # into its place in the staging buffers, as an eager hook's is: over reductions (every 8
+    # steps) and a NaN step, the trace is the uncompiled run's
+    kernels.available()
+    copies = []
+    real = kernels.row_copier
+
+    def counted() -> Any:
+        copies.append(1)
+        return real()
+
+    def run(trace: Path, compiled: bool) -> list[tuple]:
+        model, opt, forward, data = _seeded(_Deep, 0.05, 8, "aot_eager" if compiled else None)
+        with watch(model, opt, trace):
+            for step in range(1, 13):
+                _, xb, yb = next(data)
+                if step == 10:
+                    xb = xb.clone()
+                    xb[0, 0] = math.nan
+                F.cross_entropy(forward(xb), yb).backward()
+                if step == 10:  # the loop skips a step whose gradients are not finite
+                    opt.zero_grad()
+                opt.step()
+                opt.zero_grad()
+        return read(trace, "health", "select step, component, out_rms, out_absmax, out_nonfinite_count "
+                                     "from t order by step, component")
+
+    want = run(tmp_path / "eager", False)
+    monkeypatch.setattr(kernels, "row_copier", counted)
+    got = run(tmp_path / "compiled", True)
+    assert len(copies) >= 10 * 37  # every component's sample from the third step on
+    assert len(got) == 12 * 38 and all(r[2] is not None for r in got)
+    assert [r[:2] for r in got] == [r[:2] for r in want]
+    assert [v for r in got for v in r[2:4]] == pytest.approx([v for r in want for v in r[2:4]], rel=1e-5)
+    assert [r[4] for r in got] == [r[4] for r in want] and sum(r[4] for r in got if r[0] == 10) > 0
+    torch._dynamo.reset()
+
+
 class _Net(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()

@@ -261,6 +261,29 @@ class _StepSamples:
         return tuple((c, s.shape[0], s.shape[1]) for c, s in self.samples)
 
 
+# the magnitude from which a float32 value rounds to infinity in a 16-bit float (halfway past
+# the largest finite value: ties round to the even significand, infinity's)
+_OVERFLOW_FROM = {torch.float16: 65520.0, torch.bfloat16: 2.0**128 * (1 - 2.0**-9)}
+
+
+def nonfinite_count(t: torch.Tensor) -> torch.Tensor:
+    """How many values of output `t` are not finite, as a traced hook counts them (one op
+    sequence the compiled graph fuses). A 16-bit output is compared in float32 against the
+    magnitude that rounds to infinity: inductor computes such an output in float32 and may hand
+    it over unrounded, where a value past the type's range is still finite (the output, once
+    stored, holds infinity). For float32 and float64, x - x is 0 exactly when x is finite: a
+    subtraction and a comparison a value where `isfinite` takes four. Counted in int32 below
+    2**31 values (exact; twice as wide a vector as int64)."""
+    top = _OVERFLOW_FROM.get(t.dtype)
+    if top is not None:
+        bad = (t.float().abs() < top).logical_not()  # NaN compares false: counted
+    elif t.dtype in (torch.float32, torch.float64):
+        bad = (t - t).ne(0)
+    else:
+        bad = torch.isfinite(t).logical_not()
+    return bad.sum(dtype=torch.int32) if t.numel() < 2**31 else bad.sum()
+
+
 class ForwardProbe:
     """Forward-output statistics of every component, reduced for several steps at once."""
 
@@ -288,9 +311,10 @@ class ForwardProbe:
         # (component, sample, non-finite count) of each component's first call, the components
         # among them, and the (component, count) of their later calls (micro-batches); and
         # whether a compiled forward of the step ran
-        self.from_graph: list[tuple[int, torch.Tensor, torch.Tensor]] = []
+        # (a count is a number where the graph ran on the host, else a tensor)
+        self.from_graph: list[tuple[int, torch.Tensor, int | torch.Tensor]] = []
         self.graph_first: set[int] = set()
-        self.graph_later: list[tuple[int, torch.Tensor]] = []
+        self.graph_later: list[tuple[int, int | torch.Tensor]] = []
         self.graph_sampled = False
         self.tokens = graphops.Tokens(self.take_from_graph)  # given to the modules by the recorder
         self.first_seen: Callable[[int], None] | None = None  # told each component's first call
@@ -456,8 +480,7 @@ class ForwardProbe:
             return
         t = t.detach()
         token, channel_first = given
-        graphops.hand_over(token, "", [subsample(t, self.rows, channel_first),
-                                       torch.isfinite(t).logical_not().sum()])
+        graphops.hand_over(token, "", [subsample(t, self.rows, channel_first), nonfinite_count(t)])
 
     def take_from_graph(self, idx: int, what: str, values: list[torch.Tensor]) -> None:
         """A compiled graph's observation of component `idx`, `[sample, count]`: copies of the
@@ -466,14 +489,30 @@ class ForwardProbe:
         if idx in self.graph_first and graph_task() != -1:
             return  # a checkpointed block's forward run again in the backward pass: no new call
         sample, bad = values
-        bad = bad.to(torch.float64, copy=True)
+        # on the host the count is read now (a number: no tensor op, no sync); elsewhere a copy
+        count = bad.item() if bad.is_cpu else bad.to(torch.float64, copy=True)
         if idx in self.graph_first:
-            self.graph_later.append((idx, bad))
+            self.graph_later.append((idx, count))
             return
         self.graph_first.add(idx)
-        self.from_graph.append((idx, sample.clone(), bad))
+        self.from_graph.append((idx, self._graph_sample(idx, sample), count))
         if self.first_seen is not None:
             self.first_seen(idx)
+
+    def _graph_sample(self, idx: int, sample: torch.Tensor) -> torch.Tensor:
+        """A copy of component `idx`'s sample from a compiled graph: on CPU, straight into its
+        place in the staging buffers by the compiled row copy, as `observe` copies an eager
+        one (unless the component was sampled eagerly this step: that place is taken); else a
+        tensor of its own."""
+        plan, k = self._plan, len(self.pending)
+        if (self._compiled and plan is not None and k < plan.steps and not self.sampled[idx]
+                and type(sample) is torch.Tensor and sample.dtype is torch.float32 and sample.is_cpu
+                and sample.dim() == 2 and sample.is_contiguous()):
+            slot = plan.slots[k].get(idx)
+            if slot is not None and slot[3] == tuple(sample.shape):
+                kernels.row_copier()(sample.data_ptr(), slot[3][1], slot[1], slot[2], *slot[3])
+                return slot[0]
+        return sample.clone()
 
     def absorb_graph_samples(self) -> None:
         """Take the compiled graphs' observations into this step (the first sample per component,
@@ -483,9 +522,13 @@ class ForwardProbe:
             if not self.sampled[idx]:
                 self.sampled[idx] = True
                 self.samples.append((idx, sample))
-        if counted:
-            at = to_device(np.array([idx for idx, _ in counted], dtype=np.int64), self.device)
-            self._bad_counts().index_add_(0, at, torch.stack([bad.to(self.device) for _, bad in counted]))
+        counts = [(idx, bad) for idx, bad in counted if not isinstance(bad, int)]
+        for idx, bad in counted:  # read on the host: nothing to add unless one is not 0
+            if isinstance(bad, int) and bad:
+                self._bad_counts()[idx] += bad
+        if counts:
+            at = to_device(np.array([idx for idx, _ in counts], dtype=np.int64), self.device)
+            self._bad_counts().index_add_(0, at, torch.stack([bad.to(self.device) for _, bad in counts]))
         self.from_graph.clear()
         self._forget_graph_step()
 

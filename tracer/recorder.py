@@ -828,6 +828,7 @@ class Recorder:
 
     def _settle_components(self) -> None:
         """After the first step: heads, parents, and a warning for components never seen."""
+        self.fwd.first_seen = None  # the forward order is the first step's: no call of a later one
         if not self._heads_given:
             resolve_heads(self.components, None)
             self._hooks_back()

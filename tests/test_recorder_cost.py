@@ -8,6 +8,7 @@ import tracemalloc
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import hostreads
 import pyarrow.parquet as pq
@@ -332,6 +333,28 @@ def test_the_interleaved_bench_reports_a_run_shorter_than_its_ten_parts(
     out = capsys.readouterr().out
     assert "3 steps each way" in out and "ratio of the summed times per run of 1 steps" in out
     assert "3 pairs" in out
+
+
+def test_the_evaluation_bench_alternates_evaluations_and_refuses_a_case_without_one(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """`bench/overhead.py --evaluations N`: train.py's estimate_loss, a batch of each split, on
+    both copies; a case with no evaluation is named in a one-line exit."""
+    import sys
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "bench"))
+    monkeypatch.delitem(sys.modules, "overhead", raising=False)
+    from cases import adamw_loop, mlp_case
+    from nanogpt import nanogpt_case
+    from overhead import measure_evaluations
+
+    def tiny() -> Any:
+        return nanogpt_case(batch=2, n_layer=1, n_embd=32, block=16, eval_iters=1)
+
+    measure_evaluations("tiny nanoGPT", tiny, 3)
+    out = capsys.readouterr().out
+    assert "(3 each way, alternated)" in out and "ratio of the summed evaluation times" in out
+    with pytest.raises(SystemExit, match="the case 'MLP' has no evaluation"):
+        measure_evaluations("MLP", lambda: adamw_loop(mlp_case(batch=8)), 3)
 
 
 def test_the_gpu_check_runs_from_the_checkout_without_the_engines_packages(tmp_path: Path) -> None:

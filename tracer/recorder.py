@@ -445,7 +445,7 @@ class Recorder:
                 return
             t = first_tensor(out)
             self._noting = False
-            self._forwards = max(0, self._forwards - 1)  # (not below: one that raised ended too)
+            self._forwards = max(0, self._forwards - 1)  # (a step's end may have reset it meanwhile)
             if module.training:
                 if not self._in_step:  # a forward whose pre-hook ran compiled: its step began
                     self.fwd.graph_sampled = True

@@ -919,11 +919,13 @@ def test_a_model_compiled_whole_has_its_pre_clip_norm_from_the_third_step(tmp_pa
     torch._dynamo.reset()
 
 
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
 def test_a_compiled_models_samples_go_straight_to_their_staging_places(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, backend: str) -> None:
     # from the third step (the samples' shapes seen twice) a compiled graph's sample is copied
     # into its place in the staging buffers, as an eager hook's is: over reductions (every 8
-    # steps) and a NaN step, the trace is the uncompiled run's
+    # steps) and a NaN step, the trace is the uncompiled run's (inductor: its kernels fuse the
+    # hooks' ops with the model's and reuse their buffers)
     kernels.available()
     copies = []
     real = kernels.row_copier
@@ -933,7 +935,7 @@ def test_a_compiled_models_samples_go_straight_to_their_staging_places(
         return real()
 
     def run(trace: Path, compiled: bool) -> list[tuple]:
-        model, opt, forward, data = _seeded(_Deep, 0.05, 8, "aot_eager" if compiled else None)
+        model, opt, forward, data = _seeded(_Deep, 0.05, 8, backend if compiled else None)
         with watch(model, opt, trace):
             for step in range(1, 13):
                 _, xb, yb = next(data)

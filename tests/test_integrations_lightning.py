@@ -171,3 +171,42 @@ def test_stop_on_alarm_ends_training_at_the_step_the_alarm_arrives(tmp_path: Pat
     assert callback.alarms and min(a["step"] for a in callback.alarms) > fault
     # live alarms arrive a segment or so after their step; the run ends within a step of the first
     assert delivered and delivered[0] <= trainer.global_step <= delivered[0] + 1 < max_steps
+
+
+class _Validated(Classifier):
+    """The classifier with a validation loop, noting how many forward hooks its first layer has
+    at each forward, and in which mode."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[tuple[bool, int]] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.seen.append((self.training, len(self.net[0]._forward_hooks)))
+        return self.net(x)
+
+    def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        return F.cross_entropy(self(batch["x"]), batch["y"])
+
+
+def test_validation_runs_without_the_hooks_and_training_keeps_them(tmp_path: Path) -> None:
+    # Lightning validates under inference_mode: the components' hooks are out of their modules
+    # for those passes and back for training; every training step is recorded whole
+    torch.manual_seed(0)
+    model = _Validated()
+    data = Teacher()
+    train = torch.utils.data.DataLoader(data, batch_size=BATCH, shuffle=True)
+    val = torch.utils.data.DataLoader(torch.utils.data.Subset(data, range(64)), batch_size=BATCH)
+    trainer = L.Trainer(max_steps=40, val_check_interval=20, accelerator="cpu", devices=1, logger=False,
+                        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+                        enable_checkpointing=False, callbacks=[WarningLightCallback(tmp_path / "trace")])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(model, train, val)
+    assert [str(w.message) for w in caught if "warninglight" in str(w.message)] == []
+    assert [n for training, n in model.seen if training] == [1] * 40
+    assert [n for training, n in model.seen if not training] == [0] * 4  # two validations of 2 batches
+    trace = open_trace(tmp_path / "trace")
+    rows = trace.sql("select step, count(*) filter (where out_rms is not null) from health group by step "
+                     "order by step").fetchall()
+    assert [s for s, _ in rows] == list(range(1, 41)) and len({n for _, n in rows}) == 1 and rows[0][1] > 0

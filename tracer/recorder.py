@@ -374,9 +374,10 @@ class Recorder:
         with a forward hook, even one that returns at once, is called through torch's slower
         path: the components' hooks are taken out of their modules for the pass (`_hooks_back`
         puts them back at its end, or at the next entry point if it raised). Not while a watched
-        forward pass is under way on another thread, and not on a module that has hooks of
-        other owners (putting ours back would change their order). A forward that turns
-        gradients back on inside an evaluation's pass is not observed."""
+        forward pass is under way (another thread's, or the one that runs the model under
+        no_grad inside its own forward), and not on a module that has hooks of other owners
+        (putting ours back would change their order). A forward that turns gradients back on
+        inside an evaluation's pass is not observed."""
         with self._lock:
             if self._closed or self._aside or self._forwards:
                 return
@@ -399,16 +400,15 @@ class Recorder:
     def _root_pre_hook(self, module: nn.Module, args: Any, kwargs: Any) -> None:
         if module is not self.model or self._closed:
             return  # a copy of the model (`__deepcopy__`): not watched
+        if torch.compiler.is_compiling():  # traced: the forward is counted as the graph runs
+            if module.training and torch.is_grad_enabled():
+                graphops.hand_over(self._graph_token, _FORWARD, [])
+            return
         if not torch.is_grad_enabled():
-            if not torch.compiler.is_compiling():
-                self._hooks_aside()
+            self._hooks_aside()
             return
         if self._aside:
             self._hooks_back()
-        if torch.compiler.is_compiling():  # traced: the forward is counted as the graph runs
-            if module.training:
-                graphops.hand_over(self._graph_token, _FORWARD, [])
-            return
         with self._lock:  # (each entry point: a close() from another thread waits for it)
             if self._closed:
                 return
@@ -432,13 +432,13 @@ class Recorder:
         (gradient clearing) and the end (pre-clip norms) of the backward pass through this output."""
         if module is not self.model or self._closed:
             return
+        if torch.compiler.is_compiling():  # traced: a compiled forward of the step ran
+            if module.training and torch.is_grad_enabled():
+                self.fwd.graph_sampled = True
+            return
         if not torch.is_grad_enabled():
             if self._aside:
                 self._hooks_back()
-            return
-        if torch.compiler.is_compiling():  # traced: a compiled forward of the step ran
-            if module.training:
-                self.fwd.graph_sampled = True
             return
         with self._lock:
             if self._closed:

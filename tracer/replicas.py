@@ -565,8 +565,7 @@ class ReplicaProbe:
         if not recs or not len(comps):
             return {k: [] for k in ("step", "component", "weight_checksum", "weight_checksum_fwd",
                                     "local_grad_norm_l2", "grad_allreduced", "sharded")}
-        host = len(recs[0][1]) == 5  # host rows (`end_step`): checksum, at the forward, squared local norms
-        if host:
+        if self.device.type == "cpu":  # host rows (`end_step`): checksum, at the forward, squared local norms
             zero = np.zeros(self.n, dtype=np.int64)
             after = np.stack([r[0] for _, r in recs]).astype(np.int64)[:, comps]
             at_fwd = np.stack([zero if r[1] is None else r[1] for _, r in recs]).astype(np.int64)[:, comps]

@@ -522,9 +522,11 @@ class ForwardProbe:
             if not self.sampled[idx]:
                 self.sampled[idx] = True
                 self.samples.append((idx, sample))
-        counts = [(idx, bad) for idx, bad in counted if not isinstance(bad, int)]
-        for idx, bad in counted:  # read on the host: nothing to add unless one is not 0
-            if isinstance(bad, int) and bad:
+        counts = []  # those left on the device
+        for idx, bad in counted:
+            if not isinstance(bad, int):
+                counts.append((idx, bad))
+            elif bad:  # read on the host: nothing to add unless one is not 0
                 self._bad_counts()[idx] += bad
         if counts:
             at = to_device(np.array([idx for idx, _ in counts], dtype=np.int64), self.device)

@@ -24,7 +24,7 @@ import torch
 from . import kernels
 from .components import Component
 from .loopfacts import versions_of
-from .probes import FORWARD_BATCH_STEPS, PARAM_METRICS, to_device
+from .probes import FORWARD_BATCH_STEPS, PARAM_METRICS, to_device, without_grad
 from .replicas import grad_values, local_shard, lost_storage
 
 _PM = {m: i for i, m in enumerate(PARAM_METRICS)}
@@ -476,7 +476,7 @@ class ParamProbe:
         """The parameters' version counters (every in-place write PyTorch sees moves one)."""
         return [p._version for p in self._flat]
 
-    @torch.no_grad()
+    @without_grad
     def begin(self) -> None:
         """First training forward of a step: note the weights as the step found them.
 
@@ -526,7 +526,7 @@ class ParamProbe:
         return [z if g is None else (grad_values(g) if g.is_sparse else g)
                 for g, z in zip(raw, self._no_grad, strict=True)]
 
-    @torch.no_grad()
+    @without_grad
     def local_norms(self) -> tuple[list[torch.Tensor | None], np.ndarray | None]:
         """The parameters' `.grad` as they are now, and, where one compiled pass can read them all,
         their per-parameter norms (0 for a parameter without one; an array this probe reuses);
@@ -546,7 +546,7 @@ class ParamProbe:
         None before the step's first."""
         return None if self._at_backward is None else self._at_backward[0]
 
-    @torch.no_grad()
+    @without_grad
     def after_backward(self) -> None:
         """End of a backward pass: note the gradients' versions (and norms, if the loop modifies them)."""
         self._backwards += 1
@@ -557,7 +557,7 @@ class ParamProbe:
             self._norms_into("pre_norms", self._grads(raw), "grads")
         self._at_backward = (versions_of(raw), taken)
 
-    @torch.no_grad()
+    @without_grad
     def grads(self) -> None:
         """optimizer.step pre-hook: per-tensor gradient norms (and non-finite counts if needed)."""
         if not self.begun:
@@ -601,7 +601,7 @@ class ParamProbe:
                 0, self.param_comp, counts).double()
         self.has_grad = has_grad
 
-    @torch.no_grad()
+    @without_grad
     def end(self, slot: int) -> tuple[np.ndarray, bool, bool]:
         """optimizer.step post-hook: note the weights after the step; the step's values go to buffer
         row `slot` at `reduce`. Returns their (C, len(PARAM_METRICS)) validity (read-only: it may
@@ -636,7 +636,7 @@ class ParamProbe:
         self.begun, self.has_grad, self._bad, self._preclip = False, None, None, _NO_PRECLIP
         return valid, has_total, preclip != _NO_PRECLIP
 
-    @torch.no_grad()
+    @without_grad
     def reduce(self) -> tuple[list[int], torch.Tensor, torch.Tensor, torch.Tensor] | None:
         """The queued steps' values, computed together: (their buffer rows, (K, C, len(PARAM_METRICS))
         block, (K,) float64 total gradient norms, (K,) pre-clip totals); None if none are queued.

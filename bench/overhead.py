@@ -328,7 +328,7 @@ def _print_ratios(label: str, ratios: list[float]) -> None:
 # --without: a pass left out writes a constant where its norms go (a row of zeros would send the
 # later arithmetic down its rarer paths); the field names are ParamProbe's
 _PASSES = {"preclip": ("pre_norms",), "grads": ("grad_norms",), "weights": ("end_norms", "fwd_norms")}
-_PARTS = (*_PASSES, "forward", "reduce", "all", "work")
+LEAVE_OUT = (*_PASSES, "forward", "reduce", "all", "work")
 
 
 def _no_statistics(fwd: probes.ForwardProbe) -> list[tuple[int, torch.Tensor]]:
@@ -416,7 +416,7 @@ def main() -> None:
                     help="for comparison: the watched copy holds every forward output until the "
                          "optimizer step (as when the model's output is not judged at the forward's end)")
     ap.add_argument("--without", default="", metavar="PART[,PART...]",
-                    help=f"leave these parts out of the watched copy, in this process: {', '.join(_PARTS)}")
+                    help=f"leave these parts out of the watched copy, in this process: {', '.join(LEAVE_OUT)}")
     ap.add_argument("--split-from", type=int, default=None, metavar="N",
                     help="cut the norm passes into parts on torch's threads from N values in all "
                          f"(kernels.SPLIT_FROM, default {kernels.SPLIT_FROM}; a huge N: never), in this process")
@@ -425,8 +425,8 @@ def main() -> None:
                          "(skip: no forward statistics in compiled code, for comparison)")
     args = ap.parse_args()
     without = {p for p in args.without.split(",") if p}
-    if without - set(_PARTS):
-        ap.error(f"--without takes {', '.join(_PARTS)}; got {', '.join(sorted(without - set(_PARTS)))}")
+    if without - set(LEAVE_OUT):
+        ap.error(f"--without takes {', '.join(LEAVE_OUT)}; got {', '.join(sorted(without - set(LEAVE_OUT)))}")
     if args.steady_malloc and not args.fresh_process:
         ap.error("--steady-malloc sets the environment of --fresh-process runs")
     if without and args.fresh_process:

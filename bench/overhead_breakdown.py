@@ -13,6 +13,13 @@ with the per-rank evidence on (tracer/replicas.py), and adds its parts.
 `--split-from N` moves the size from which the norm passes run in parts on torch's threads
 (`kernels.SPLIT_FROM`; a huge N turns that off).
 
+`--phases` instead times the phases of a training step (batch, forward, backward, clip,
+optimizer step, zero_grad and `rec.log`) of the nanoGPT layout, a plain and a watched copy
+alternated step by step, and prints each phase's cost with the recorder: where its cost lands,
+what it makes the training's own ops cost included (the timers above see only the time inside
+the recorder's own functions). With `--without PART[,PART...]` the watched copy leaves those
+parts of its work out, as `bench/overhead.py --without` does.
+
 `--norms-ab [--blas-from N]` instead times the parameter probe's three entry points in one
 watched run whose steps alternate the CPU norm and sketch passes between the compiled path
 (tracer/kernels.py; tensors of `--blas-from` values or more as BLAS dot products, default
@@ -32,7 +39,7 @@ from typing import Any
 
 import torch
 from cases import CASES
-from overhead import run_block
+from overhead import LEAVE_OUT, leave_out, run_block
 from warninglight.tracer import kernels, loopfacts, params, probes, recorder, replicas, watch
 
 # the component hooks `Recorder._make_hook` makes, timed as one line
@@ -90,6 +97,10 @@ def main() -> None:
     ap.add_argument("--plain-first", action="store_true",
                     help="time the pass without the recorder first (its page faults then owe nothing "
                          "to the allocator state the watched pass leaves)")
+    ap.add_argument("--phases", action="store_true",
+                    help="time the phases of the nanoGPT layout's step, plain and watched, steps alternated")
+    ap.add_argument("--without", default="", metavar="PART[,PART...]",
+                    help="with --phases: leave these parts out of the watched copy (bench/overhead.py --without)")
     ap.add_argument("--norms-ab", action="store_true",
                     help="time the parameter probe with compiled and eager norm passes, steps alternated")
     ap.add_argument("--blas-from", type=int, default=None,
@@ -105,6 +116,17 @@ def main() -> None:
     kernels.available()
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.without and not args.phases:
+        ap.error("--without goes with --phases")
+    if args.phases:
+        without = {p for p in args.without.split(",") if p}
+        if without - set(LEAVE_OUT):
+            ap.error(f"--without takes {', '.join(LEAVE_OUT)}; got {', '.join(sorted(without - set(LEAVE_OUT)))}")
+        if without:
+            leave_out(without)
+            print(f"the watched copy without: {', '.join(sorted(without))}")
+        phases(args.steps)
+        return
     if args.norms_ab:
         if args.blas_from is not None:
             params.BLAS_FROM = args.blas_from
@@ -167,6 +189,70 @@ def _print_parts(lines: list[tuple[str, int]], totals: dict[str, float], part_fa
               f"{part_faults[key] / steps:7.0f} faults/step")
     outermost = sum(totals[key] for key, indent in lines if indent == 0)
     print(f"{'in all (the unindented lines)':<28s} {outermost / steps * 1e3:6.2f} ms/step")
+
+
+_BATCH, _BLOCK = 12, 64  # nanogpt_case's defaults (the "nanogpt" case)
+_PHASES = ("batch", "forward", "backward", "clip", "optimizer step", "zero_grad, log")
+
+
+def _phased_step(model: torch.nn.Module, opt: torch.optim.Optimizer, rec: Any, data: torch.Tensor,
+                 gen: torch.Generator, laps: dict[str, float]) -> None:
+    """One step of nanoGPT's train.py loop (bench/nanogpt.py, without its lr schedule), its
+    phases' wall seconds added into `laps`."""
+    t = [time.perf_counter()]
+    ix = torch.randint(len(data) - _BLOCK - 1, (_BATCH,), generator=gen)
+    x = torch.stack([data[i:i + _BLOCK] for i in ix])
+    y = torch.stack([data[i + 1:i + 1 + _BLOCK] for i in ix])
+    t.append(time.perf_counter())
+    _, loss = model(x, y)
+    t.append(time.perf_counter())
+    loss.backward()
+    t.append(time.perf_counter())
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    t.append(time.perf_counter())
+    opt.step()
+    t.append(time.perf_counter())
+    opt.zero_grad(set_to_none=True)
+    if rec is not None:
+        rec.log(loss=loss.detach())
+    t.append(time.perf_counter())
+    for name, a, b in zip(_PHASES, t, t[1:], strict=False):
+        laps[name] += b - a
+
+
+def phases(steps: int) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """The nanoGPT layout's step phase by phase, a plain and a watched copy alternated step by step
+    (order swapped every step): ms per step of each phase, and what the recorder adds to it.
+    Returns the two models (trained alike: the same weights and batches, side by side)."""
+    from nanogpt import nanogpt_case
+    from warninglight.lab import zoo
+
+    data = zoo.char_corpus(200_000)
+    sides = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for watched in (False, True):
+            torch.manual_seed(0)
+            model, opt, _ = nanogpt_case()
+            rec = watch(model, opt, f"{tmp}/run") if watched else None
+            sides.append((model, opt, rec, torch.Generator().manual_seed(0), collections.defaultdict(float)))
+        for model, opt, rec, gen, _ in sides:  # warm-up: allocator, thread pools, the first segment
+            for _ in range(15):
+                _phased_step(model, opt, rec, data, gen, collections.defaultdict(float))
+        for i in range(steps):
+            for model, opt, rec, gen, laps in (sides if i % 2 else sides[::-1]):
+                _phased_step(model, opt, rec, data, gen, laps)
+        sides[1][2].close()
+    plain, watched = sides[0][4], sides[1][4]
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {CASES['nanogpt'][0]}: "
+          f"{steps} steps each way, alternated step by step")
+    print(f"{'phase':<16s} {'plain ms':>9s} {'watched ms':>11s} {'added ms':>9s}")
+    for name in _PHASES:
+        print(f"{name:<16s} {plain[name] / steps * 1e3:9.3f} {watched[name] / steps * 1e3:11.3f} "
+              f"{(watched[name] - plain[name]) / steps * 1e3:9.3f}")
+    p, w = sum(plain.values()), sum(watched.values())
+    print(f"{'the step':<16s} {p / steps * 1e3:9.3f} {w / steps * 1e3:11.3f} {(w - p) / steps * 1e3:9.3f}"
+          f"   (ratio {w / p:.3f})")
+    return sides[0][0], sides[1][0]
 
 
 def norms_ab(model: torch.nn.Module, opt: torch.optim.Optimizer, train: Callable[[], torch.Tensor],

@@ -335,6 +335,27 @@ def test_the_interleaved_bench_reports_a_run_shorter_than_its_ten_parts(
     assert "3 pairs" in out
 
 
+def test_the_phase_bench_times_every_phase_of_two_copies_trained_alike(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """`bench/overhead_breakdown.py --phases`: every phase of the step is printed for both copies,
+    and the plain and the watched copy saw the same batches (their weights end equal: the
+    recorder only reads)."""
+    import sys
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "bench"))
+    monkeypatch.delitem(sys.modules, "overhead_breakdown", raising=False)
+    from overhead_breakdown import _PHASES, phases
+
+    plain, watched = phases(3)
+    lines = capsys.readouterr().out.splitlines()
+    assert "3 steps each way, alternated step by step" in lines[0]
+    for name in (*_PHASES, "the step"):
+        row = next(line for line in lines if line.startswith(name))
+        assert float(row[len(name):].split()[1]) > 0  # the watched copy's ms
+    for a, b in zip(plain.parameters(), watched.parameters(), strict=True):
+        assert torch.equal(a, b)
+
+
 def test_the_evaluation_bench_alternates_evaluations_and_refuses_a_case_without_one(
         monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     """`bench/overhead.py --evaluations N`: train.py's estimate_loss, a batch of each split, on

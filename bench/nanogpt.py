@@ -200,4 +200,5 @@ def nanogpt_case(batch: int = 12, accum: int = 1, grad_clip: float = 1.0, dropou
         opt.zero_grad(set_to_none=True)
         return loss.detach()
     train_step.evaluate = estimate_loss  # type: ignore[attr-defined]  # (bench/overhead.py --evaluations)
+    train_step.get_batch = get_batch  # type: ignore[attr-defined]  # (bench/overhead_breakdown.py --phases)
     return model, opt, train_step

@@ -191,18 +191,15 @@ def _print_parts(lines: list[tuple[str, int]], totals: dict[str, float], part_fa
     print(f"{'in all (the unindented lines)':<28s} {outermost / steps * 1e3:6.2f} ms/step")
 
 
-_BATCH, _BLOCK = 12, 64  # nanogpt_case's defaults (the "nanogpt" case)
 _PHASES = ("batch", "forward", "backward", "clip", "optimizer step", "zero_grad, log")
 
 
-def _phased_step(model: torch.nn.Module, opt: torch.optim.Optimizer, rec: Any, data: torch.Tensor,
-                 gen: torch.Generator, laps: dict[str, float]) -> None:
-    """One step of nanoGPT's train.py loop (bench/nanogpt.py, without its lr schedule), its
+def _phased_step(model: torch.nn.Module, opt: torch.optim.Optimizer, rec: Any,
+                 get_batch: Callable[[], tuple[torch.Tensor, torch.Tensor]], laps: dict[str, float]) -> None:
+    """One step of nanoGPT's train.py loop (bench/nanogpt.py's, without its lr schedule), its
     phases' wall seconds added into `laps`."""
     t = [time.perf_counter()]
-    ix = torch.randint(len(data) - _BLOCK - 1, (_BATCH,), generator=gen)
-    x = torch.stack([data[i:i + _BLOCK] for i in ix])
-    y = torch.stack([data[i + 1:i + 1 + _BLOCK] for i in ix])
+    x, y = get_batch()
     t.append(time.perf_counter())
     _, loss = model(x, y)
     t.append(time.perf_counter())
@@ -224,23 +221,19 @@ def phases(steps: int) -> tuple[torch.nn.Module, torch.nn.Module]:
     """The nanoGPT layout's step phase by phase, a plain and a watched copy alternated step by step
     (order swapped every step): ms per step of each phase, and what the recorder adds to it.
     Returns the two models (trained alike: the same weights and batches, side by side)."""
-    from nanogpt import nanogpt_case
-    from warninglight.lab import zoo
-
-    data = zoo.char_corpus(200_000)
     sides = []
     with tempfile.TemporaryDirectory() as tmp:
         for watched in (False, True):
             torch.manual_seed(0)
-            model, opt, _ = nanogpt_case()
+            model, opt, step = CASES["nanogpt"][1]()
             rec = watch(model, opt, f"{tmp}/run") if watched else None
-            sides.append((model, opt, rec, torch.Generator().manual_seed(0), collections.defaultdict(float)))
-        for model, opt, rec, gen, _ in sides:  # warm-up: allocator, thread pools, the first segment
+            sides.append((model, opt, rec, step.get_batch, collections.defaultdict(float)))  # type: ignore[attr-defined]
+        for model, opt, rec, get_batch, _ in sides:  # warm-up: allocator, thread pools, the first segment
             for _ in range(15):
-                _phased_step(model, opt, rec, data, gen, collections.defaultdict(float))
+                _phased_step(model, opt, rec, get_batch, collections.defaultdict(float))
         for i in range(steps):
-            for model, opt, rec, gen, laps in (sides if i % 2 else sides[::-1]):
-                _phased_step(model, opt, rec, data, gen, laps)
+            for model, opt, rec, get_batch, laps in (sides if i % 2 else sides[::-1]):
+                _phased_step(model, opt, rec, get_batch, laps)
         sides[1][2].close()
     plain, watched = sides[0][4], sides[1][4]
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {CASES['nanogpt'][0]}: "

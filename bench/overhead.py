@@ -328,7 +328,7 @@ def _print_ratios(label: str, ratios: list[float]) -> None:
 # --without: a pass left out writes a constant where its norms go (a row of zeros would send the
 # later arithmetic down its rarer paths); the field names are ParamProbe's
 _PASSES = {"preclip": ("pre_norms",), "grads": ("grad_norms",), "weights": ("end_norms", "fwd_norms")}
-LEAVE_OUT = (*_PASSES, "forward", "reduce", "all", "work")
+_LEAVE_OUT = (*_PASSES, "forward", "reduce", "all", "work")
 
 
 def _no_statistics(fwd: probes.ForwardProbe) -> list[tuple[int, torch.Tensor]]:
@@ -342,6 +342,14 @@ def _no_reduction(probe: params.ParamProbe) -> None:
     """`ParamProbe.reduce` without the arithmetic: the queued steps are let go (their rows keep
     what the step buffer held)."""
     probe.pending = []
+
+
+def parts_to_leave_out(ap: argparse.ArgumentParser, text: str) -> set[str]:
+    """The parts a `--without PART[,PART...]` names; a one-line usage error for an unknown one."""
+    parts = {p for p in text.split(",") if p}
+    if parts - set(_LEAVE_OUT):
+        ap.error(f"--without takes {', '.join(_LEAVE_OUT)}; got {', '.join(sorted(parts - set(_LEAVE_OUT)))}")
+    return parts
 
 
 def leave_out(parts: set[str], patch: Callable[[object, str, object], None] = setattr) -> None:
@@ -416,7 +424,7 @@ def main() -> None:
                     help="for comparison: the watched copy holds every forward output until the "
                          "optimizer step (as when the model's output is not judged at the forward's end)")
     ap.add_argument("--without", default="", metavar="PART[,PART...]",
-                    help=f"leave these parts out of the watched copy, in this process: {', '.join(LEAVE_OUT)}")
+                    help=f"leave these parts out of the watched copy, in this process: {', '.join(_LEAVE_OUT)}")
     ap.add_argument("--split-from", type=int, default=None, metavar="N",
                     help="cut the norm passes into parts on torch's threads from N values in all "
                          f"(kernels.SPLIT_FROM, default {kernels.SPLIT_FROM}; a huge N: never), in this process")
@@ -424,9 +432,7 @@ def main() -> None:
                     help="watch(hooks_under_compile=...) for the watched copies, in this process "
                          "(skip: no forward statistics in compiled code, for comparison)")
     args = ap.parse_args()
-    without = {p for p in args.without.split(",") if p}
-    if without - set(LEAVE_OUT):
-        ap.error(f"--without takes {', '.join(LEAVE_OUT)}; got {', '.join(sorted(without - set(LEAVE_OUT)))}")
+    without = parts_to_leave_out(ap, args.without)
     if args.steady_malloc and not args.fresh_process:
         ap.error("--steady-malloc sets the environment of --fresh-process runs")
     if without and args.fresh_process:

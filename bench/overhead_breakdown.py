@@ -39,7 +39,7 @@ from typing import Any
 
 import torch
 from cases import CASES
-from overhead import LEAVE_OUT, leave_out, run_block
+from overhead import leave_out, parts_to_leave_out, run_block
 from warninglight.tracer import kernels, loopfacts, params, probes, recorder, replicas, watch
 
 # the component hooks `Recorder._make_hook` makes, timed as one line
@@ -119,9 +119,7 @@ def main() -> None:
     if args.without and not args.phases:
         ap.error("--without goes with --phases")
     if args.phases:
-        without = {p for p in args.without.split(",") if p}
-        if without - set(LEAVE_OUT):
-            ap.error(f"--without takes {', '.join(LEAVE_OUT)}; got {', '.join(sorted(without - set(LEAVE_OUT)))}")
+        without = parts_to_leave_out(ap, args.without)
         if without:
             leave_out(without)
             print(f"the watched copy without: {', '.join(sorted(without))}")

@@ -70,6 +70,26 @@ def test_sketch_and_scaled_norms_equal_numpy() -> None:
     np.testing.assert_allclose(norms, np.array(want, np.float32), rtol=1e-6)
 
 
+def test_one_factor_is_found_where_every_value_was_rescaled_and_nowhere_else() -> None:
+    # the factor clipping rescales gradients by, as float32 multiplication leaves it; any value
+    # changed otherwise (a zero, a clamp, a NaN, a sign), or nothing but zeros, gives none
+    rng = np.random.default_rng(0)
+    before = (rng.standard_normal(833) * np.logspace(-6, 3, 833)).astype(np.float32)
+    before[::7] = 0.0
+    for c in (1.0, 0.25, 1 / 3, 7.5e-5, 40.0):
+        got = kernels.one_factor(before, before * np.float32(c), 2.0**-20)
+        assert got == pytest.approx(c, rel=2e-7)
+    changes = {"zeroed": (5, 0.0), "clamped": (int(np.argmax(before)), 1e-3), "NaN": (9, np.nan),
+               "sign": (11, -before[11] * 0.5), "from zero": (7, 1e-30), "infinite": (12, np.inf)}
+    for name, (i, value) in changes.items():
+        after = before * np.float32(0.5)
+        after[i] = value
+        assert kernels.one_factor(before, after, 2.0**-20) is None, name
+    zeros = np.zeros(16, np.float32)
+    assert kernels.one_factor(zeros, zeros, 2.0**-20) is None
+    assert kernels.one_factor(before[:0], before[:0], 2.0**-20) is None
+
+
 def test_the_row_copier_copies_strided_rows_into_a_buffers_columns() -> None:
     rng = np.random.default_rng(3)
     srcs = [rng.standard_normal((n, u)).astype(np.float32) for n, u in ((768, 128), (40, 3), (1, 4099))]

@@ -95,15 +95,25 @@ def test_on_cpu_the_step_reads_what_is_documented(host_reads: dict[str, int], tm
         monkeypatch.setenv("WARNINGLIGHT_EAGER", "1")
         assert not kernels.available()
     steps, micro = 16, 2
+    taken = [0]
+    norms_into = params.ParamProbe._norms_into
+
+    def counted(self: params.ParamProbe, *args: object, **kwargs: object) -> object:
+        taken[0] += 1
+        return norms_into(self, *args, **kwargs)
+    monkeypatch.setattr(params.ParamProbe, "_norms_into", counted)
     _train_gpt("cpu", steps=steps, micro_batches=micro, trace=tmp_path)
     reductions = _forward_reductions(tmp_path)
     assert 2 <= reductions <= 5  # every 8 steps, and at each flush
     # norm passes: per step the gradients at the optimizer and the weights after it; the
     # gradients at the end of the step's last backward pass once the first step showed that the
-    # loop modifies them (clipping); the weights at the first forward on the first step and
-    # every 8th (nothing else wrote them)
+    # loop modifies them (clipping; compiled, a sketch of them instead once the loop showed that
+    # it only rescales them); the weights at the first forward on the first step and every 8th
+    # (nothing else wrote them)
     passes = (2 * steps + (steps - 1)
               + 1 + (steps - 1) // params.EXACT_DRIFT_EVERY)
+    assert taken[0] == passes if not compiled else passes - steps // 2 <= taken[0] <= passes
+    passes = taken[0]
     if compiled:
         # with BLAS tensors: a verdict per norm pass. (The extra micro-batch's finite check
         # judges held outputs; a forward pass whose output is finite lets them go)
@@ -223,6 +233,90 @@ def test_pre_clip_gradient_norm_is_recorded_beside_the_clipped_one(tmp_path: Pat
     assert len(clipped) == 4
     for pre, total in clipped[1:]:  # what the optimizer got, and what backward left
         assert total == pytest.approx(0.01, rel=1e-4) and pre > 10 * total
+
+
+def _rescaling_loop(trace: Path, monkeypatch: pytest.MonkeyPatch, steps: int,
+                    modify: Any) -> tuple[list[int], list[float], list[float | None]]:
+    """Watched SGD steps of the zoo's MLP, each calling `modify(step, model)` between the backward
+    pass and the optimizer step: the pre-clip norm passes each step took, the exact pre-clip
+    total norms (float64, read before `modify`) and the recorded ones."""
+    import duckdb
+    from warninglight.tracer import schema
+
+    kernels.available()  # the compiled passes from the first step: the gradients' sketch needs them
+    taken: list[int] = []
+    norms_into = params.ParamProbe._norms_into
+
+    def counted(self: params.ParamProbe, field: str, *args: object, **kwargs: object) -> object:
+        if field == "pre_norms":
+            taken[-1] += 1
+        return norms_into(self, field, *args, **kwargs)
+    monkeypatch.setattr(params.ParamProbe, "_norms_into", counted)
+    torch.manual_seed(0)
+    model = zoo.mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    data = zoo.batches(*zoo.teacher_classification(512), 16)
+    want = []
+    with watch(model, opt, trace, full_precision=True):
+        for step in range(1, steps + 1):
+            taken.append(0)
+            _, x, y = next(data)
+            F.cross_entropy(model(x), y).backward()
+            want.append(math.sqrt(sum(float(p.grad.double().square().sum()) for p in model.parameters())))
+            modify(step, model)
+            opt.step()
+            opt.zero_grad()
+    glob = schema.segment_glob(trace, "steps")
+    got = [r[0] for r in duckdb.sql(f"select grad_norm_preclip_l2 from read_parquet('{glob}') order by step").fetchall()]
+    return taken, want, got
+
+
+def test_a_loop_that_only_rescales_its_gradients_takes_its_pre_clip_norms_from_the_step(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # clipping by the total norm (active at every step here) only rescales the gradients: once
+    # the exact passes of BACKWARD_COUNT_STEPS steps showed one factor, the backward end takes
+    # the gradients' sketch alone, and the pre-clip norm is the optimizer step's over the factor
+    # the sketch shows, float32 roundings from the exact one; the exact pass still runs every
+    # EXACT_PRECLIP_EVERY-th step
+    def clip(step: int, model: torch.nn.Module) -> None:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.01)
+
+    steps, learn = 40, params.BACKWARD_COUNT_STEPS
+    taken, want, got = _rescaling_loop(tmp_path, monkeypatch, steps, clip)
+    exact = [s for s in range(learn + 2, steps + 1) if (s - 1) % params.EXACT_PRECLIP_EVERY == 0]
+    assert taken[:learn + 1] == [0] + [1] * learn  # the first step shows that the loop changes them
+    assert [s for s in range(learn + 2, steps + 1) if taken[s - 1]] == exact and len(exact) >= 3
+    assert got[0] is None
+    for s in range(2, steps + 1):
+        assert got[s - 1] == pytest.approx(want[s - 1], rel=1e-6), s
+    assert all(w > 10 * 0.01 for w in want)  # clipped at every step: the norm before, not after
+
+
+@pytest.mark.parametrize("change", ["mask from step 20", "clip by value"])
+def test_a_change_other_than_one_factor_keeps_the_exact_pre_clip_pass(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, change: str) -> None:
+    # a loop that changes the gradients value by value (a mask over half a layer, clipping each
+    # value) is no rescaling: seen on the exact passes, they stay; seen only on the sketch (the
+    # mask, once the loop had shown one factor), that step has no pre-clip norm and the exact
+    # passes resume. No step records a pre-clip norm other than the exact one
+    def modify(step: int, model: torch.nn.Module) -> None:
+        if change == "clip by value":
+            torch.nn.utils.clip_grad_value_(model.parameters(), 1e-3)
+            return
+        if step >= 20:
+            model[0].weight.grad[: model[0].weight.shape[0] // 2] = 0.0
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.01)
+
+    steps = 30
+    taken, want, got = _rescaling_loop(tmp_path, monkeypatch, steps, modify)
+    nulls = [s for s in range(1, steps + 1) if got[s - 1] is None]
+    if change == "clip by value":
+        assert taken == [0] + [1] * (steps - 1) and nulls == [1]
+    else:
+        assert taken[19] == 0 and nulls == [1, 20]  # the sketch, then the mask
+        assert taken[20:] == [1] * (steps - 20)
+    for s in range(2, steps + 1):
+        assert got[s - 1] is None or got[s - 1] == pytest.approx(want[s - 1], rel=1e-6), s
 
 
 def test_accumulated_gradients_take_the_pre_clip_pass_once_a_step(tmp_path: Path,

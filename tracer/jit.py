@@ -643,6 +643,71 @@ exit:
 
 declare void @llvm.memcpy.p0.p0.i64(ptr, ptr, i64, i1)
 
+; the factor c > 0 with after[i] = c * before[i] for each i < n, read off the largest |before[i]|
+; and checked in float64 on every value: |after[i] - c * before[i]| <= tol * |after[i]|, after[i]
+; finite (a NaN fails every comparison); 0 where there is none (nothing but zeros, a zero where
+; the other is not, any other change)
+define double @one_factor(ptr noalias nocapture readonly %before, ptr noalias nocapture readonly %after, i64 %n, double %tol) nounwind {
+entry:
+  %any = icmp sgt i64 %n, 0
+  br i1 %any, label %find, label %none
+find:
+  %i = phi i64 [0, %entry], [%i1, %find]
+  %bi = phi i64 [0, %entry], [%bi1, %find]
+  %bv = phi float [0.0, %entry], [%bv1, %find]
+  %pb = getelementptr float, ptr %before, i64 %i
+  %b = load float, ptr %pb
+  %ab = call float @llvm.fabs.f32(float %b)
+  %gt = fcmp ogt float %ab, %bv
+  %bi1 = select i1 %gt, i64 %i, i64 %bi
+  %bv1 = select i1 %gt, float %ab, float %bv
+  %i1 = add nuw nsw i64 %i, 1
+  %more = icmp slt i64 %i1, %n
+  br i1 %more, label %find, label %found
+found:
+  %nz = fcmp ogt float %bv1, 0.0
+  br i1 %nz, label %ratio, label %none
+ratio:
+  %pb0 = getelementptr float, ptr %before, i64 %bi1
+  %b0 = load float, ptr %pb0
+  %pa0 = getelementptr float, ptr %after, i64 %bi1
+  %a0 = load float, ptr %pa0
+  %b0d = fpext float %b0 to double
+  %a0d = fpext float %a0 to double
+  %c = fdiv double %a0d, %b0d
+  %pos = fcmp ogt double %c, 0.0
+  %fin = fcmp olt double %c, 0x7FF0000000000000
+  %usable = and i1 %pos, %fin
+  br i1 %usable, label %check, label %none
+check:
+  %j = phi i64 [0, %ratio], [%j1, %next]
+  %pbj = getelementptr float, ptr %before, i64 %j
+  %bj = load float, ptr %pbj
+  %paj = getelementptr float, ptr %after, i64 %j
+  %aj = load float, ptr %paj
+  %bjd = fpext float %bj to double
+  %ajd = fpext float %aj to double
+  %pred = fmul double %bjd, %c
+  %diff = fsub double %ajd, %pred
+  %off = call double @llvm.fabs.f64(double %diff)
+  %mag = call double @llvm.fabs.f64(double %ajd)
+  %lim = fmul double %mag, %tol
+  %close = fcmp ole double %off, %lim
+  %finite = fcmp olt double %mag, 0x7FF0000000000000
+  %good = and i1 %close, %finite
+  br i1 %good, label %next, label %none
+next:
+  %j1 = add nuw nsw i64 %j, 1
+  %jm = icmp slt i64 %j1, %n
+  br i1 %jm, label %check, label %done
+done:
+  ret double %c
+none:
+  ret double 0.0
+}
+
+declare double @llvm.fabs.f64(double)
+
 ; the parameters' sketch arithmetic of K steps, in float32 and in the order of the eager ops it
 ; replaces (ParamProbe.reduce), so the sums are the same bit for bit: for each coordinate j in
 ; turn, and each step s, from the float32 rows of f (the sketch at the step's first forward) and
@@ -723,5 +788,6 @@ SIGNATURES: dict[str, tuple[Any, tuple[Any, ...]]] = {
     "scaled_norms": (None, (_PTR, _I64, _PTR, _PTR, _I64, ctypes.c_float, _PTR)),
     "forward_sums": (None, (_PTR, _I64, _I64, _I64, _PTR, _PTR, _PTR, _I32, ctypes.c_double, _PTR, _I64, _PTR)),
     "copy_rows1": (None, (_I64, _I64, _I64, _I64, _I64, _I64)),
+    "one_factor": (ctypes.c_double, (_PTR, _PTR, _I64, ctypes.c_double)),
     "sketch_sums": (None, (_PTR, _PTR, _I64, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _PTR)),
 }

@@ -79,6 +79,12 @@ def _checked(funcs: dict[str, Any]) -> None:
     sketch_sums(rows, 3, 3, cu, cs, scale, comp, 2, sums)
     if not np.array_equal(sums.reshape(2, 4, 3), want) or not np.array_equal(cs, rows[-1, 3:6]):
         raise RuntimeError("the compiled sketch arithmetic gave a wrong value")
+    before = np.array([2.0, -4.0, 0.0], _F32)
+    if one_factor(before, before * np.float32(0.25), 1e-6) != 0.25 or one_factor(before, before, 1e-6) != 1.0 \
+            or one_factor(before, np.array([0.5, -1.0, 1e-3], _F32), 1e-6) is not None \
+            or one_factor(before, np.array([0.5, -1.0, np.inf], _F32), 1e-6) is not None \
+            or one_factor(np.zeros(3, _F32), np.zeros(3, _F32), 1e-6) is not None:
+        raise RuntimeError("the compiled factor check gave a wrong value")
     buf, out = np.array([3.0, 4.0, 7.0, 1.0, -2.0], _F32), np.zeros(2, _F32)
     scaled_norms(buf, np.array([0, 3]), np.array([2, 1]), 0.5, out)
     if list(out) != [5.0, 1.0] or list(buf) != [1.5, 2.0, 3.5, 0.5, -1.0]:
@@ -277,6 +283,17 @@ def scaled_norms(buf: np.ndarray, offsets: np.ndarray, lens: np.ndarray, scale: 
         raise TypeError("scaled_norms: a segment outside the buffer, or arrays of different lengths")
     _state["scaled_norms"](_at(buf, _F32), len(buf), _at(offsets, _I64), _at(lens, _I64), n,
                            float(scale), _at(out, _F32))
+
+
+def one_factor(before: np.ndarray, after: np.ndarray, tol: float) -> float | None:
+    """The factor c > 0 with after = c * before value by value (float32 arrays of one length),
+    each within `tol` times the value after, every value after finite; read off the largest
+    value before. None if there is none: nothing but zeros, a zero where the other is not, any
+    other change."""
+    if len(before) != len(after):
+        raise TypeError("one_factor: arrays of different lengths")
+    c = _state["one_factor"](_at(before, _F32), _at(after, _F32), len(before), float(tol))
+    return c if c > 0.0 else None
 
 
 def sketch_sums(rows: np.ndarray, k: int, steps: int, cu: np.ndarray, cs: np.ndarray, scale: np.ndarray,

@@ -38,8 +38,18 @@ BLAS_FROM = 131_072
 EXACT_DRIFT_EVERY = 8
 # steps whose numbers of backward passes say which backward pass of a step takes the pre-clip norms
 BACKWARD_COUNT_STEPS = 8
-# where a step's pre-clip total gradient norm comes from
-_NO_PRECLIP, _SAME_AS_TOTAL, _AT_BACKWARD = 0, 1, 2
+# steps between exact pre-clip norm passes once the loop is known to rescale its gradients
+EXACT_PRECLIP_EVERY = 8
+# how far apart two scale factors, or a value and its rescaled copy, may be and still be one
+# factor: a few float32 roundings of the values and their norms
+_ONE_FACTOR = 2.0**-20
+# coordinates per parameter of the gradients' sketch that shows the factor (a share of the
+# weights' sketch: each is a cache line the backward end reads)
+FACTOR_SKETCH = 16
+# where a step's pre-clip total gradient norm comes from (`_BY_FACTOR`: the total over its factor)
+_NO_PRECLIP, _SAME_AS_TOTAL, _AT_BACKWARD, _BY_FACTOR = 0, 1, 2, 3
+# what the end of a backward pass took of the gradients for the pre-clip norms
+_TOOK_NORMS, _TOOK_SKETCH = 1, 2
 
 
 def _sketch_slice(p: torch.Tensor, k: int, gen: np.random.Generator) -> tuple[int, int]:
@@ -78,9 +88,10 @@ class _Step:
     """A finished step whose row waits for `reduce`."""
 
     slot: int                   # its row in the step buffer
-    preclip: int                # _NO_PRECLIP, _SAME_AS_TOTAL or _AT_BACKWARD
+    preclip: int                # _NO_PRECLIP, _SAME_AS_TOTAL, _AT_BACKWARD or _BY_FACTOR
     bad: torch.Tensor | None    # (C,) float64 non-finite gradient counts; None: all finite
     exact_fwd: bool             # the weight norms at its first forward were taken (else: the last end's)
+    factor: float               # _BY_FACTOR: what the loop rescaled the gradients by
 
 
 class ParamProbe:
@@ -210,10 +221,23 @@ class ParamProbe:
         self.has_grad: np.ndarray | None = None  # this step's components with a gradient
         self.param_has_grad: np.ndarray | None = None  # this step's parameters with a gradient
         self.grads_finite = True        # CPU only: the host verdict on the gradient norms
-        self._preclip = _NO_PRECLIP
+        self._preclip, self._factor = _NO_PRECLIP, 1.0
         self._bad: torch.Tensor | None = None
         self.modified_after_backward = False  # the loop was seen to change gradients after backward
-        self._at_backward: tuple[list[int], bool] | None = None  # versions, norms taken
+        self._at_backward: tuple[list[int], int] | None = None  # versions, what was taken (or 0)
+        # the loop rescales the gradients after the backward pass: the pre-clip norms come from
+        # the optimizer step's pass (`_rescaled`); how many steps in a row showed one factor by
+        # exact passes, and whether one of them was not 1
+        self._by_factor = False
+        self._rescales, self._rescaled_once = 0, False
+        # the gradients' sketch that shows the factor: every (k // FACTOR_SKETCH)-th coordinate
+        # of the weights' sketch, at the backward end and at the optimizer step
+        offsets, strides, ks = self._sketch_at
+        few = np.minimum(ks, FACTOR_SKETCH)
+        self._factor_at = tuple(np.ascontiguousarray(a) for a in (offsets, strides * (ks // np.maximum(few, 1)), few))
+        self._bw_sketch = np.zeros(int(few.sum()), dtype=np.float32)
+        self._step_sketch = np.zeros(int(few.sum()), dtype=np.float32)
+        self._numel_list = numels
         self._backwards = 0  # backward passes ended in this step so far
         # backward passes of each of the last few steps (the step's last one takes the norms)
         self._backward_counts: collections.deque[int] = collections.deque(maxlen=BACKWARD_COUNT_STEPS)
@@ -287,6 +311,7 @@ class ParamProbe:
                  and kernels.parts_on_threads())
         self._blas = (self._numel >= BLAS_FROM) & (not split)
         self._blas_list = np.flatnonzero(self._blas).tolist()
+        self._by_kernel = np.flatnonzero(~self._blas)  # the tensors whose norms the kernel takes
         self._blas_idx = torch.tensor(self._blas_list, dtype=torch.long)
         self._compiled_numel = np.where(self._blas, 0, self._numel)  # 0: not in the compiled pass
         self._grad_lists = ([], [])  # the gradients' lengths in the compiled pass are taken again
@@ -550,12 +575,64 @@ class ParamProbe:
     def after_backward(self) -> None:
         """End of a backward pass: note the gradients' versions (and norms, if the loop modifies them)."""
         self._backwards += 1
-        taken = (self.modified_after_backward and bool(self.params)
-                 and self._backwards >= min(self._backward_counts, default=0))
+        taken = 0
         raw = [p.grad for p in self.params]
-        if taken:
-            self._norms_into("pre_norms", self._grads(raw), "grads")
+        if (self.modified_after_backward and self.params
+                and self._backwards >= min(self._backward_counts, default=0)):
+            if (self._by_factor and self._ends % EXACT_PRECLIP_EVERY
+                    and self._sketch_grads(raw, self._bw_sketch)):
+                taken = _TOOK_SKETCH
+            else:
+                self._norms_into("pre_norms", self._grads(raw), "grads")
+                taken = _TOOK_NORMS
         self._at_backward = (versions_of(raw), taken)
+
+    def _sketch_grads(self, raw: list[torch.Tensor | None], out: np.ndarray) -> bool:
+        """The gradients' sketch (`_factor_at`) into `out` by the compiled gather;
+        False where it cannot be taken: a parameter without a gradient, or one that is not a
+        plain contiguous float32 CPU tensor of its parameter's size."""
+        if not self._compiled_grads or not all(g is not None for g in raw):
+            return False
+        if not self._grad_addresses(self._grads(raw)) or self._grad_lists[1] != self._numel_list:
+            return False
+        kernels.gather_sketch(self._grad_addrs, *self._factor_at, out)
+        return True
+
+    def _learn_rescale(self, finite: bool | None) -> None:
+        """A step whose gradients changed after the backward pass, with exact norms before and
+        after: does the change look like one factor on every tensor? (The tensors of BLAS dot
+        products aside: float32 sums are too coarse to tell; the sketch checks them later.)"""
+        row = self._np_views[self._row_index()] if self._rows_np is not None else None
+        factor = None
+        if row is not None and finite is True:
+            pre, post = row.pre_norms, row.grad_norms
+            if self._blas_list:
+                pre, post = pre[self._by_kernel], post[self._by_kernel]
+            factor = kernels.one_factor(pre, post, _ONE_FACTOR)
+        if factor is None:
+            self._forget_rescale()
+            return
+        self._rescales += 1
+        self._rescaled_once = self._rescaled_once or abs(factor - 1.0) > _ONE_FACTOR
+        self._by_factor = self._rescales >= BACKWARD_COUNT_STEPS and self._rescaled_once
+
+    def _forget_rescale(self) -> None:
+        self._by_factor, self._rescales, self._rescaled_once = False, 0, False
+
+    def _rescaled(self, finite: bool | None) -> float | None:
+        """The factor by which the loop rescaled the gradients of a step whose backward end took
+        only their sketch, as the sketch then and now shows it (`reduce` divides the step's
+        total by it). None (the step has no pre-clip norm; the exact passes resume) where the
+        gradients are not all finite or the sketch shows no single factor."""
+        # the pass just taken checked these gradients and left their addresses
+        checked = self._checked_grads
+        if finite is True and checked is not None and checked[2] == self._numel_list:
+            kernels.gather_sketch(self._grad_addrs, *self._factor_at, self._step_sketch)
+            factor = kernels.one_factor(self._bw_sketch, self._step_sketch, _ONE_FACTOR)
+            if factor is not None:
+                return factor
+        self._forget_rescale()
+        return None
 
     @without_grad
     def grads(self) -> None:
@@ -569,7 +646,7 @@ class ParamProbe:
         has = self._every_param if every else np.fromiter((g is not None for g in raw), dtype=bool,
                                                           count=len(raw))
         self.param_has_grad = has
-        self._preclip, self._bad = _NO_PRECLIP, None
+        self._preclip, self._bad, self._factor = _NO_PRECLIP, None, 1.0
         at_bw, self._at_backward = self._at_backward, None
         self.has_grad = None  # set last: a pass that fails leaves the step without gradient norms
         if not raw or not (every or has.any()):
@@ -589,8 +666,11 @@ class ParamProbe:
             self._preclip = _SAME_AS_TOTAL
         elif at_bw is not None:
             self.modified_after_backward = True
-            if at_bw[1]:
+            if at_bw[1] == _TOOK_NORMS:
                 self._preclip = _AT_BACKWARD
+                self._learn_rescale(finite)
+            elif at_bw[1] == _TOOK_SKETCH and (factor := self._rescaled(finite)) is not None:
+                self._preclip, self._factor = _BY_FACTOR, factor
         # on CPU reading the verdict is free, so the per-tensor counts run only when needed (the
         # total norm is finite exactly when every per-tensor norm is)
         self.grads_finite = self.device.type != "cpu" or (
@@ -631,7 +711,7 @@ class ParamProbe:
             if has_total:
                 valid[:, _PM["grad_norm_l2"]] = valid[:, _PM["grad_nonfinite_count"]] = self.has_grad
         preclip = self._preclip if has_total else _NO_PRECLIP
-        self.pending.append(_Step(slot, preclip, self._bad, self._exact_fwd))
+        self.pending.append(_Step(slot, preclip, self._bad, self._exact_fwd, self._factor))
         self._ends += 1
         self.begun, self.has_grad, self._bad, self._preclip = False, None, None, _NO_PRECLIP
         return valid, has_total, preclip != _NO_PRECLIP
@@ -694,6 +774,9 @@ class ParamProbe:
         if any(s.preclip == _AT_BACKWARD for s in steps):
             at_bw = to_device(np.array([s.preclip == _AT_BACKWARD for s in steps]), self.device)
             preclip = torch.where(at_bw, rows[:, self._pre_n].double().square().sum(1).sqrt(), total)
+        if any(s.preclip == _BY_FACTOR for s in steps):
+            preclip = preclip / to_device(np.array([s.factor if s.preclip == _BY_FACTOR else 1.0
+                                                    for s in steps]), self.device)
         block = torch.stack([cols[m] for m in PARAM_METRICS], 2)
         return [s.slot for s in steps], block, total, preclip
 

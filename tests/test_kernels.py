@@ -90,6 +90,26 @@ def test_one_factor_is_found_where_every_value_was_rescaled_and_nowhere_else() -
     assert kernels.one_factor(before[:0], before[:0], 2.0**-20) is None
 
 
+def test_the_rows_copier_copies_each_samples_rows_in_one_call() -> None:
+    # three samples of different widths and strides into the columns of one staging buffer, as
+    # three calls of the row copier would put them
+    import ctypes
+
+    rng = np.random.default_rng(2)
+    srcs = [rng.standard_normal((40, u)).astype(np.float32) for u in (3, 17, 64)]
+    buf, want = np.zeros((8, 3 + 17 + 64), np.float32), np.zeros((8, 3 + 17 + 64), np.float32)
+    rows, col = [], 0
+    for src, step in zip(srcs, (5, 3, 1), strict=True):
+        u = src.shape[1]
+        want[:, col:col + u] = src[::step][:8]
+        rows.append((step * u, buf.ctypes.data + 4 * col, buf.shape[1], 8, u))
+        col += u
+    addrs = (ctypes.c_int64 * 3)(*(s.ctypes.data for s in srcs))
+    table = np.array(rows, np.int64)
+    kernels.rows_copier()(ctypes.addressof(addrs), table.ctypes.data, 3)
+    assert np.array_equal(buf, want)
+
+
 def test_the_row_copier_copies_strided_rows_into_a_buffers_columns() -> None:
     rng = np.random.default_rng(3)
     srcs = [rng.standard_normal((n, u)).astype(np.float32) for n, u in ((768, 128), (40, 3), (1, 4099))]

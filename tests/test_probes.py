@@ -806,6 +806,45 @@ def test_an_output_first_written_in_place_at_a_later_step_loses_that_steps_sampl
     assert [got[(s, "lin")] for s in kept] == pytest.approx([seen[s] for s in kept], rel=1e-6)
 
 
+def test_a_forward_pass_like_the_last_copies_its_samples_in_one_call(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # from the third step (a staging plan, then a pass that noted the same outputs) the outputs
+    # the hooks noted are copied by one compiled call; a pass of another batch size (step 7)
+    # takes the copies one by one and the next pass like it the one call again. The trace is
+    # that of the copies one by one, value for value
+    assert kernels.available()
+    calls = []
+    real = kernels.rows_copier
+
+    def counted() -> object:
+        calls.append(1)
+        return real()
+
+    def run(trace: Path, one_call: bool) -> list[tuple]:
+        torch.manual_seed(0)
+        model = zoo.mlp(depth=4)
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        data = zoo.batches(*zoo.teacher_classification(512), 16)
+        with watch(model, opt, trace) as rec:
+            if not one_call:
+                monkeypatch.setattr(rec.fwd, "_copies_of", lambda noted: None)
+            for s in range(1, 15):
+                _, x, y = next(data)
+                F.cross_entropy(model(x[:5] if s == 7 else x), y[:5] if s == 7 else y).backward()
+                opt.step()
+                opt.zero_grad()
+        glob = schema.segment_glob(trace, "health")
+        return duckdb.sql(f"select step, component, out_mean, out_rms, out_absmax, out_zero_frac, out_dead_frac "
+                          f"from read_parquet('{glob}') order by step, component").fetchall()
+
+    monkeypatch.setattr(kernels, "rows_copier", counted)
+    want = run(tmp_path / "one by one", False)
+    assert calls == []
+    got = run(tmp_path / "one call", True)
+    assert len(calls) >= 8 and got == want
+    assert len(got) == 14 * 9 and all(r[3] is not None for r in got)  # every component sampled, step 7 too
+
+
 def test_a_shared_modules_first_output_written_in_place_is_not_stood_in_for(tmp_path: Path) -> None:
     # a component's sample is its first call's output: when that is lost (written in place after
     # the hook), the step's values are null, not the second call's

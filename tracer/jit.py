@@ -643,6 +643,36 @@ exit:
 
 declare void @llvm.memcpy.p0.p0.i64(ptr, ptr, i64, i1)
 
+; copy_rows1 for each i < n: from source address srcs[i], with the other five arguments in
+; table[5 * i ...] (its row stride, destination address, its row stride, rows, values a row):
+; a forward pass's samples in one call
+define void @copy_rows_many(ptr noalias nocapture readonly %srcs, ptr noalias nocapture readonly %table, i64 %n) nounwind {
+entry:
+  %any = icmp sgt i64 %n, 0
+  br i1 %any, label %each, label %exit
+each:
+  %i = phi i64 [0, %entry], [%i1, %each]
+  %sp = getelementptr i64, ptr %srcs, i64 %i
+  %sa = load i64, ptr %sp
+  %base = mul i64 %i, 5
+  %p0 = getelementptr i64, ptr %table, i64 %base
+  %ss = load i64, ptr %p0
+  %p1 = getelementptr i64, ptr %p0, i64 1
+  %da = load i64, ptr %p1
+  %p2 = getelementptr i64, ptr %p0, i64 2
+  %ds = load i64, ptr %p2
+  %p3 = getelementptr i64, ptr %p0, i64 3
+  %r = load i64, ptr %p3
+  %p4 = getelementptr i64, ptr %p0, i64 4
+  %u = load i64, ptr %p4
+  call void @copy_rows1(i64 %sa, i64 %ss, i64 %da, i64 %ds, i64 %r, i64 %u)
+  %i1 = add nuw nsw i64 %i, 1
+  %more = icmp slt i64 %i1, %n
+  br i1 %more, label %each, label %exit
+exit:
+  ret void
+}
+
 ; the factor c > 0 with after[i] = c * before[i] for each i < n, read off the largest |before[i]|
 ; and checked in float64 on every value: |after[i] - c * before[i]| <= tol * |after[i]|, after[i]
 ; finite (a NaN fails every comparison); 0 where there is none (nothing but zeros, a zero where
@@ -789,5 +819,6 @@ SIGNATURES: dict[str, tuple[Any, tuple[Any, ...]]] = {
     "forward_sums": (None, (_PTR, _I64, _I64, _I64, _PTR, _PTR, _PTR, _I32, ctypes.c_double, _PTR, _I64, _PTR)),
     "copy_rows1": (None, (_I64, _I64, _I64, _I64, _I64, _I64)),
     "one_factor": (ctypes.c_double, (_PTR, _PTR, _I64, ctypes.c_double)),
+    "copy_rows_many": (None, (_PTR, _PTR, _I64)),
     "sketch_sums": (None, (_PTR, _PTR, _I64, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _PTR)),
 }

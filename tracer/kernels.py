@@ -70,6 +70,11 @@ def _checked(funcs: dict[str, Any]) -> None:
     funcs["copy_rows1"](src.ctypes.data + 4, 5, dest.ctypes.data, 4, 2, 3)
     if list(dest) != [1, 2, 3, 0, 6, 7, 8]:
         raise RuntimeError("the compiled row copy gave a wrong value")
+    srcs = (ctypes.c_int64 * 2)(src.ctypes.data, src.ctypes.data + 40)
+    table = np.array([[5, dest.ctypes.data, 4, 2, 1], [1, dest.ctypes.data + 4, 4, 1, 2]], _I64)
+    funcs["copy_rows_many"](ctypes.addressof(srcs), table.ctypes.data, 2)
+    if list(dest) != [0, 10, 11, 0, 5, 7, 8]:
+        raise RuntimeError("the compiled row copies gave a wrong value")
     gen = np.random.default_rng(0)
     rows = gen.standard_normal((3, 7)).astype(_F32)
     cu, cs = gen.standard_normal(3).astype(_F32), gen.standard_normal(3).astype(_F32)
@@ -428,6 +433,13 @@ def parts_on_threads() -> bool:
     """Whether a pass cut into parts now runs on more than one thread: torch's OpenMP team was
     found, and torch is set to more than one thread on this thread."""
     return _state.get("openmp") is not None and _state["threads"]() > 1
+
+
+def rows_copier() -> Any:
+    """`row_copier` for many samples in one call, with three arguments: the address of a
+    ctypes int64 array of n source addresses, the address of an (n, 5) int64 numpy array of
+    the other five arguments of each copy, and n. The same guarantees are the caller's."""
+    return _state["copy_rows_many"]
 
 
 def row_copier() -> Any:

@@ -11,6 +11,7 @@ reductions over the concatenated subsamples. Small eager ops are what cost time 
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import math
 from collections.abc import Callable
@@ -224,6 +225,36 @@ class _Plan:
         return all(views.get(c) is s for c, s in samples)
 
 
+class _Copies:
+    """The samples of a forward pass whose hooks noted the outputs the last pass's noted, in the
+    same order and shapes, copied by one compiled call (`kernels.rows_copier`) where `drain`
+    would make one call each: the components, their outputs' shapes and row views, and per step
+    index of `plan` the table of those copies (source row stride, destination address and row
+    stride, rows, values a row) with the samples it leaves."""
+
+    def __init__(self, plan: _Plan, comps: list[Component], shapes: list[torch.Size],
+                 views: list[tuple[tuple[int, int], tuple[int, int]]]) -> None:
+        self.plan, self.comps, self.shapes, self.views = plan, comps, shapes, views
+        self.srcs = (ctypes.c_int64 * len(comps))()
+        self.src_at = ctypes.addressof(self.srcs)
+        self._tables: dict[int, tuple[np.ndarray, int, list[tuple[int, torch.Tensor]]] | None] = {}
+
+    def table(self, k: int) -> tuple[np.ndarray, int, list[tuple[int, torch.Tensor]]] | None:
+        """Step index `k`'s copies (the table, its address, the samples); None if a component
+        has no staging place of its sample's shape there."""
+        if k not in self._tables:
+            slots, rows = self.plan.slots[k], []
+            for c, (size, stride) in zip(self.comps, self.views, strict=True):
+                slot = slots.get(c.index)
+                if slot is None or slot[3] != size:
+                    self._tables[k] = None
+                    return None
+                rows.append((stride[0], slot[1], slot[2], *size))
+            table = np.array(rows, dtype=np.int64)
+            self._tables[k] = (table, table.ctypes.data, [(c.index, slots[c.index][0]) for c in self.comps])
+        return self._tables[k]
+
+
 def _unit_stats(m: torch.Tensor, out: torch.Tensor, scratch: torch.Tensor) -> torch.Tensor:
     """Per unit (column of m), into the rows of `out` (_UNIT_STATS, m's columns): finite count,
     sum, sum of squares, zeros, absmax (the last two rows, saturated and dead, are the caller's);
@@ -349,6 +380,7 @@ class ForwardProbe:
         # (component, output, its version) the hooks of `_copy_later` components only noted during
         # a forward pass on CPU (`Recorder._make_hook`): observed together at its end (`drain`)
         self.noted: list[tuple[Component, torch.Tensor, int]] = []
+        self._copies: _Copies | None = None  # the last pass's noted outputs, as one compiled call
         self._last_key: Key | None = None
         # CPU: the per-unit statistics in one compiled pass (tracer/kernels.py), the eager ops
         # until the kernels are loaded (`kernels.ready`; checked at each step's end)
@@ -420,6 +452,9 @@ class ForwardProbe:
         hook saw: it is counted for non-finite values, it is no sample of this pass (a later call
         of a shared module does not stand in for it; a later forward pass of the step may give
         the step's sample), and its component is observed in its hook from then on."""
+        if self._copies is not None and self._copy_noted():
+            return
+        seen = list(self.noted) if self._compiled else None
         sampled, held = self.sampled, self.held
         lost: list[int] = []
         try:
@@ -440,6 +475,50 @@ class ForwardProbe:
             for idx in lost:
                 sampled[idx] = False
             self.noted.clear()  # the list the hooks hold
+        self._copies = self._copies_of(seen) if seen and not lost else None
+
+    def _copies_of(self, noted: list[tuple[Component, torch.Tensor, int]]) -> _Copies | None:
+        """The noted outputs `drain` just observed as one compiled call for the next pass, if
+        each was a component's first call, copied by the compiled row copy into its staging place."""
+        plan, comps, shapes, views, seen = self._plan, [], [], [], set()
+        if plan is None:
+            return None
+        for comp, t, _ in noted:
+            known = self._views.get(comp.index)
+            if (known is None or known[1] is None or known[0] != t.shape or comp.index in seen
+                    or t.dtype is not torch.float32 or not t.is_cpu or not t.is_contiguous()):
+                return None
+            seen.add(comp.index)
+            comps.append(comp)
+            shapes.append(t.shape)
+            views.append(known[1])
+        return _Copies(plan, comps, shapes, views)
+
+    def _copy_noted(self) -> bool:
+        """`drain` for a pass whose hooks noted what the last pass's noted (`_copies`): each
+        output unchanged since its hook, of the same shape and layout, its component's first
+        call of the step, copied into its staging place by one compiled call. False, with
+        nothing done, for any other pass."""
+        copies, noted, plan, k = self._copies, self.noted, self._plan, len(self.pending)
+        if copies is None or copies.plan is not plan or len(noted) != len(copies.comps) or k >= plan.steps:
+            return False
+        sampled, srcs, comps, shapes = self.sampled, copies.srcs, copies.comps, copies.shapes
+        f32 = torch.float32
+        for i, (comp, t, version) in enumerate(noted):
+            if (comp is not comps[i] or t._version != version or sampled[comp.index] or t.shape != shapes[i]
+                    or t.dtype is not f32 or not t.is_cpu or not t.is_contiguous()):
+                return False
+            srcs[i] = t.data_ptr()
+        table = copies.table(k)
+        if table is None:
+            return False
+        kernels.rows_copier()(copies.src_at, table[1], len(noted))
+        self.held.extend((comp.index, t) for comp, t, _ in noted)
+        self.samples.extend(table[2])
+        for comp in comps:
+            sampled[comp.index] = True
+        noted.clear()
+        return True
 
     @without_grad
     def copy_deferred(self) -> None:

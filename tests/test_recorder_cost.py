@@ -235,11 +235,12 @@ def test_pre_clip_gradient_norm_is_recorded_beside_the_clipped_one(tmp_path: Pat
         assert total == pytest.approx(0.01, rel=1e-4) and pre > 10 * total
 
 
-def _rescaling_loop(trace: Path, monkeypatch: pytest.MonkeyPatch, steps: int,
-                    modify: Any) -> tuple[list[int], list[float], list[float | None]]:
-    """Watched SGD steps of the zoo's MLP, each calling `modify(step, model)` between the backward
-    pass and the optimizer step: the pre-clip norm passes each step took, the exact pre-clip
-    total norms (float64, read before `modify`) and the recorded ones."""
+def _rescaling_loop(trace: Path, monkeypatch: pytest.MonkeyPatch, steps: int, modify: Any,
+                    micro: int = 1) -> tuple[list[int], list[float], list[float | None]]:
+    """Watched SGD steps of the zoo's MLP over `micro` micro-batches each, calling
+    `modify(step, model)` between the last backward pass and the optimizer step: the pre-clip
+    norm passes each step took, the exact pre-clip total norms (float64, read before `modify`)
+    and the recorded ones."""
     import duckdb
     from warninglight.tracer import schema
 
@@ -260,8 +261,9 @@ def _rescaling_loop(trace: Path, monkeypatch: pytest.MonkeyPatch, steps: int,
     with watch(model, opt, trace, full_precision=True):
         for step in range(1, steps + 1):
             taken.append(0)
-            _, x, y = next(data)
-            F.cross_entropy(model(x), y).backward()
+            for _ in range(micro):
+                _, x, y = next(data)
+                (F.cross_entropy(model(x), y) / micro).backward()
             want.append(math.sqrt(sum(float(p.grad.double().square().sum()) for p in model.parameters())))
             modify(step, model)
             opt.step()
@@ -271,18 +273,19 @@ def _rescaling_loop(trace: Path, monkeypatch: pytest.MonkeyPatch, steps: int,
     return taken, want, got
 
 
+@pytest.mark.parametrize("micro", [1, 3])
 def test_a_loop_that_only_rescales_its_gradients_takes_its_pre_clip_norms_from_the_step(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, micro: int) -> None:
     # clipping by the total norm (active at every step here) only rescales the gradients: once
     # the exact passes of BACKWARD_COUNT_STEPS steps showed one factor, the backward end takes
     # the gradients' sketch alone, and the pre-clip norm is the optimizer step's over the factor
     # the sketch shows, float32 roundings from the exact one; the exact pass still runs every
-    # EXACT_PRECLIP_EVERY-th step
+    # EXACT_PRECLIP_EVERY-th step. Over micro-batches, at the step's last backward pass
     def clip(step: int, model: torch.nn.Module) -> None:
         torch.nn.utils.clip_grad_norm_(model.parameters(), 0.01)
 
     steps, learn = 40, params.BACKWARD_COUNT_STEPS
-    taken, want, got = _rescaling_loop(tmp_path, monkeypatch, steps, clip)
+    taken, want, got = _rescaling_loop(tmp_path, monkeypatch, steps, clip, micro)
     exact = [s for s in range(learn + 2, steps + 1) if (s - 1) % params.EXACT_PRECLIP_EVERY == 0]
     assert taken[:learn + 1] == [0] + [1] * learn  # the first step shows that the loop changes them
     assert [s for s in range(learn + 2, steps + 1) if taken[s - 1]] == exact and len(exact) >= 3

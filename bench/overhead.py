@@ -371,6 +371,7 @@ def leave_out(parts: set[str], patch: Callable[[object, str, object], None] = se
         patch(params.ParamProbe, "_norms_into", some_norms)
     if "forward" in parts:
         patch(probes.ForwardProbe, "observe", lambda *_: None)
+        patch(probes.ForwardProbe, "_copy_noted", lambda *_: False)
         patch(probes.ForwardProbe, "compute", _no_statistics)
     if "reduce" in parts:
         patch(params.ParamProbe, "reduce", _no_reduction)

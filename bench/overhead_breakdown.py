@@ -45,12 +45,13 @@ from warninglight.tracer import kernels, loopfacts, params, probes, recorder, re
 # the component hooks `Recorder._make_hook` makes, timed as one line
 _HOOKS = "component hooks"
 # (class, method, indent): what a step's recorder work is made of; indented = part of the line
-# above (`observe`: all its calls, at the forward's end for the outputs the hooks only noted, and
-# in the hooks of the others)
+# above (`_copy_noted`: the noted outputs of a pass like the last, in one call; `observe`: all
+# its calls, at the forward's end for the other noted outputs, and in the hooks of the others)
 PARTS = ((recorder.Recorder, "_root_pre_hook", 0), (params.ParamProbe, "begin", 1),
          (loopfacts.LoopProbe, "forward", 1),
          (recorder.Recorder, _HOOKS, 0), (recorder.Recorder, "_root_hook", 0), (probes.ForwardProbe, "copy_deferred", 1),
-         (probes.ForwardProbe, "drain", 2), (probes.ForwardProbe, "observe", 3),
+         (probes.ForwardProbe, "drain", 2), (probes.ForwardProbe, "_copy_noted", 3),
+         (probes.ForwardProbe, "observe", 3),
          (probes.ForwardProbe, "end_forward", 1),
          (recorder.Recorder, "_on_output_grad", 0),
          (loopfacts.LoopProbe, "backward_begins", 1), (recorder.Recorder, "_after_backward", 0),

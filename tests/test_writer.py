@@ -526,8 +526,9 @@ def test_a_close_from_another_thread_waits_for_the_training_threads_step_end(tmp
 def test_a_close_from_another_thread_waits_for_the_training_threads_hooks(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                                           where: str) -> None:
     # the training thread is held inside a hook of step 8's forward (the first-forward weight
-    # reading, a component's observation) while a watchdog's close() goes as far as it can: it
-    # waits for the hook, so its reduction never reads a row the hook is writing
+    # reading, the observation of the outputs the components' hooks noted) while a watchdog's
+    # close() goes as far as it can: it waits for the hook, so its reduction never reads a row
+    # the hook is writing
     from warninglight.tracer import params, probes, recorder
 
     def values(trace: Path) -> dict[tuple[int, str], tuple]:
@@ -545,7 +546,7 @@ def test_a_close_from_another_thread_waits_for_the_training_threads_hooks(tmp_pa
         made.append(self)
     monkeypatch.setattr(recorder.Recorder, "__init__", keep)
     owner, name, reducer = ((params.ParamProbe, "begin", params.ParamProbe) if where == "params"
-                            else (probes.ForwardProbe, "observe", probes.ForwardProbe))
+                            else (probes.ForwardProbe, "drain", probes.ForwardProbe))
     hooked, reduce = getattr(owner, name), reducer._reduce
 
     def reduce_in_watchdog(self, *args):  # type: ignore[no-untyped-def]

@@ -236,8 +236,8 @@ def test_pre_clip_gradient_norm_is_recorded_beside_the_clipped_one(tmp_path: Pat
 
 
 def _rescaling_loop(trace: Path, monkeypatch: pytest.MonkeyPatch, steps: int, modify: Any,
-                    micro: int = 1) -> tuple[list[int], list[float], list[float | None]]:
-    """Watched SGD steps of the zoo's MLP over `micro` micro-batches each, calling
+                    micro: int | list[int] = 1) -> tuple[list[int], list[float], list[float | None]]:
+    """Watched SGD steps of the zoo's MLP over `micro` micro-batches each (a list: step by step), calling
     `modify(step, model)` between the last backward pass and the optimizer step: the pre-clip
     norm passes each step took, the exact pre-clip total norms (float64, read before `modify`)
     and the recorded ones."""
@@ -261,9 +261,10 @@ def _rescaling_loop(trace: Path, monkeypatch: pytest.MonkeyPatch, steps: int, mo
     with watch(model, opt, trace, full_precision=True):
         for step in range(1, steps + 1):
             taken.append(0)
-            for _ in range(micro):
+            m = micro if isinstance(micro, int) else micro[step - 1]
+            for _ in range(m):
                 _, x, y = next(data)
-                (F.cross_entropy(model(x), y) / micro).backward()
+                (F.cross_entropy(model(x), y) / m).backward()
             want.append(math.sqrt(sum(float(p.grad.double().square().sum()) for p in model.parameters())))
             modify(step, model)
             opt.step()
@@ -327,35 +328,10 @@ def test_accumulated_gradients_take_the_pre_clip_pass_once_a_step(tmp_path: Path
     # a loop that accumulates over m micro-batches and clips: the pre-clip norms are those the
     # last backward pass left, taken once a step, not after every micro-batch; a step with fewer
     # micro-batches than the steps before it has none (null), one with more still has them
-    import duckdb
-    from warninglight.tracer import schema
+    def clip(step: int, model: torch.nn.Module) -> None:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.01)
 
-    taken: list[int] = []
-    norms_into = params.ParamProbe._norms_into
-
-    def counted(self: params.ParamProbe, field: str, *args: object, **kwargs: object) -> object:
-        if field == "pre_norms":
-            taken[-1] += 1
-        return norms_into(self, field, *args, **kwargs)
-    monkeypatch.setattr(params.ParamProbe, "_norms_into", counted)
-    torch.manual_seed(0)
-    model = zoo.mlp()
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    data = zoo.batches(*zoo.teacher_classification(512), 16)
-    micro = [3, 3, 3, 3, 2, 4, 3]
-    want = []
-    with watch(model, opt, tmp_path, full_precision=True):
-        for m in micro:
-            taken.append(0)
-            for _ in range(m):
-                _, x, y = next(data)
-                (F.cross_entropy(model(x), y) / m).backward()
-            want.append(math.sqrt(sum(float(p.grad.double().square().sum()) for p in model.parameters())))
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.01)
-            opt.step()
-            opt.zero_grad()
-    glob = schema.segment_glob(tmp_path, "steps")
-    got = [r[0] for r in duckdb.sql(f"select grad_norm_preclip_l2 from read_parquet('{glob}') order by step").fetchall()]
+    taken, want, got = _rescaling_loop(tmp_path, monkeypatch, 7, clip, [3, 3, 3, 3, 2, 4, 3])
     # step 1 learns that the loop clips; step 5 ends before the backward pass that would take
     # them (its 2nd, where the steps before made 3); from then on the 2nd and later take them
     assert taken == [0, 1, 1, 1, 0, 3, 2]

@@ -79,6 +79,9 @@ def test_one_factor_is_found_where_every_value_was_rescaled_and_nowhere_else() -
     for c in (1.0, 0.25, 1 / 3, 7.5e-5, 40.0):
         got = kernels.one_factor(before, before * np.float32(c), 2.0**-20)
         assert got == pytest.approx(c, rel=2e-7)
+    # a huge gradient clipped: its smallest values' products fall below float32's normal range
+    tiny = np.array([3.0, 1e-33, 2e-40, -7e-36], np.float32)
+    assert kernels.one_factor(tiny, tiny * np.float32(1e-6), 2.0**-20) == pytest.approx(1e-6, rel=2e-7)
     changes = {"zeroed": (5, 0.0), "clamped": (int(np.argmax(before)), 1e-3), "NaN": (9, np.nan),
                "sign": (11, -before[11] * 0.5), "from zero": (7, 1e-30), "infinite": (12, np.inf)}
     for name, (i, value) in changes.items():

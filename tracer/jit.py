@@ -674,9 +674,10 @@ exit:
 }
 
 ; the factor c > 0 with after[i] = c * before[i] for each i < n, read off the largest |before[i]|
-; and checked in float64 on every value: |after[i] - c * before[i]| <= tol * |after[i]|, after[i]
-; finite (a NaN fails every comparison); 0 where there is none (nothing but zeros, a zero where
-; the other is not, any other change)
+; and checked in float64 on every value: |after[i] - c * before[i]| <= tol * |after[i]| + the
+; smallest normal float32 (a product that underflowed), after[i] finite (a NaN fails every
+; comparison); 0 where there is none (nothing but zeros, a zero where the other is not, any
+; other change)
 define double @one_factor(ptr noalias nocapture readonly %before, ptr noalias nocapture readonly %after, i64 %n, double %tol) nounwind {
 entry:
   %any = icmp sgt i64 %n, 0
@@ -721,7 +722,8 @@ check:
   %diff = fsub double %ajd, %pred
   %off = call double @llvm.fabs.f64(double %diff)
   %mag = call double @llvm.fabs.f64(double %ajd)
-  %lim = fmul double %mag, %tol
+  %rel = fmul double %mag, %tol
+  %lim = fadd double %rel, 0x3810000000000000
   %close = fcmp ole double %off, %lim
   %finite = fcmp olt double %mag, 0x7FF0000000000000
   %good = and i1 %close, %finite

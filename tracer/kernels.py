@@ -292,9 +292,9 @@ def scaled_norms(buf: np.ndarray, offsets: np.ndarray, lens: np.ndarray, scale: 
 
 def one_factor(before: np.ndarray, after: np.ndarray, tol: float) -> float | None:
     """The factor c > 0 with after = c * before value by value (float32 arrays of one length),
-    each within `tol` times the value after, every value after finite; read off the largest
-    value before. None if there is none: nothing but zeros, a zero where the other is not, any
-    other change."""
+    each within `tol` times the value after (or below float32's smallest normal value: a product
+    that underflowed), every value after finite; read off the largest value before. None if
+    there is none: nothing but zeros, a zero where the other is not, any other change."""
     if len(before) != len(after):
         raise TypeError("one_factor: arrays of different lengths")
     c = _state["one_factor"](_at(before, _F32), _at(after, _F32), len(before), float(tol))

@@ -236,8 +236,10 @@ def test_pre_clip_gradient_norm_is_recorded_beside_the_clipped_one(tmp_path: Pat
 
 
 def _rescaling_loop(trace: Path, monkeypatch: pytest.MonkeyPatch, steps: int, modify: Any,
-                    micro: int | list[int] = 1) -> tuple[list[int], list[float], list[float | None]]:
-    """Watched SGD steps of the zoo's MLP over `micro` micro-batches each (a list: step by step), calling
+                    micro: int | list[int] = 1, frozen: bool = False
+                    ) -> tuple[list[int], list[float], list[float | None]]:
+    """Watched SGD steps of the zoo's MLP (`frozen`: its first layer's weight), over `micro`
+    micro-batches each (a list: step by step), calling
     `modify(step, model)` between the last backward pass and the optimizer step: the pre-clip
     norm passes each step took, the exact pre-clip total norms (float64, read before `modify`)
     and the recorded ones."""
@@ -255,6 +257,7 @@ def _rescaling_loop(trace: Path, monkeypatch: pytest.MonkeyPatch, steps: int, mo
     monkeypatch.setattr(params.ParamProbe, "_norms_into", counted)
     torch.manual_seed(0)
     model = zoo.mlp()
+    model[0].weight.requires_grad_(not frozen)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     data = zoo.batches(*zoo.teacher_classification(512), 16)
     want = []
@@ -265,7 +268,8 @@ def _rescaling_loop(trace: Path, monkeypatch: pytest.MonkeyPatch, steps: int, mo
             for _ in range(m):
                 _, x, y = next(data)
                 (F.cross_entropy(model(x), y) / m).backward()
-            want.append(math.sqrt(sum(float(p.grad.double().square().sum()) for p in model.parameters())))
+            want.append(math.sqrt(sum(float(p.grad.double().square().sum()) for p in model.parameters()
+                                      if p.grad is not None)))
             modify(step, model)
             opt.step()
             opt.zero_grad()
@@ -274,19 +278,20 @@ def _rescaling_loop(trace: Path, monkeypatch: pytest.MonkeyPatch, steps: int, mo
     return taken, want, got
 
 
-@pytest.mark.parametrize("micro", [1, 3])
+@pytest.mark.parametrize(("micro", "frozen"), [(1, False), (3, False), (1, True)])
 def test_a_loop_that_only_rescales_its_gradients_takes_its_pre_clip_norms_from_the_step(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, micro: int) -> None:
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, micro: int, frozen: bool) -> None:
     # clipping by the total norm (active at every step here) only rescales the gradients: once
     # the exact passes of BACKWARD_COUNT_STEPS steps showed one factor, the backward end takes
     # the gradients' sketch alone, and the pre-clip norm is the optimizer step's over the factor
     # the sketch shows, float32 roundings from the exact one; the exact pass still runs every
-    # EXACT_PRECLIP_EVERY-th step. Over micro-batches, at the step's last backward pass
+    # EXACT_PRECLIP_EVERY-th step. Over micro-batches, at the step's last backward pass; with a
+    # frozen weight (no gradient), over the others
     def clip(step: int, model: torch.nn.Module) -> None:
         torch.nn.utils.clip_grad_norm_(model.parameters(), 0.01)
 
     steps, learn = 40, params.BACKWARD_COUNT_STEPS
-    taken, want, got = _rescaling_loop(tmp_path, monkeypatch, steps, clip, micro)
+    taken, want, got = _rescaling_loop(tmp_path, monkeypatch, steps, clip, micro, frozen)
     exact = [s for s in range(learn + 2, steps + 1) if (s - 1) % params.EXACT_PRECLIP_EVERY == 0]
     assert taken[:learn + 1] == [0] + [1] * learn  # the first step shows that the loop changes them
     assert [s for s in range(learn + 2, steps + 1) if taken[s - 1]] == exact and len(exact) >= 3

@@ -46,6 +46,7 @@ _ONE_FACTOR = 2.0**-20
 # coordinates per parameter of the gradients' sketch that shows the factor (a share of the
 # weights' sketch: each is a cache line the backward end reads)
 FACTOR_SKETCH = 16
+_MAX_FACTOR_SKETCHES = 8  # patterns of which parameters have a gradient kept at once
 # where a step's pre-clip total gradient norm comes from (`_BY_FACTOR`: the total over its factor)
 _NO_PRECLIP, _SAME_AS_TOTAL, _AT_BACKWARD, _BY_FACTOR = 0, 1, 2, 3
 # what the end of a backward pass took of the gradients for the pre-clip norms
@@ -81,6 +82,17 @@ class _Row(NamedTuple):
     grad_norms: torch.Tensor
     end_norms: torch.Tensor
     pre_norms: torch.Tensor
+
+
+class _FactorSketch(NamedTuple):
+    """The gradients' sketch that shows the loop's factor, for one pattern of which parameters
+    have a gradient: the gather's (offsets, strides, counts), the gradients' lengths it was made
+    for, and views of the sketch at the backward end and at the optimizer step."""
+
+    at: tuple[np.ndarray, np.ndarray, np.ndarray]
+    lens: list[int]
+    before: np.ndarray
+    after: np.ndarray
 
 
 @dataclass
@@ -238,6 +250,10 @@ class ParamProbe:
         self._bw_sketch = np.zeros(int(few.sum()), dtype=np.float32)
         self._step_sketch = np.zeros(int(few.sum()), dtype=np.float32)
         self._numel_list = numels
+        # per pattern of gradient lengths (0: no gradient), the sketch's coordinates without the
+        # parameters that have none, and the two sketches' views of its length (`_factor_sketch`)
+        self._factor_sketches: dict[tuple[int, ...], _FactorSketch | None] = {}
+        self._bw_factor: _FactorSketch | None = None  # the one the backward end took
         self._backwards = 0  # backward passes ended in this step so far
         # backward passes of each of the last few steps (the step's last one takes the norms)
         self._backward_counts: collections.deque[int] = collections.deque(maxlen=BACKWARD_COUNT_STEPS)
@@ -579,24 +595,43 @@ class ParamProbe:
         raw = [p.grad for p in self.params]
         if (self.modified_after_backward and self.params
                 and self._backwards >= min(self._backward_counts, default=0)):
-            if (self._by_factor and self._ends % EXACT_PRECLIP_EVERY
-                    and self._sketch_grads(raw, self._bw_sketch)):
+            if self._by_factor and self._ends % EXACT_PRECLIP_EVERY and self._sketch_grads(raw):
                 taken = _TOOK_SKETCH
             else:
                 self._norms_into("pre_norms", self._grads(raw), "grads")
                 taken = _TOOK_NORMS
         self._at_backward = (versions_of(raw), taken)
 
-    def _sketch_grads(self, raw: list[torch.Tensor | None], out: np.ndarray) -> bool:
-        """The gradients' sketch (`_factor_at`) into `out` by the compiled gather;
-        False where it cannot be taken: a parameter without a gradient, or one that is not a
-        plain contiguous float32 CPU tensor of its parameter's size."""
-        if not self._compiled_grads or not all(g is not None for g in raw):
+    def _sketch_grads(self, raw: list[torch.Tensor | None]) -> bool:
+        """The gradients' sketch (`_factor_at`, less the parameters without a gradient) into
+        `_bw_sketch` by the compiled gather; False where it cannot be taken: a gradient that is
+        not a plain contiguous float32 CPU tensor of its parameter's size."""
+        if not self._compiled_grads or not self._grad_addresses(self._grads(raw)):
             return False
-        if not self._grad_addresses(self._grads(raw)) or self._grad_lists[1] != self._numel_list:
+        self._bw_factor = self._factor_sketch(self._checked_grads[2])
+        if self._bw_factor is None:
             return False
-        kernels.gather_sketch(self._grad_addrs, *self._factor_at, out)
+        kernels.gather_sketch(self._grad_addrs, *self._bw_factor.at, self._bw_factor.before)
         return True
+
+    def _factor_sketch(self, lens: list[int]) -> _FactorSketch | None:
+        """The factor's sketch for gradients of lengths `lens` (0: none), made once per pattern;
+        None if a gradient is not of its parameter's size (a sparse one's values)."""
+        if lens == self._numel_list:
+            key: tuple[int, ...] = ()
+        else:
+            key = tuple(lens)
+        if key not in self._factor_sketches:
+            if len(self._factor_sketches) >= _MAX_FACTOR_SKETCHES:
+                self._factor_sketches.clear()
+            self._factor_sketches[key] = None
+            if all(n in (0, m) for n, m in zip(lens, self._numel_list, strict=True)):
+                offsets, strides, ks = self._factor_at
+                ks = np.where(np.array(lens) > 0, ks, 0)
+                k = int(ks.sum())
+                self._factor_sketches[key] = _FactorSketch((offsets, strides, ks), list(lens),
+                                                           self._bw_sketch[:k], self._step_sketch[:k])
+        return self._factor_sketches[key]
 
     def _learn_rescale(self, finite: bool | None) -> None:
         """A step whose gradients changed after the backward pass, with exact norms before and
@@ -625,10 +660,10 @@ class ParamProbe:
         total by it). None (the step has no pre-clip norm; the exact passes resume) where the
         gradients are not all finite or the sketch shows no single factor."""
         # the pass just taken checked these gradients and left their addresses
-        checked = self._checked_grads
-        if finite is True and checked is not None and checked[2] == self._numel_list:
-            kernels.gather_sketch(self._grad_addrs, *self._factor_at, self._step_sketch)
-            factor = kernels.one_factor(self._bw_sketch, self._step_sketch, _ONE_FACTOR)
+        checked, sketch = self._checked_grads, self._bw_factor
+        if finite is True and checked is not None and sketch is not None and checked[2] == sketch.lens:
+            kernels.gather_sketch(self._grad_addrs, *sketch.at, sketch.after)
+            factor = kernels.one_factor(sketch.before, sketch.after, _ONE_FACTOR)
             if factor is not None:
                 return factor
         self._forget_rescale()

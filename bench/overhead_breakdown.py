@@ -18,7 +18,8 @@ optimizer step, zero_grad and `rec.log`) of the nanoGPT layout, a plain and a wa
 alternated step by step, and prints each phase's cost with the recorder: where its cost lands,
 what it makes the training's own ops cost included (the timers above see only the time inside
 the recorder's own functions). With `--without PART[,PART...]` the watched copy leaves those
-parts of its work out, as `bench/overhead.py --without` does.
+parts of its work out, as `bench/overhead.py --without` does; with `--against factor|copies` a
+third copy, watched by a recorder with one of its savings turned off, runs beside the two.
 
 `--norms-ab [--blas-from N]` instead times the parameter probe's three entry points in one
 watched run whose steps alternate the CPU norm and sketch passes between the compiled path
@@ -31,6 +32,7 @@ from __future__ import annotations
 import argparse
 import collections
 import functools
+import itertools
 import resource
 import tempfile
 import time
@@ -100,6 +102,9 @@ def main() -> None:
                          "to the allocator state the watched pass leaves)")
     ap.add_argument("--phases", action="store_true",
                     help="time the phases of the nanoGPT layout's step, plain and watched, steps alternated")
+    ap.add_argument("--against", choices=sorted(_AGAINST), default=None,
+                    help="with --phases: a third copy, watched without this saving: " +
+                         "; ".join(f"{k}: {v[0]}" for k, v in _AGAINST.items()))
     ap.add_argument("--without", default="", metavar="PART[,PART...]",
                     help="with --phases: leave these parts out of the watched copy (bench/overhead.py --without)")
     ap.add_argument("--norms-ab", action="store_true",
@@ -117,14 +122,14 @@ def main() -> None:
     kernels.available()
     if args.threads:
         torch.set_num_threads(args.threads)
-    if args.without and not args.phases:
-        ap.error("--without goes with --phases")
+    if (args.without or args.against) and not args.phases:
+        ap.error("--without and --against go with --phases")
     if args.phases:
         without = parts_to_leave_out(ap, args.without)
         if without:
             leave_out(without)
             print(f"the watched copy without: {', '.join(sorted(without))}")
-        phases(args.steps)
+        phases(args.steps, args.against)
         return
     if args.norms_ab:
         if args.blas_from is not None:
@@ -216,27 +221,54 @@ def _phased_step(model: torch.nn.Module, opt: torch.optim.Optimizer, rec: Any,
         laps[name] += b - a
 
 
-def phases(steps: int) -> tuple[torch.nn.Module, torch.nn.Module]:
+# --phases --against PART: a recorder of this process with one of its ways of saving work turned
+# off, on its own instance (so that it runs beside the whole recorder)
+_AGAINST = {
+    "factor": ("the exact pre-clip pass at every step, no factor learnt",
+               lambda rec: setattr(rec.params, "_learn_rescale", lambda finite: None)),
+    "copies": ("the forward samples copied one by one, never in one call",
+               lambda rec: setattr(rec.fwd, "_copies_of", lambda noted: None)),
+}
+
+
+def phases(steps: int, against: str | None = None) -> list[torch.nn.Module]:
     """The nanoGPT layout's step phase by phase, a plain and a watched copy alternated step by step
     (order swapped every step): ms per step of each phase, and what the recorder adds to it.
-    Returns the two models (trained alike: the same weights and batches, side by side)."""
+    `against` (a key of `_AGAINST`): a third copy, watched by a recorder without that saving, the
+    three in turn in every order. Returns the models (trained alike: the same weights and
+    batches, side by side)."""
     sides = []
+    kinds = ["plain", *(["against"] if against else []), "watched"]
     with tempfile.TemporaryDirectory() as tmp:
-        for watched in (False, True):
+        for kind in kinds:
             torch.manual_seed(0)
             model, opt, step = CASES["nanogpt"][1]()
-            rec = watch(model, opt, f"{tmp}/run") if watched else None
+            rec = None if kind == "plain" else watch(model, opt, f"{tmp}/{kind}")
+            if kind == "against":
+                _AGAINST[against][1](rec)  # type: ignore[index]
             sides.append((model, opt, rec, step.get_batch, collections.defaultdict(float)))  # type: ignore[attr-defined]
         for model, opt, rec, get_batch, _ in sides:  # warm-up: allocator, thread pools, the first segment
             for _ in range(15):
                 _phased_step(model, opt, rec, get_batch, collections.defaultdict(float))
+        orders = list(itertools.permutations(sides))
         for i in range(steps):
-            for model, opt, rec, get_batch, laps in (sides if i % 2 else sides[::-1]):
+            for model, opt, rec, get_batch, laps in orders[i % len(orders)]:
                 _phased_step(model, opt, rec, get_batch, laps)
-        sides[1][2].close()
-    plain, watched = sides[0][4], sides[1][4]
+        for side in sides[1:]:
+            side[2].close()
+    laps = [side[4] for side in sides]
+    plain = laps[0]
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {CASES['nanogpt'][0]}: "
           f"{steps} steps each way, alternated step by step")
+    if against:
+        print(f"beside it, a recorder with one saving off (`{against}`): {_AGAINST[against][0]}")
+        print(f"{'phase':<16s} {'plain ms':>9s} {'added ms, saving off':>21s} {'added ms':>9s}")
+        for name in (*_PHASES, "the step"):
+            ms = [sum(lap.values()) if name == "the step" else lap[name] for lap in laps]
+            print(f"{name:<16s} {ms[0] / steps * 1e3:9.3f} {(ms[1] - ms[0]) / steps * 1e3:21.3f} "
+                  f"{(ms[2] - ms[0]) / steps * 1e3:9.3f}")
+        return [side[0] for side in sides]
+    watched = laps[1]
     print(f"{'phase':<16s} {'plain ms':>9s} {'watched ms':>11s} {'added ms':>9s}")
     for name in _PHASES:
         print(f"{name:<16s} {plain[name] / steps * 1e3:9.3f} {watched[name] / steps * 1e3:11.3f} "
@@ -244,7 +276,7 @@ def phases(steps: int) -> tuple[torch.nn.Module, torch.nn.Module]:
     p, w = sum(plain.values()), sum(watched.values())
     print(f"{'the step':<16s} {p / steps * 1e3:9.3f} {w / steps * 1e3:11.3f} {(w - p) / steps * 1e3:9.3f}"
           f"   (ratio {w / p:.3f})")
-    return sides[0][0], sides[1][0]
+    return [side[0] for side in sides]
 
 
 def norms_ab(model: torch.nn.Module, opt: torch.optim.Optimizer, train: Callable[[], torch.Tensor],

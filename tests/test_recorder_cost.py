@@ -434,6 +434,43 @@ def test_the_phase_bench_times_every_phase_of_two_copies_trained_alike(
         assert torch.equal(a, b)
 
 
+def test_the_phase_bench_runs_a_recorder_without_a_saving_beside_the_whole_one(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """`bench/overhead_breakdown.py --phases --against PART`: three copies trained alike, each
+    phase's cost printed for both recorders; the switch turns that saving off on its recorder
+    only (12 clipped steps of the nanoGPT layout: the other learns the factor and copies in one
+    call)."""
+    import sys
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "bench"))
+    monkeypatch.delitem(sys.modules, "overhead_breakdown", raising=False)
+    from nanogpt import nanogpt_case
+    from overhead_breakdown import _AGAINST, _PHASES, phases
+
+    models = phases(3, "copies")
+    lines = capsys.readouterr().out.splitlines()
+    assert "one saving off (`copies`): the forward samples copied one by one" in lines[1]
+    for name in (*_PHASES, "the step"):
+        assert len(next(line for line in lines if line.startswith(name))[len(name):].split()) == 3
+    for ps in zip(*(m.parameters() for m in models), strict=True):
+        assert all(torch.equal(ps[0], p) for p in ps[1:])
+    kernels.available()
+    for part, off in _AGAINST.items():
+        recs = []
+        for i, switched in enumerate((False, True)):
+            torch.manual_seed(0)
+            model, opt, step = nanogpt_case()
+            rec = watch(model, opt, tmp_path / f"{part}{i}")
+            if switched:
+                off[1](rec)
+            for _ in range(12):
+                step()
+            recs.append(rec)
+            rec.close()
+        saved = [r.params._by_factor if part == "factor" else r.fwd._copies is not None for r in recs]
+        assert saved == [True, False], part
+
+
 def test_the_evaluation_bench_alternates_evaluations_and_refuses_a_case_without_one(
         monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     """`bench/overhead.py --evaluations N`: train.py's estimate_loss, a batch of each split, on

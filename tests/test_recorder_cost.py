@@ -95,13 +95,8 @@ def test_on_cpu_the_step_reads_what_is_documented(host_reads: dict[str, int], tm
         monkeypatch.setenv("WARNINGLIGHT_EAGER", "1")
         assert not kernels.available()
     steps, micro = 16, 2
-    taken = [0]
-    norms_into = params.ParamProbe._norms_into
-
-    def counted(self: params.ParamProbe, *args: object, **kwargs: object) -> object:
-        taken[0] += 1
-        return norms_into(self, *args, **kwargs)
-    monkeypatch.setattr(params.ParamProbe, "_norms_into", counted)
+    taken = _counting_passes(monkeypatch)
+    taken.append(0)
     _train_gpt("cpu", steps=steps, micro_batches=micro, trace=tmp_path)
     reductions = _forward_reductions(tmp_path)
     assert 2 <= reductions <= 5  # every 8 steps, and at each flush
@@ -235,6 +230,20 @@ def test_pre_clip_gradient_norm_is_recorded_beside_the_clipped_one(tmp_path: Pat
         assert total == pytest.approx(0.01, rel=1e-4) and pre > 10 * total
 
 
+def _counting_passes(monkeypatch: pytest.MonkeyPatch, field: str | None = None) -> list[int]:
+    """An empty list whose last item, once a 0 is appended, counts the parameter probe's norm
+    passes (into `field` only, if given): append a 0 to start a new count."""
+    counts: list[int] = []
+    norms_into = params.ParamProbe._norms_into
+
+    def counted(self: params.ParamProbe, into: str, *args: object, **kwargs: object) -> object:
+        if counts and (field is None or into == field):
+            counts[-1] += 1
+        return norms_into(self, into, *args, **kwargs)
+    monkeypatch.setattr(params.ParamProbe, "_norms_into", counted)
+    return counts
+
+
 def _rescaling_loop(trace: Path, monkeypatch: pytest.MonkeyPatch, steps: int, modify: Any,
                     micro: int | list[int] = 1, frozen: bool = False
                     ) -> tuple[list[int], list[float], list[float | None]]:
@@ -247,14 +256,7 @@ def _rescaling_loop(trace: Path, monkeypatch: pytest.MonkeyPatch, steps: int, mo
     from warninglight.tracer import schema
 
     kernels.available()  # the compiled passes from the first step: the gradients' sketch needs them
-    taken: list[int] = []
-    norms_into = params.ParamProbe._norms_into
-
-    def counted(self: params.ParamProbe, field: str, *args: object, **kwargs: object) -> object:
-        if field == "pre_norms":
-            taken[-1] += 1
-        return norms_into(self, field, *args, **kwargs)
-    monkeypatch.setattr(params.ParamProbe, "_norms_into", counted)
+    taken = _counting_passes(monkeypatch, "pre_norms")  # one count a step, appended below
     torch.manual_seed(0)
     model = zoo.mlp()
     model[0].weight.requires_grad_(not frozen)

@@ -617,10 +617,7 @@ class ParamProbe:
     def _factor_sketch(self, lens: list[int]) -> _FactorSketch | None:
         """The factor's sketch for gradients of lengths `lens` (0: none), made once per pattern;
         None if a gradient is not of its parameter's size (a sparse one's values)."""
-        if lens == self._numel_list:
-            key: tuple[int, ...] = ()
-        else:
-            key = tuple(lens)
+        key = tuple(lens)
         if key not in self._factor_sketches:
             if len(self._factor_sketches) >= _MAX_FACTOR_SKETCHES:
                 self._factor_sketches.clear()

@@ -452,7 +452,7 @@ class ForwardProbe:
         hook saw: it is counted for non-finite values, it is no sample of this pass (a later call
         of a shared module does not stand in for it; a later forward pass of the step may give
         the step's sample), and its component is observed in its hook from then on."""
-        if self._copies is not None and self._copy_noted():
+        if self._copy_noted():
             return
         seen = list(self.noted) if self._compiled else None
         sampled, held = self.sampled, self.held

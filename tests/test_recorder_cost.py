@@ -245,10 +245,10 @@ def _counting_passes(monkeypatch: pytest.MonkeyPatch, field: str | None = None) 
 
 
 def _rescaling_loop(trace: Path, monkeypatch: pytest.MonkeyPatch, steps: int, modify: Any,
-                    micro: int | list[int] = 1, frozen: bool = False
+                    micro: int | list[int] = 1, frozen: bool = False, scale: Any = None
                     ) -> tuple[list[int], list[float], list[float | None]]:
     """Watched SGD steps of the zoo's MLP (`frozen`: its first layer's weight), over `micro`
-    micro-batches each (a list: step by step), calling
+    micro-batches each (a list: step by step), their loss times `scale(step)` if given, calling
     `modify(step, model)` between the last backward pass and the optimizer step: the pre-clip
     norm passes each step took, the exact pre-clip total norms (float64, read before `modify`)
     and the recorded ones."""
@@ -269,7 +269,7 @@ def _rescaling_loop(trace: Path, monkeypatch: pytest.MonkeyPatch, steps: int, mo
             m = micro if isinstance(micro, int) else micro[step - 1]
             for _ in range(m):
                 _, x, y = next(data)
-                (F.cross_entropy(model(x), y) / m).backward()
+                (F.cross_entropy(model(x), y) * (scale(step) if scale else 1.0) / m).backward()
             want.append(math.sqrt(sum(float(p.grad.double().square().sum()) for p in model.parameters()
                                       if p.grad is not None)))
             modify(step, model)
@@ -301,6 +301,27 @@ def test_a_loop_that_only_rescales_its_gradients_takes_its_pre_clip_norms_from_t
     for s in range(2, steps + 1):
         assert got[s - 1] == pytest.approx(want[s - 1], rel=1e-6), s
     assert all(w > 10 * 0.01 for w in want)  # clipped at every step: the norm before, not after
+
+
+def test_gradients_whose_clipping_total_overflows_keep_their_pre_clip_norm(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # an exploding step once the loop is known to rescale: gradients past float32's square root
+    # of its range make clip_grad_norm_'s float32 total infinite and its factor zero, which no
+    # sketch can divide out. The backward end sees their size in its sketch and takes the exact
+    # pass, so the step the alarm is about records its pre-clip norm; the factor is learnt again
+    def clip(step: int, model: torch.nn.Module) -> None:
+        total = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.01)
+        assert math.isinf(total) == (step == 20)
+
+    steps = 36
+    taken, want, got = _rescaling_loop(tmp_path, monkeypatch, steps, clip,
+                                       scale=lambda step: 1e21 if step == 20 else 1.0)
+    assert 20 % params.EXACT_PRECLIP_EVERY != 1 and taken[18] == 0  # step 19 took the sketch
+    assert taken[19] == 1 and got[19] == pytest.approx(want[19], rel=1e-6) and want[19] > 1e19
+    learnt = 20 + params.BACKWARD_COUNT_STEPS  # the exact passes from step 21 to this one
+    assert taken[20:learnt] == [1] * params.BACKWARD_COUNT_STEPS and taken[learnt] == 0
+    for s in range(2, steps + 1):
+        assert got[s - 1] == pytest.approx(want[s - 1], rel=1e-6), s
 
 
 @pytest.mark.parametrize("change", ["mask from step 20", "clip by value"])

@@ -46,6 +46,10 @@ _ONE_FACTOR = 2.0**-20
 # coordinates per parameter of the gradients' sketch that shows the factor (a share of the
 # weights' sketch: each is a cache line the backward end reads)
 FACTOR_SKETCH = 16
+# a gradient value in the backward end's sketch at or past this (or not finite) takes the exact
+# pass instead: the loop's float32 total norm of such gradients may overflow, and a clip by an
+# infinite total multiplies them by zero, a factor the sketch cannot undo
+_SKETCH_LARGEST = 2.0**40
 _MAX_FACTOR_SKETCHES = 8  # patterns of which parameters have a gradient kept at once
 # where a step's pre-clip total gradient norm comes from (`_BY_FACTOR`: the total over its factor)
 _NO_PRECLIP, _SAME_AS_TOTAL, _AT_BACKWARD, _BY_FACTOR = 0, 1, 2, 3
@@ -604,15 +608,17 @@ class ParamProbe:
 
     def _sketch_grads(self, raw: list[torch.Tensor | None]) -> bool:
         """The gradients' sketch (`_factor_at`, less the parameters without a gradient) into
-        `_bw_sketch` by the compiled gather; False where it cannot be taken: a gradient that is
-        not a plain contiguous float32 CPU tensor of its parameter's size."""
+        `_bw_sketch` by the compiled gather; False where it cannot be taken (a gradient that is
+        not a plain contiguous float32 CPU tensor of its parameter's size) or must not be relied
+        on (a value past `_SKETCH_LARGEST`)."""
         if not self._compiled_grads or not self._grad_addresses(self._grads(raw)):
             return False
         self._bw_factor = self._factor_sketch(self._checked_grads[2])
         if self._bw_factor is None:
             return False
-        kernels.gather_sketch(self._grad_addrs, *self._bw_factor.at, self._bw_factor.before)
-        return True
+        before = self._bw_factor.before
+        kernels.gather_sketch(self._grad_addrs, *self._bw_factor.at, before)
+        return bool(np.abs(before).max(initial=0.0) < _SKETCH_LARGEST)
 
     def _factor_sketch(self, lens: list[int]) -> _FactorSketch | None:
         """The factor's sketch for gradients of lengths `lens` (0: none), made once per pattern;

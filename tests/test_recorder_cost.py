@@ -351,6 +351,90 @@ def test_a_change_other_than_one_factor_keeps_the_exact_pre_clip_pass(
         assert got[s - 1] is None or got[s - 1] == pytest.approx(want[s - 1], rel=1e-6), s
 
 
+@pytest.mark.parametrize("change", ["one value zeroed on some steps", "a NaN cleaned"])
+def test_a_loop_that_writes_its_gradients_twice_keeps_the_exact_pre_clip_pass(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, change: str) -> None:
+    # the clip rescales every gradient with one write; a loop that writes them again (one value
+    # of a layer zeroed at steps 12-14, once the factor was learnt; a NaN the backward pass leaves
+    # at steps 12-13, cleaned by nan_to_num_ at every step) changes values the sketch need not
+    # read. A second write since the backward end keeps the exact pass: no step records a total
+    # over a factor for gradients that were not only rescaled, and the NaN steps record NaN
+    now = [0]
+
+    def with_nan(g: torch.Tensor) -> torch.Tensor:
+        if now[0] not in (12, 13):
+            return g
+        g = g.clone()
+        g[7, 3] = math.nan
+        return g
+
+    def modify(step: int, model: torch.nn.Module) -> None:
+        now[0] = step + 1  # the step of the next backward pass
+        if change == "a NaN cleaned":
+            if step == 1:
+                model[0].weight.register_hook(with_nan)
+            for p in model.parameters():
+                p.grad.nan_to_num_(nan=0.0)
+        elif step in (12, 13, 14):
+            g = model[0].weight.grad.view(-1)
+            g[g.abs().argmax()] = 0.0
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.01)
+
+    steps = 20
+    taken, want, got = _rescaling_loop(tmp_path, monkeypatch, steps, modify)
+    for s in range(2, steps + 1):
+        w, g = want[s - 1], got[s - 1]
+        assert g is None or (math.isnan(w) and math.isnan(g)) or g == pytest.approx(w, rel=1e-6), s
+    if change == "a NaN cleaned":  # two writes at every step: never the sketch
+        assert taken == [0] + [1] * (steps - 1) and all(math.isnan(got[s - 1]) for s in (12, 13))
+    else:  # the sketch at step 12 (null), then the exact passes
+        assert taken[11] == 0 and got[11] is None and taken[12:14] == [1, 1]
+        assert None not in got[12:14]
+
+
+def test_a_large_gradient_the_clip_leaves_out_keeps_the_exact_pre_clip_pass(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # an embedding's gradient left out of the clip: no write, where the others have one. Its
+    # norm is a BLAS dot product (a tensor of BLAS_FROM values or more), which the learning
+    # steps leave out, and its sketch is all zero (rows no batch uses), so only its version
+    # counter tells that it was not rescaled with the rest: every step keeps the exact pass
+    import duckdb
+    from warninglight.tracer import schema
+
+    monkeypatch.setattr(params, "BLAS_FROM", 1024 * 16)
+    kernels.available()
+    torch.manual_seed(0)
+
+    class Model(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb = torch.nn.Embedding(1024, 16)  # BLAS_FROM values
+            self.body = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.body(self.emb(x).mean(1))
+
+    model = Model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    taken = _counting_passes(monkeypatch, "pre_norms")
+    trace, want, steps = tmp_path / "t", [], 24
+    with watch(model, opt, trace, full_precision=True) as rec:
+        for _ in range(steps):
+            taken.append(0)
+            x, y = torch.randint(0, 64, (8, 4)), torch.randint(0, 4, (8,))
+            F.cross_entropy(model(x), y).backward()
+            want.append(math.sqrt(sum(float(p.grad.double().square().sum()) for p in model.parameters())))
+            torch.nn.utils.clip_grad_norm_(model.body.parameters(), 0.01)
+            opt.step()
+            opt.zero_grad()
+        assert rec.params._blas_list  # the embedding's norm is BLAS's
+    glob = schema.segment_glob(trace, "steps")
+    got = [r[0] for r in duckdb.sql(f"select grad_norm_preclip_l2 from read_parquet('{glob}') order by step").fetchall()]
+    assert taken == [0] + [1] * (steps - 1)
+    for s in range(2, steps + 1):
+        assert got[s - 1] == pytest.approx(want[s - 1], rel=1e-6), s
+
+
 def test_accumulated_gradients_take_the_pre_clip_pass_once_a_step(tmp_path: Path,
                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     # a loop that accumulates over m micro-batches and clips: the pre-clip norms are those the

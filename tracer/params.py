@@ -57,6 +57,13 @@ _NO_PRECLIP, _SAME_AS_TOTAL, _AT_BACKWARD, _BY_FACTOR = 0, 1, 2, 3
 _TOOK_NORMS, _TOOK_SKETCH = 1, 2
 
 
+def _written_once(before: list[int], now: list[int]) -> bool:
+    """Between two `versions_of` readings, was every gradient there in both the same tensor,
+    written exactly once (a parameter without one in both aside)?"""
+    return before[0::2] == now[0::2] and all(
+        b == -1 or n - b == 1 for b, n in zip(before[1::2], now[1::2], strict=True))
+
+
 def _sketch_slice(p: torch.Tensor, k: int, gen: np.random.Generator) -> tuple[int, int]:
     """(offset, stride) of a k-coordinate strided sketch of `p`: the stride is coprime with the
     last dimension, so the coordinates visit every column of a matrix, not one."""
@@ -636,13 +643,14 @@ class ParamProbe:
                                                            self._bw_sketch[:k], self._step_sketch[:k])
         return self._factor_sketches[key]
 
-    def _learn_rescale(self, finite: bool | None) -> None:
+    def _learn_rescale(self, finite: bool | None, once: bool) -> None:
         """A step whose gradients changed after the backward pass, with exact norms before and
-        after: does the change look like one factor on every tensor? (The tensors of BLAS dot
-        products aside: float32 sums are too coarse to tell; the sketch checks them later.)"""
+        after: was every gradient written once (`_written_once`), and does the change look like
+        one factor on every tensor? (The tensors of BLAS dot products aside: float32 sums are
+        too coarse to tell; the sketch checks them later.)"""
         row = self._np_views[self._row_index()] if self._rows_np is not None else None
         factor = None
-        if row is not None and finite is True:
+        if row is not None and finite is True and once:
             pre, post = row.pre_norms, row.grad_norms
             if self._blas_list:
                 pre, post = pre[self._by_kernel], post[self._by_kernel]
@@ -657,14 +665,16 @@ class ParamProbe:
     def _forget_rescale(self) -> None:
         self._by_factor, self._rescales, self._rescaled_once = False, 0, False
 
-    def _rescaled(self, finite: bool | None) -> float | None:
+    def _rescaled(self, finite: bool | None, once: bool) -> float | None:
         """The factor by which the loop rescaled the gradients of a step whose backward end took
         only their sketch, as the sketch then and now shows it (`reduce` divides the step's
         total by it). None (the step has no pre-clip norm; the exact passes resume) where the
-        gradients are not all finite or the sketch shows no single factor."""
+        gradients are not all finite, were not each written once (`once`), or the sketch shows
+        no single factor."""
         # the pass just taken checked these gradients and left their addresses
         checked, sketch = self._checked_grads, self._bw_factor
-        if finite is True and checked is not None and sketch is not None and checked[2] == sketch.lens:
+        if (finite is True and once and checked is not None and sketch is not None
+                and checked[2] == sketch.lens):
             kernels.gather_sketch(self._grad_addrs, *sketch.at, sketch.after)
             factor = kernels.one_factor(sketch.before, sketch.after, _ONE_FACTOR)
             if factor is not None:
@@ -699,15 +709,18 @@ class ParamProbe:
         # pass: some writes move none (GradScaler's unscale), so copying those norms could be
         # off by the scale
         finite = self._norms_into("grad_norms", grads, "grads")
-        unchanged = at_bw is not None and at_bw[0] == versions_of(raw)
-        if unchanged:
+        now = versions_of(raw) if at_bw is not None else None
+        if at_bw is not None and at_bw[0] == now:
             self._preclip = _SAME_AS_TOTAL
         elif at_bw is not None:
             self.modified_after_backward = True
+            # one write to every gradient since the backward end (a clip's one multiply), or the
+            # sketch's 16 coordinates a tensor cannot vouch for the rest of it
+            once = _written_once(at_bw[0], now)
             if at_bw[1] == _TOOK_NORMS:
                 self._preclip = _AT_BACKWARD
-                self._learn_rescale(finite)
-            elif at_bw[1] == _TOOK_SKETCH and (factor := self._rescaled(finite)) is not None:
+                self._learn_rescale(finite, once)
+            elif at_bw[1] == _TOOK_SKETCH and (factor := self._rescaled(finite, once)) is not None:
                 self._preclip, self._factor = _BY_FACTOR, factor
         # on CPU reading the verdict is free, so the per-tensor counts run only when needed (the
         # total norm is finite exactly when every per-tensor norm is)

@@ -709,13 +709,13 @@ class ParamProbe:
         # pass: some writes move none (GradScaler's unscale), so copying those norms could be
         # off by the scale
         finite = self._norms_into("grad_norms", grads, "grads")
-        now = versions_of(raw) if at_bw is not None else None
+        now = versions_of(raw) if at_bw is not None else []
         if at_bw is not None and at_bw[0] == now:
             self._preclip = _SAME_AS_TOTAL
         elif at_bw is not None:
             self.modified_after_backward = True
-            # one write to every gradient since the backward end (a clip's one multiply), or the
-            # sketch's 16 coordinates a tensor cannot vouch for the rest of it
+            # the factor needs one write to every gradient since the backward end (a clip's one
+            # multiply): a tensor's 16 sketched coordinates cannot vouch for a second one elsewhere
             once = _written_once(at_bw[0], now)
             if at_bw[1] == _TOOK_NORMS:
                 self._preclip = _AT_BACKWARD

@@ -7,6 +7,7 @@ import math
 import os
 import subprocess
 import sys
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -130,6 +131,37 @@ def test_a_write_through_data_is_seen_by_the_periodic_exact_check(tmp_path: Path
     weight = health(tmp_path, "weight_norm_l2")  # measured on the new tensor from then on
     assert weight[(6, "2")] == pytest.approx(1.5 * weight[(5, "2")], rel=0.05)
     assert weight[(7, "2")] == pytest.approx(float(model[2].weight.detach().norm()), rel=0.05)
+
+
+def test_a_parameter_cut_to_a_prefix_of_itself_is_measured_at_its_new_size(tmp_path: Path) -> None:
+    # `p.data = p.data[:k]` (a class dropped from the head) keeps the tensor's address: the
+    # compiled passes must not go on reading the old length. From the next step every weight
+    # norm is that of the new tensor, or null, never the old one's
+    kernels.available()  # the compiled passes from the first step
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 64), torch.nn.ReLU(), torch.nn.Linear(64, 3))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    classes, want = 3, []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch's own, about an output resized in the eager ops
+        with watch(model, opt, tmp_path, full_precision=True):
+            for step in range(1, 10):
+                x, y = torch.randn(16, 8), torch.randint(0, classes, (16,))
+                F.cross_entropy(model(x), y).backward()
+                opt.step()
+                opt.zero_grad()
+                want.append(math.sqrt(sum(float(p.detach().double().square().sum())
+                                          for p in model[2].parameters())))
+                if step == 4:
+                    model[2].weight.data = model[2].weight.data[:2]
+                    model[2].bias.data = model[2].bias.data[:2]
+                    classes = 2
+    weight = health(tmp_path, "weight_norm_l2")
+    assert want[4] < 0.95 * want[3]  # the cut is visible in the norm
+    for step in range(1, 10):
+        got = weight[(step, "2")]
+        assert got is None or got == pytest.approx(want[step - 1], rel=1e-5), step
+    assert all(weight[(step, "2")] is not None for step in (1, 2, 3, 4, 9))
 
 
 @pytest.mark.parametrize("every", [8, 13])

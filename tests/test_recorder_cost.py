@@ -392,6 +392,29 @@ def test_a_loop_that_writes_its_gradients_twice_keeps_the_exact_pre_clip_pass(
         assert None not in got[12:14]
 
 
+@pytest.mark.parametrize("write", ["into .data", "a new tensor"])
+def test_gradients_changed_without_moving_a_version_counter_keep_the_exact_pre_clip_pass(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, write: str) -> None:
+    # a rescale no version counter sees: through `.data` (the old clipping idiom), or a new
+    # tensor that may take the freed one's id at the same version. The sketch the backward end
+    # takes beside the counters sees the change: that step null, the exact passes from then on,
+    # and never the optimizer's total passed off as the pre-clip norm
+    def modify(step: int, model: torch.nn.Module) -> None:
+        for p in model.parameters():
+            if write == "into .data":
+                p.grad.data.mul_(0.25)
+            else:
+                g = p.grad.detach()
+                p.grad = None
+                p.grad = g.mul(0.25)
+
+    steps = 12
+    taken, want, got = _rescaling_loop(tmp_path, monkeypatch, steps, modify)
+    assert got[0] is None and None not in got[1:]
+    for s in range(2, steps + 1):
+        assert got[s - 1] == pytest.approx(want[s - 1], rel=1e-6), s
+
+
 def test_a_large_gradient_the_clip_leaves_out_keeps_the_exact_pre_clip_pass(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # an embedding's gradient left out of the clip: no write, where the others have one. Its

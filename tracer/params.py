@@ -247,6 +247,7 @@ class ParamProbe:
         self._preclip, self._factor = _NO_PRECLIP, 1.0
         self._bad: torch.Tensor | None = None
         self.modified_after_backward = False  # the loop was seen to change gradients after backward
+        self._uncounted = False  # ... by writes no version counter saw: never "unchanged" again
         self._at_backward: tuple[list[int], int] | None = None  # versions, what was taken (or 0)
         # the loop rescales the gradients after the backward pass: the pre-clip norms come from
         # the optimizer step's pass (`_rescaled`); how many steps in a row showed one factor by
@@ -294,6 +295,7 @@ class ParamProbe:
         # (which then fail loudly, caught like any recorder fault). A weight whose storage is
         # freed is read by neither: the eager ops would read freed memory too
         self._weight_ptrs = [p.data_ptr() for p in self._flat]
+        self._weight_sizes = [p.numel() for p in self._flat]
         self._lost_weights = [i for i, p in enumerate(self._flat) if lost_storage(p)]
         usable = self._compiled and self._dot["weights"] and not self._sharded and all(
             type(p) is torch.Tensor and p.numel() == n and n > 0 and not lost_storage(p)
@@ -360,8 +362,10 @@ class ParamProbe:
         """The weights' addresses for the compiled passes, if they still hold their memory
         (else the views are taken again; None: the eager ops read them). Checked once per hook:
         its sketch and norms read the same answer. Read through the parameters themselves: an
-        optimizer that puts a new tensor under one (`p.data = ...`) leaves the views on the old."""
-        if not self._sharded and [p.data_ptr() for p in self.params] != self._weight_ptrs:
+        optimizer that puts a new tensor under one (`p.data = ...`) leaves the views on the old;
+        a prefix of the old one (`p.data = p.data[:k]`) keeps its address, not its size."""
+        if not self._sharded and ([p.data_ptr() for p in self.params] != self._weight_ptrs
+                                  or [p.numel() for p in self.params] != self._weight_sizes):
             self.refresh()
         if self._lost_weights:
             self._refuse_lost_weights()
@@ -604,9 +608,12 @@ class ParamProbe:
         self._backwards += 1
         taken = 0
         raw = [p.grad for p in self.params]
-        if (self.modified_after_backward and self.params
-                and self._backwards >= min(self._backward_counts, default=0)):
-            if self._by_factor and self._ends % EXACT_PRECLIP_EVERY and self._sketch_grads(raw):
+        if self.params and self._backwards >= min(self._backward_counts, default=0):
+            if not self.modified_after_backward:
+                # the witness of "unchanged" beside the version counters: a write that moves
+                # none (into `.data`, or a new tensor at a freed one's id) changes the sketch
+                taken = _TOOK_SKETCH if self._sketch_grads(raw) else 0
+            elif self._by_factor and self._ends % EXACT_PRECLIP_EVERY and self._sketch_grads(raw):
                 taken = _TOOK_SKETCH
             else:
                 self._norms_into("pre_norms", self._grads(raw), "grads")
@@ -665,6 +672,15 @@ class ParamProbe:
     def _forget_rescale(self) -> None:
         self._by_factor, self._rescales, self._rescaled_once = False, 0, False
 
+    def _sketch_kept(self) -> bool:
+        """Whether the gradients' sketch the backward end took reads the same now (NaN as NaN);
+        True where this step's pass could not check them (then the counters alone say)."""
+        checked, sketch = self._checked_grads, self._bw_factor
+        if checked is None or sketch is None or checked[2] != sketch.lens:
+            return True
+        kernels.gather_sketch(self._grad_addrs, *sketch.at, sketch.after)
+        return bool(np.array_equal(sketch.before, sketch.after, equal_nan=True))
+
     def _rescaled(self, finite: bool | None, once: bool) -> float | None:
         """The factor by which the loop rescaled the gradients of a step whose backward end took
         only their sketch, as the sketch then and now shows it (`reduce` divides the step's
@@ -710,8 +726,15 @@ class ParamProbe:
         # off by the scale
         finite = self._norms_into("grad_norms", grads, "grads")
         now = versions_of(raw) if at_bw is not None else []
-        if at_bw is not None and at_bw[0] == now:
-            self._preclip = _SAME_AS_TOTAL
+        if at_bw is not None and at_bw[0] == now and not self._uncounted:
+            if at_bw[1] == _TOOK_NORMS:  # taken exactly: no counter needs trusting
+                self._preclip = _AT_BACKWARD
+            elif at_bw[1] == _TOOK_SKETCH and not self._sketch_kept():
+                # changed by writes no counter saw: null now, the exact passes from now on
+                self.modified_after_backward = self._uncounted = True
+                self._forget_rescale()
+            else:
+                self._preclip = _SAME_AS_TOTAL
         elif at_bw is not None:
             self.modified_after_backward = True
             # the factor needs one write to every gradient since the backward end (a clip's one
@@ -720,7 +743,8 @@ class ParamProbe:
             if at_bw[1] == _TOOK_NORMS:
                 self._preclip = _AT_BACKWARD
                 self._learn_rescale(finite, once)
-            elif at_bw[1] == _TOOK_SKETCH and (factor := self._rescaled(finite, once)) is not None:
+            elif (at_bw[1] == _TOOK_SKETCH and self._by_factor
+                  and (factor := self._rescaled(finite, once)) is not None):
                 self._preclip, self._factor = _BY_FACTOR, factor
         # on CPU reading the verdict is free, so the per-tensor counts run only when needed (the
         # total norm is finite exactly when every per-tensor norm is)

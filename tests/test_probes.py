@@ -164,6 +164,30 @@ def test_a_parameter_cut_to_a_prefix_of_itself_is_measured_at_its_new_size(tmp_p
     assert all(weight[(step, "2")] is not None for step in (1, 2, 3, 4, 9))
 
 
+def test_a_bfloat16_models_norms_are_summed_in_float32(tmp_path: Path) -> None:
+    # 16-bit tensors' norms by torch._foreach_norm in their own precision keep three significant
+    # digits: a step's change to the weight norm vanishes in the rounding. Summed in float32,
+    # each norm is within float32 roundings of the float64 one
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 64), torch.nn.ReLU(), torch.nn.Linear(64, 3))
+    model = model.to(torch.bfloat16)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    grads, weights = [], []
+    with watch(model, opt, tmp_path, full_precision=True):
+        for _ in range(6):
+            x, y = torch.randn(16, 8, dtype=torch.bfloat16), torch.randint(0, 3, (16,))
+            F.cross_entropy(model(x).float(), y).backward()
+            grads.append(math.sqrt(sum(float(p.grad.double().square().sum()) for p in model[0].parameters())))
+            opt.step()
+            opt.zero_grad()
+            weights.append(math.sqrt(sum(float(p.detach().double().square().sum()) for p in model[0].parameters())))
+    got_g, got_w = health(tmp_path, "grad_norm_l2"), health(tmp_path, "weight_norm_l2")
+    assert len({round(w, 6) for w in weights}) > 1  # the weight norm moves, if by little
+    for step in range(1, 7):
+        assert got_g[(step, "0")] == pytest.approx(grads[step - 1], rel=1e-5), step
+        assert got_w[(step, "0")] == pytest.approx(weights[step - 1], rel=1e-5), step
+
+
 @pytest.mark.parametrize("every", [8, 13])
 def test_parameter_values_do_not_depend_on_how_many_steps_are_reduced_together(every: int) -> None:
     # steps reduced one at a time, in the recorder's batches of 8, and 13 at once (more than the

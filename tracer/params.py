@@ -57,6 +57,21 @@ _NO_PRECLIP, _SAME_AS_TOTAL, _AT_BACKWARD, _BY_FACTOR = 0, 1, 2, 3
 _TOOK_NORMS, _TOOK_SKETCH = 1, 2
 
 
+_NARROW = (torch.bfloat16, torch.float16)
+_NORM_DTYPE = [True]  # torch._foreach_norm takes a dtype (older torch: without it)
+
+
+def _fused_norms(tensors: list[torch.Tensor], wide: bool) -> list[torch.Tensor]:
+    """`torch._foreach_norm`, summed and returned in float32 if `wide` (16-bit tensors: in their
+    own precision a norm keeps three significant digits, and a step's change is lost in them)."""
+    if wide and _NORM_DTYPE[0]:
+        try:
+            return torch._foreach_norm(tensors, 2, dtype=torch.float32)
+        except (TypeError, RuntimeError):
+            _NORM_DTYPE[0] = False
+    return torch._foreach_norm(tensors)
+
+
 def _written_once(before: list[int], now: list[int]) -> bool:
     """Between two `versions_of` readings, was every gradient there in both the same tensor,
     written exactly once (a parameter without one in both aside)?"""
@@ -239,6 +254,8 @@ class ParamProbe:
         # per kind of tensor: are its norms dot products (CPU float32)? weights: set by refresh()
         self._dot = {"weights": False, "grads": device.type == "cpu" and all(
             p.dtype == torch.float32 for p in self.params)}
+        dtypes = {p.dtype for p in self.params}
+        self._wide = bool(dtypes & set(_NARROW)) and torch.float64 not in dtypes  # `_fused_norms`
         self._compiled_grads = self._compiled and self._dot["grads"]  # else never tried
         self._may_compile = self._may_compile and not self._compiled
         self.has_grad: np.ndarray | None = None  # this step's components with a gradient
@@ -492,17 +509,17 @@ class ParamProbe:
         if kind == "grads" and self.device.type == "cpu":
             _refuse_lost(tensors)
         if not self._dot[kind]:
-            torch.stack(torch._foreach_norm(tensors), out=out)
+            torch.stack(_fused_norms(tensors, self._wide), out=out)
             return None
         try:
             torch.stack([torch.dot(v, v) for v in (t.view(-1) for t in tensors)], out=out).sqrt_()
         except RuntimeError:  # a non-contiguous or sparse gradient: the exact kernel from now on
             self._dot[kind] = False
-            torch.stack(torch._foreach_norm(tensors), out=out)
+            torch.stack(_fused_norms(tensors, self._wide), out=out)
             return None
         suspect = (out < _DOT_SMALLEST) | (out == math.inf)
         if bool(suspect.any()):  # rare (a zero tensor, a huge entry): all again, exactly
-            torch.where(suspect, torch.stack(torch._foreach_norm(tensors)), out, out=out)
+            torch.where(suspect, torch.stack(_fused_norms(tensors, self._wide)), out, out=out)
         return None
 
     def _compiled_norms(self, tensors: list[torch.Tensor], addrs: np.ndarray, lens: np.ndarray,

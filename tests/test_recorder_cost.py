@@ -244,6 +244,21 @@ def _counting_passes(monkeypatch: pytest.MonkeyPatch, field: str | None = None) 
     return counts
 
 
+def _exact_total(model: torch.nn.Module) -> float:
+    """The total L2 norm of the model's gradients, in float64."""
+    return math.sqrt(sum(float(p.grad.double().square().sum()) for p in model.parameters()
+                         if p.grad is not None))
+
+
+def _preclip_norms(trace: Path) -> list[float | None]:
+    """The trace's grad_norm_preclip_l2, step by step."""
+    import duckdb
+    from warninglight.tracer import schema
+
+    glob = schema.segment_glob(trace, "steps")
+    return [r[0] for r in duckdb.sql(f"select grad_norm_preclip_l2 from read_parquet('{glob}') order by step").fetchall()]
+
+
 def _rescaling_loop(trace: Path, monkeypatch: pytest.MonkeyPatch, steps: int, modify: Any,
                     micro: int | list[int] = 1, frozen: bool = False, scale: Any = None
                     ) -> tuple[list[int], list[float], list[float | None]]:
@@ -252,9 +267,6 @@ def _rescaling_loop(trace: Path, monkeypatch: pytest.MonkeyPatch, steps: int, mo
     `modify(step, model)` between the last backward pass and the optimizer step: the pre-clip
     norm passes each step took, the exact pre-clip total norms (float64, read before `modify`)
     and the recorded ones."""
-    import duckdb
-    from warninglight.tracer import schema
-
     kernels.available()  # the compiled passes from the first step: the gradients' sketch needs them
     taken = _counting_passes(monkeypatch, "pre_norms")  # one count a step, appended below
     torch.manual_seed(0)
@@ -270,14 +282,11 @@ def _rescaling_loop(trace: Path, monkeypatch: pytest.MonkeyPatch, steps: int, mo
             for _ in range(m):
                 _, x, y = next(data)
                 (F.cross_entropy(model(x), y) * (scale(step) if scale else 1.0) / m).backward()
-            want.append(math.sqrt(sum(float(p.grad.double().square().sum()) for p in model.parameters()
-                                      if p.grad is not None)))
+            want.append(_exact_total(model))
             modify(step, model)
             opt.step()
             opt.zero_grad()
-    glob = schema.segment_glob(trace, "steps")
-    got = [r[0] for r in duckdb.sql(f"select grad_norm_preclip_l2 from read_parquet('{glob}') order by step").fetchall()]
-    return taken, want, got
+    return taken, want, _preclip_norms(trace)
 
 
 @pytest.mark.parametrize(("micro", "frozen"), [(1, False), (3, False), (1, True)])
@@ -421,9 +430,6 @@ def test_a_large_gradient_the_clip_leaves_out_keeps_the_exact_pre_clip_pass(
     # norm is a BLAS dot product (a tensor of BLAS_FROM values or more), which the learning
     # steps leave out, and its sketch is all zero (rows no batch uses), so only its version
     # counter tells that it was not rescaled with the rest: every step keeps the exact pass
-    import duckdb
-    from warninglight.tracer import schema
-
     monkeypatch.setattr(params, "BLAS_FROM", 1024 * 16)
     kernels.available()
     torch.manual_seed(0)
@@ -446,13 +452,12 @@ def test_a_large_gradient_the_clip_leaves_out_keeps_the_exact_pre_clip_pass(
             taken.append(0)
             x, y = torch.randint(0, 64, (8, 4)), torch.randint(0, 4, (8,))
             F.cross_entropy(model(x), y).backward()
-            want.append(math.sqrt(sum(float(p.grad.double().square().sum()) for p in model.parameters())))
+            want.append(_exact_total(model))
             torch.nn.utils.clip_grad_norm_(model.body.parameters(), 0.01)
             opt.step()
             opt.zero_grad()
         assert rec.params._blas_list  # the embedding's norm is BLAS's
-    glob = schema.segment_glob(trace, "steps")
-    got = [r[0] for r in duckdb.sql(f"select grad_norm_preclip_l2 from read_parquet('{glob}') order by step").fetchall()]
+    got = _preclip_norms(trace)
     assert taken == [0] + [1] * (steps - 1)
     for s in range(2, steps + 1):
         assert got[s - 1] == pytest.approx(want[s - 1], rel=1e-6), s

@@ -689,14 +689,20 @@ class ParamProbe:
     def _forget_rescale(self) -> None:
         self._by_factor, self._rescales, self._rescaled_once = False, 0, False
 
-    def _sketch_kept(self) -> bool:
-        """Whether the gradients' sketch the backward end took reads the same now (NaN as NaN);
-        True where this step's pass could not check them (then the counters alone say)."""
+    def _sketch_again(self) -> _FactorSketch | None:
+        """The backward end's sketch with its `after` read now; None where this step's pass did
+        not check the gradients it was taken from (their addresses, left by that pass)."""
         checked, sketch = self._checked_grads, self._bw_factor
         if checked is None or sketch is None or checked[2] != sketch.lens:
-            return True
+            return None
         kernels.gather_sketch(self._grad_addrs, *sketch.at, sketch.after)
-        return bool(np.array_equal(sketch.before, sketch.after, equal_nan=True))
+        return sketch
+
+    def _sketch_kept(self) -> bool:
+        """Whether the gradients' sketch the backward end took reads the same now (NaN as NaN);
+        True where it cannot be read again (then the counters alone say)."""
+        sketch = self._sketch_again()
+        return sketch is None or bool(np.array_equal(sketch.before, sketch.after, equal_nan=True))
 
     def _rescaled(self, finite: bool | None, once: bool) -> float | None:
         """The factor by which the loop rescaled the gradients of a step whose backward end took
@@ -704,11 +710,7 @@ class ParamProbe:
         total by it). None (the step has no pre-clip norm; the exact passes resume) where the
         gradients are not all finite, were not each written once (`once`), or the sketch shows
         no single factor."""
-        # the pass just taken checked these gradients and left their addresses
-        checked, sketch = self._checked_grads, self._bw_factor
-        if (finite is True and once and checked is not None and sketch is not None
-                and checked[2] == sketch.lens):
-            kernels.gather_sketch(self._grad_addrs, *sketch.at, sketch.after)
+        if finite is True and once and (sketch := self._sketch_again()) is not None:
             factor = kernels.one_factor(sketch.before, sketch.after, _ONE_FACTOR)
             if factor is not None:
                 return factor

@@ -46,8 +46,8 @@ _ONE_FACTOR = 2.0**-20
 # coordinates per parameter of the gradients' sketch that shows the factor (a share of the
 # weights' sketch: each is a cache line the backward end reads)
 FACTOR_SKETCH = 16
-# a gradient value in the backward end's sketch at or past this (or not finite) takes the exact
-# pass instead: the loop's float32 total norm of such gradients may overflow, and a clip by an
+# a backward end's sketch whose norm is at or past this (or not finite) takes the exact pass
+# instead: the loop's float32 total norm of such gradients may overflow, and a clip by an
 # infinite total multiplies them by zero, a factor the sketch cannot undo
 _SKETCH_LARGEST = 2.0**40
 _MAX_FACTOR_SKETCHES = 8  # patterns of which parameters have a gradient kept at once
@@ -113,12 +113,14 @@ class _Row(NamedTuple):
 class _FactorSketch(NamedTuple):
     """The gradients' sketch that shows the loop's factor, for one pattern of which parameters
     have a gradient: the gather's (offsets, strides, counts), the gradients' lengths it was made
-    for, and views of the sketch at the backward end and at the optimizer step."""
+    for, views of the sketch at the backward end and at the optimizer step, and the compiled
+    norm pass's (address, length, norm) arrays for the one at the backward end."""
 
     at: tuple[np.ndarray, np.ndarray, np.ndarray]
     lens: list[int]
     before: np.ndarray
     after: np.ndarray
+    norm_of_before: tuple[np.ndarray, np.ndarray, np.ndarray]
 
 
 @dataclass
@@ -629,27 +631,30 @@ class ParamProbe:
             if not self.modified_after_backward:
                 # the witness of "unchanged" beside the version counters: a write that moves
                 # none (into `.data`, or a new tensor at a freed one's id) changes the sketch
-                taken = _TOOK_SKETCH if self._sketch_grads(raw) else 0
-            elif self._by_factor and self._ends % EXACT_PRECLIP_EVERY and self._sketch_grads(raw):
+                taken = _TOOK_SKETCH if self._sketch_grads(raw, for_factor=False) else 0
+            elif (self._by_factor and self._ends % EXACT_PRECLIP_EVERY
+                  and self._sketch_grads(raw, for_factor=True)):
                 taken = _TOOK_SKETCH
             else:
                 self._norms_into("pre_norms", self._grads(raw), "grads")
                 taken = _TOOK_NORMS
         self._at_backward = (versions_of(raw), taken)
 
-    def _sketch_grads(self, raw: list[torch.Tensor | None]) -> bool:
+    def _sketch_grads(self, raw: list[torch.Tensor | None], for_factor: bool) -> bool:
         """The gradients' sketch (`_factor_at`, less the parameters without a gradient) into
         `_bw_sketch` by the compiled gather; False where it cannot be taken (a gradient that is
-        not a plain contiguous float32 CPU tensor of its parameter's size) or must not be relied
-        on (a value past `_SKETCH_LARGEST`)."""
+        not a plain contiguous float32 CPU tensor of its parameter's size) or, `for_factor`, must
+        not be relied on (its norm, by the compiled pass, past `_SKETCH_LARGEST` or not finite).
+        A witness of "unchanged" compares it bit for bit whatever its values."""
         if not self._compiled_grads or not self._grad_addresses(self._grads(raw)):
             return False
-        self._bw_factor = self._factor_sketch(self._checked_grads[2])
-        if self._bw_factor is None:
+        sketch = self._bw_factor = self._factor_sketch(self._checked_grads[2])
+        if sketch is None:
             return False
-        before = self._bw_factor.before
-        kernels.gather_sketch(self._grad_addrs, *self._bw_factor.at, before)
-        return bool(np.abs(before).max(initial=0.0) < _SKETCH_LARGEST)
+        kernels.gather_sketch(self._grad_addrs, *sketch.at, sketch.before)
+        if not for_factor:
+            return True
+        return kernels.tensor_norms(*sketch.norm_of_before) and sketch.norm_of_before[2][0] < _SKETCH_LARGEST
 
     def _factor_sketch(self, lens: list[int]) -> _FactorSketch | None:
         """The factor's sketch for gradients of lengths `lens` (0: none), made once per pattern;
@@ -663,8 +668,11 @@ class ParamProbe:
                 offsets, strides, ks = self._factor_at
                 ks = np.where(np.array(lens) > 0, ks, 0)
                 k = int(ks.sum())
-                self._factor_sketches[key] = _FactorSketch((offsets, strides, ks), list(lens),
-                                                           self._bw_sketch[:k], self._step_sketch[:k])
+                before = self._bw_sketch[:k]
+                norm_of = (np.array([before.ctypes.data], dtype=np.int64), np.array([k], dtype=np.int64),
+                           np.zeros(1, dtype=np.float32))
+                self._factor_sketches[key] = _FactorSketch((offsets, strides, ks), list(lens), before,
+                                                           self._step_sketch[:k], norm_of)
         return self._factor_sketches[key]
 
     def _learn_rescale(self, finite: bool | None, once: bool) -> None:
@@ -699,10 +707,11 @@ class ParamProbe:
         return sketch
 
     def _sketch_kept(self) -> bool:
-        """Whether the gradients' sketch the backward end took reads the same now (NaN as NaN);
-        True where it cannot be read again (then the counters alone say)."""
+        """Whether the gradients' sketch the backward end took reads the same now, bit for bit
+        (a NaN left as it was is kept); True where it cannot be read again (then the counters
+        alone say)."""
         sketch = self._sketch_again()
-        return sketch is None or bool(np.array_equal(sketch.before, sketch.after, equal_nan=True))
+        return sketch is None or sketch.before.tobytes() == sketch.after.tobytes()
 
     def _rescaled(self, finite: bool | None, once: bool) -> float | None:
         """The factor by which the loop rescaled the gradients of a step whose backward end took

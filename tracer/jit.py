@@ -305,6 +305,7 @@ exit:
 IR = _TENSOR_NORMS + _NORMS_WORD_SUMS + _NORM_PARTS + r"""
 declare double @llvm.sqrt.f64(double)
 declare float @llvm.fabs.f32(float)
+declare float @llvm.maxnum.f32(float, float)
 
 ; values offsets[i] + j * strides[i], j < ks[i], of each float32 tensor at addrs[i], one tensor
 ; after the other into out
@@ -540,8 +541,7 @@ jloop:
   %ax = call float @llvm.fabs.f32(float %x)
   %p6 = getelementptr float, ptr %mx, i64 %jj
   %v6 = load float, ptr %p6
-  %gt = fcmp ogt float %ax, %v6
-  %v6n = select i1 %gt, float %ax, float %v6
+  %v6n = call nnan float @llvm.maxnum.f32(float %ax, float %v6)
   store float %v6n, ptr %p6
   %jj1 = add nuw nsw i64 %jj, 1
   %cj = icmp slt i64 %jj1, %b

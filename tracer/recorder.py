@@ -152,6 +152,10 @@ class Recorder:
         self.buffer = StepBuffer(self.components, self.device, min(self.flush_every_steps, _BUFFER_ROWS) + 2)
         self._backward_queued = False
         self._backward_seen = False  # a backward pass ended since the last training forward began
+        # the callbacks queued at a backward pass's end, never traced: a backward pass run from a
+        # compiled function (a compiled training step) calls them while dynamo watches new frames
+        self._ending = torch.compiler.disable(self._backward_ending)
+        self._ended = torch.compiler.disable(self._after_backward)
         self._output_grad_seen = False  # `_on_output_grad` ran in this step
         # the parameters' own gradient hooks, standing in for the hook on the model's output that
         # a forward compiled whole cannot register (`_hook_parameters`): by parameter index
@@ -472,7 +476,7 @@ class Recorder:
                     self.replicas.backward_begins()
             except Exception as exc:
                 self._probe_failed(exc)
-            torch.autograd.Variable._execution_engine.queue_callback(self._backward_ending)
+            torch.autograd.Variable._execution_engine.queue_callback(self._ending)
 
     def _hook_parameters(self) -> None:
         """A step whose forward ran as one compiled graph registered no hook on the model's output
@@ -498,9 +502,9 @@ class Recorder:
                 except Exception as exc:
                     self._probe_failed(exc)
         try:
-            torch.autograd.Variable._execution_engine.queue_callback(self._after_backward)
+            torch.autograd.Variable._execution_engine.queue_callback(self._ended)
         except Exception:  # no backward pass in progress on this thread to queue into
-            self._after_backward()
+            self._ended()
 
     def _after_backward(self) -> None:
         self._backward_queued, self._backward_seen = False, True

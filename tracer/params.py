@@ -654,7 +654,7 @@ class ParamProbe:
         kernels.gather_sketch(self._grad_addrs, *sketch.at, sketch.before)
         if not for_factor:
             return True
-        return kernels.tensor_norms(*sketch.norm_of_before) and sketch.norm_of_before[2][0] < _SKETCH_LARGEST
+        return bool(kernels.tensor_norms(*sketch.norm_of_before) and sketch.norm_of_before[2][0] < _SKETCH_LARGEST)
 
     def _factor_sketch(self, lens: list[int]) -> _FactorSketch | None:
         """The factor's sketch for gradients of lengths `lens` (0: none), made once per pattern;
